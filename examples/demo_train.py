@@ -1,0 +1,102 @@
+"""Demo job: a tiny character-level transformer learns Shakespeare's sonnets with DDP over gloo.
+
+Run it under the supervisor (`trainwarden run configs/demo.yaml`) or under torchrun; it is
+deterministic given `--seed`, so an interrupted and resumed run ends bitwise equal to an
+uninterrupted one. Fault injection: see `worker/faults.py` (`TRAINWARDEN_FAULTS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from worker import Warden
+
+TEXT = Path(__file__).parent / "data" / "sonnets.txt"
+
+
+class CharTransformer(nn.Module):
+    """A small pre-norm causal transformer over characters."""
+
+    def __init__(self, vocab: int, *, d_model: int, n_head: int, n_layer: int, block: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(block, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model, n_head, 4 * d_model, dropout=0.1, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(block), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        x = self.blocks(x, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(x))
+
+
+def batch_for(data: torch.Tensor, *, step: int, rank: int, seed: int, batch: int, block: int):
+    """The batch of `step` on `rank`: a pure function of its arguments, so resuming needs only the step."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+    starts = torch.randint(0, len(data) - block - 1, (batch,), generator=gen)
+    x = torch.stack([data[s : s + block] for s in starts])
+    y = torch.stack([data[s + 1 : s + block + 1] for s in starts])
+    return x, y
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # one core per rank; also keeps CPU kernels deterministic
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    text = TEXT.read_text(encoding="utf-8")
+    vocab = sorted(set(text))
+    data = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = CharTransformer(len(vocab), d_model=64, n_head=4, n_layer=2, block=args.block)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+    torch.manual_seed(args.seed + 1 + rank)  # distinct dropout masks per rank
+
+    warden = Warden(ddp, optimizer, scheduler)
+    start = warden.resume()
+    for step in range(start, args.steps):
+        x, y = batch_for(data, step=step, rank=rank, seed=args.seed, batch=args.batch_size, block=args.block)
+        logits = ddp(x)
+        loss = nn.functional.cross_entropy(logits.view(-1, len(vocab)), y.view(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        warden.step_done(step + 1, loss=loss.item(), grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0])
+        if rank == 0 and (step + 1) % 50 == 0:
+            print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
+    if warden.step != start and warden.config.save_checkpoint_steps and args.steps % warden.config.save_checkpoint_steps:
+        warden.save(args.steps)  # always leave the final state on disk
+    warden.finish()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

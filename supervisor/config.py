@@ -1,0 +1,175 @@
+"""Job config: load a YAML file into frozen dataclasses, refusing unknown keys and wrong types by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from supervisor.core import Policy
+from worker.contract import WorkerConfig
+
+__all__ = ["ConfigError", "JobConfig", "RestartConfig", "StopConfig", "load_config", "parse_config"]
+
+
+class ConfigError(Exception):
+    """The job config is invalid; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    """When and how fast crashed ranks are relaunched."""
+
+    max_restarts: int = 3
+    backoff_initial_s: float = 1.0
+    backoff_factor: float = 2.0
+    backoff_max_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class StopConfig:
+    """How ranks are stopped: SIGTERM to each process group, then SIGKILL after the grace."""
+
+    kill_grace_s: float = 10.0
+    sigkill_wait_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One training job: what to run, on how many ranks, and how to keep it alive."""
+
+    script: str | None = None  # a Python script, run with the supervisor's interpreter (like torchrun)
+    command: list[str] | None = None  # or any command line
+    args: list[str] = field(default_factory=list)
+    nproc_per_node: int = 1
+    run_dir: str = "runs/default"
+    master_addr: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def policy(self) -> Policy:
+        return Policy(
+            nproc=self.nproc_per_node,
+            max_restarts=self.restart.max_restarts,
+            backoff_initial_s=self.restart.backoff_initial_s,
+            backoff_factor=self.restart.backoff_factor,
+            backoff_max_s=self.restart.backoff_max_s,
+            kill_grace_s=self.stop.kill_grace_s,
+            sigkill_wait_s=self.stop.sigkill_wait_s,
+        )
+
+
+# Bounds checked after types: (section path, key) -> (predicate, what it must be).
+_BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "nproc_per_node": (lambda v: v >= 1, "at least 1"),
+    "restart.max_restarts": (lambda v: v >= 0, "0 or more"),
+    "restart.backoff_initial_s": (lambda v: v >= 0, "0 or more"),
+    "restart.backoff_factor": (lambda v: v >= 1, "at least 1"),
+    "restart.backoff_max_s": (lambda v: v >= 0, "0 or more"),
+    "stop.kill_grace_s": (lambda v: v >= 0, "0 or more"),
+    "stop.sigkill_wait_s": (lambda v: v > 0, "more than 0"),
+    "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
+    "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
+    "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),
+}
+
+
+def load_config(path: str | Path) -> JobConfig:
+    """Read and validate a job config file; raises ConfigError naming the file and the key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: Any, *, source: str = "<config>") -> JobConfig:
+    """Validate an already-parsed YAML document into a JobConfig."""
+    if raw is None:
+        raw = {}
+    config = _build(JobConfig, raw, source, prefix="")
+    if (config.script is None) == (config.command is None):
+        raise ConfigError(f"{source}: give exactly one of 'script' (a Python file) or 'command' (a list)")
+    if config.command is not None and not config.command:
+        raise ConfigError(f"{source}: 'command' must not be empty")
+    return config
+
+
+def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping of keys to values, got {_kind(raw)}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key '{name}'{_suggest(str(key), known)}")
+        values[key] = _check(hints[key], value, source, name)
+        bound = _BOUNDS.get(name)
+        if bound and values[key] is not None and not bound[0](values[key]):
+            raise ConfigError(f"{source}: '{name}' must be {bound[1]}, got {value!r}")
+    return cls(**values)
+
+
+def _check(hint: Any, value: Any, source: str, name: str) -> Any:
+    origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in params:
+            return None
+        (inner,) = [p for p in params if p is not type(None)]
+        return _check(inner, value, source, name)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, source, prefix=f"{name}.")
+    if origin is list:
+        items = value if isinstance(value, list) else None
+        if items is None or not all(_scalar(v) for v in items):
+            raise ConfigError(f"{source}: '{name}' must be a list of strings, got {_kind(value)}")
+        return [str(v) for v in items]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(_scalar(v) for v in value.values()):
+            raise ConfigError(f"{source}: '{name}' must be a mapping of names to strings, got {_kind(value)}")
+        return {str(k): str(v) for k, v in value.items()}
+    return _check_scalar(hint, value, source, name)
+
+
+def _check_scalar(hint: Any, value: Any, source: str, name: str) -> Any:
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is str and isinstance(value, str):
+        return value
+    wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
+    raise ConfigError(f"{source}: '{name}' must be {wanted}, got {_kind(value)}")
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
+    return repr(value)
+
+
+def _suggest(key: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else f" (known keys: {', '.join(sorted(known))})"

@@ -1,0 +1,111 @@
+"""Rank processes: launch with a torchrun-compatible environment, one process group each, and signal them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from supervisor.config import JobConfig
+from worker.contract import ENV_ATTEMPT, ENV_RESUME_STEP, ENV_RUN_DIR, ENV_WORKER_CONFIG, RunLayout
+
+__all__ = ["Ranks", "free_port", "launch_ranks", "rank_argv"]
+
+# Never handed to ranks: a rank must not talk to systemd as if it were the service.
+_WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+
+@dataclass
+class Ranks:
+    """The rank processes of one attempt."""
+
+    attempt: int
+    procs: list[subprocess.Popen]
+
+    def signal(self, signum: int, only: Callable[[int], bool]) -> list[int]:
+        """Send `signum` to the process group of each rank for which `only(rank)` holds; returns those ranks."""
+        sent = []
+        for rank, proc in enumerate(self.procs):
+            if not only(rank):
+                continue
+            try:
+                os.killpg(proc.pid, signum)  # the rank leader's pid is its group id
+                sent.append(rank)
+            except ProcessLookupError:
+                pass
+        return sent
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def rank_argv(config: JobConfig) -> list[str]:
+    if config.script is not None:
+        return [sys.executable, "-u", config.script, *config.args]
+    assert config.command is not None
+    return [*config.command, *config.args]
+
+
+def rank_env(config: JobConfig, layout: RunLayout, *, rank: int, attempt: int, port: int,
+             resume_step: int | None) -> dict[str, str]:
+    """The environment torchrun would give this rank, plus trainwarden's contract variables."""
+    env = {k: v for k, v in os.environ.items() if k not in _WITHHELD_ENV}
+    env.update(config.env)
+    n = config.nproc_per_node
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "ROLE_WORLD_SIZE": str(n),
+        "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.restart.max_restarts),
+        ENV_RUN_DIR: str(layout.root), ENV_ATTEMPT: str(attempt),
+        ENV_RESUME_STEP: "" if resume_step is None else str(resume_step),
+        ENV_WORKER_CONFIG: config.worker.to_env(),
+    })
+    return env
+
+
+def launch_ranks(config: JobConfig, layout: RunLayout, *, attempt: int, resume_step: int | None,
+                 on_exit: Callable[[int, int, int], None]) -> Ranks:
+    """Start every rank in its own session; a waiter thread per rank reports `on_exit(attempt, rank, code)`.
+
+    If any rank fails to start, the ones already started are killed and the error is raised.
+    """
+    port = free_port(config.master_addr)
+    argv = rank_argv(config)
+    ranks = Ranks(attempt, [])
+    try:
+        for rank in range(config.nproc_per_node):
+            env = rank_env(config, layout, rank=rank, attempt=attempt, port=port, resume_step=resume_step)
+            ranks.procs.append(_spawn(argv, env, layout, attempt, rank))
+    except BaseException:
+        ranks.signal(signal.SIGKILL, only=lambda _: True)
+        for proc in ranks.procs:
+            proc.wait(timeout=10)
+        raise
+    for rank, proc in enumerate(ranks.procs):
+        threading.Thread(target=_wait, args=(proc, attempt, rank, on_exit), daemon=True,
+                         name=f"wait-a{attempt}-r{rank}").start()
+    return ranks
+
+
+def _spawn(argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int, rank: int) -> subprocess.Popen:
+    out_path = layout.attempt_log(attempt, rank, "out")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "ab") as out, open(layout.attempt_log(attempt, rank, "err"), "ab") as err:
+        # start_new_session: the rank leads its own process group, so killpg reaches its whole tree.
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, attempt: int, rank: int, on_exit: Callable[[int, int, int], None]) -> None:
+    on_exit(attempt, rank, proc.wait())

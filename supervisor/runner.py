@@ -1,0 +1,189 @@
+"""The supervisor's main loop: one thread owns the state; waiters, the file observer and signals only enqueue."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from collections import deque
+from typing import Any
+
+from supervisor.config import JobConfig
+from supervisor.core import (
+    Action,
+    ChildExited,
+    Event,
+    LaunchFailed,
+    LaunchRanks,
+    Phase,
+    RanksLaunched,
+    Record,
+    SignalRanks,
+    SignalReceived,
+    Started,
+    State,
+    Tick,
+    decide,
+    initial_state,
+)
+from supervisor.journal import Journal
+from supervisor.ranks import Ranks, launch_ranks
+from supervisor.status import snapshot, write_status
+from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
+from worker.contract import RunLayout, complete_checkpoint_steps
+
+__all__ = ["Supervisor"]
+
+POLL_INTERVAL_S = 1.0  # re-read heartbeats and refresh the state file this often, events or not
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Supervisor:
+    """Runs one job to its end and returns the exit code."""
+
+    def __init__(self, config: JobConfig, layout: RunLayout, journal: Journal, *, config_path: str) -> None:
+        self.config = config
+        self.layout = layout
+        self.log = journal.log
+        self.state: State = initial_state(config.policy())
+        self._config_path = config_path
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ranks: Ranks | None = None
+        self._watcher = HeartbeatWatcher(layout, config.nproc_per_node, self._inbox.put_nowait)
+        self._next_poll = 0.0
+        self._unreadable: set[int] = set()
+        self._started_at = time.time()
+
+    def run(self) -> int:
+        """Supervise until the run finishes, fails or is stopped."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in HANDLED_SIGNALS}
+        self._watcher.start()
+        self.log.info("supervisor_started", pid=os.getpid(), config=self._config_path, run_dir=str(self.layout.root),
+                      nproc=self.config.nproc_per_node)
+        try:
+            self._handle(Started())
+            while not self.state.phase.terminal:
+                self._handle(self._next_event())
+        finally:
+            self._kill_leftovers()
+            self._watcher.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.log.info("supervisor_exiting", state=self.state.phase.value, exit_code=self.state.exit_code,
+                      reason=self.state.reason)
+        return self.state.exit_code or 0
+
+    # ---- events in ----
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._inbox.put_nowait(SignalReceived(signum))  # nothing else: logging here can deadlock
+
+    def _on_child_exit(self, attempt: int, rank: int, returncode: int) -> None:
+        self._inbox.put_nowait(ChildExited(attempt, rank, returncode))
+
+    def _next_event(self) -> Any:
+        now = time.monotonic()
+        wake = self._next_poll if self.state.deadline is None else min(self._next_poll, self.state.deadline)
+        if now >= wake:
+            return Tick()
+        try:
+            return self._inbox.get(timeout=wake - now)
+        except queue.Empty:
+            return Tick()
+
+    def _handle(self, item: Any) -> None:
+        pending: deque[Event] = deque(self._translate(item))
+        before = (self.state.phase, self.state.attempt)
+        while pending:
+            self.state, actions = decide(self.state, pending.popleft(), time.monotonic())
+            for action in actions:
+                pending.extend(self._execute(action))
+        changed = (self.state.phase, self.state.attempt) != before
+        if changed or isinstance(item, Tick):
+            self._write_status(durable=changed)
+
+    def _translate(self, item: Any) -> list[Event]:
+        """Turn adapter hints into core events; a Tick also re-reads every heartbeat (hints can be lost)."""
+        if isinstance(item, HeartbeatChanged):
+            return self._read_heartbeats([item.rank])
+        if isinstance(item, Tick):
+            self._next_poll = time.monotonic() + POLL_INTERVAL_S
+            return [*self._read_heartbeats(range(self.config.nproc_per_node)), item]
+        return [item]
+
+    def _read_heartbeats(self, ranks: Any) -> list[Event]:
+        events: list[Event] = []
+        for rank in ranks:
+            try:
+                seen = read_heartbeat(self.layout.heartbeat(rank))
+            except HeartbeatUnreadable as exc:
+                if rank not in self._unreadable:  # say it once per streak, not every second
+                    self.log.warning("heartbeat_unreadable", rank=rank, error=str(exc))
+                self._unreadable.add(rank)
+                continue
+            self._unreadable.discard(rank)
+            if seen is not None:
+                events.append(seen)
+        return events
+
+    # ---- actions out ----
+
+    def _execute(self, action: Action) -> list[Event]:
+        if isinstance(action, Record):
+            getattr(self.log, action.level)(action.event, **dict(action.fields))
+            return []
+        if isinstance(action, SignalRanks):
+            return self._signal_ranks(action)
+        if isinstance(action, LaunchRanks):
+            return [self._launch(action.attempt)]
+        raise TypeError(f"unknown action {action!r}")
+
+    def _signal_ranks(self, action: SignalRanks) -> list[Event]:
+        if self._ranks is None or self._ranks.attempt != action.attempt:
+            return []
+        running = {r.rank for r in self.state.ranks if r.running}
+        sent = self._ranks.signal(action.signum, only=running.__contains__)
+        self.log.info("ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent, attempt=action.attempt)
+        return []
+
+    def _launch(self, attempt: int) -> Event:
+        resume_step = self._resume_step(attempt)
+        try:
+            self._ranks = launch_ranks(self.config, self.layout, attempt=attempt, resume_step=resume_step,
+                                       on_exit=self._on_child_exit)
+        except OSError as exc:
+            return LaunchFailed(attempt, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step)
+
+    def _resume_step(self, attempt: int) -> int | None:
+        """Newest checkpoint complete on every rank; a first attempt honours `worker.resume_training`."""
+        if attempt == 0 and not self.config.worker.resume_training:
+            return None
+        steps = complete_checkpoint_steps(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
+        return steps[-1] if steps else None
+
+    def _kill_leftovers(self) -> None:
+        """On any way out, no rank outlives the supervisor."""
+        if self._ranks is None:
+            return
+        self._ranks.signal(signal.SIGKILL, only=lambda rank: self._ranks.procs[rank].poll() is None)
+
+    def _write_status(self, *, durable: bool) -> None:
+        steps = complete_checkpoint_steps(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
+        extra = {
+            "run_dir": str(self.layout.root),
+            "config": self._config_path,
+            "supervisor_pid": os.getpid(),
+            "started_at": self._started_at,
+            "last_checkpoint": {"step": steps[-1]} if steps else None,
+            "logs": str(self.layout.attempt_log(self.state.attempt, 0, "err").parent),
+        }
+        try:
+            write_status(self.layout, snapshot(self.state, now=time.monotonic(), extra=extra), durable=durable)
+        except OSError as exc:  # a full disk must not kill supervision; the journal says why status is stale
+            self.log.error("status_write_failed", error=str(exc))
+
+    @property
+    def phase(self) -> Phase:
+        return self.state.phase

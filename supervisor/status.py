@@ -1,0 +1,95 @@
+"""The run's state file: written atomically by the supervisor, read and summarised by `trainwarden status`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from supervisor.core import State
+from worker.contract import RunLayout, atomic_write_json, read_json
+
+__all__ = ["StatusError", "read_status", "render", "snapshot", "write_status"]
+
+
+class StatusError(Exception):
+    """No readable state file in the run dir."""
+
+
+def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-ready status of the run; `now` is monotonic, `extra` carries what the core does not know."""
+    ranks = []
+    for r in state.ranks:
+        age = None if r.heartbeat_monotonic is None else round(now - r.heartbeat_monotonic, 3)
+        ranks.append({"rank": r.rank, "pid": r.pid, "step": r.step, "heartbeat_age_s": age,
+                      "heartbeat_phase": r.heartbeat_phase, "returncode": r.returncode})
+    return {
+        "state": state.phase.value,
+        "attempt": state.attempt,
+        "restarts": state.restarts,
+        "max_restarts": state.policy.max_restarts,
+        "ranks": ranks,
+        "heartbeats": "on" if any(r.heartbeat_seq is not None for r in state.ranks) else "off",
+        "resumed_from": None if state.resume_step is None else {"step": state.resume_step},
+        "last_failure": state.last_failure,
+        "reason": state.reason,
+        "updated_at": time.time(),
+        **extra,
+    }
+
+
+def write_status(layout: RunLayout, status: dict[str, Any], *, durable: bool) -> None:
+    atomic_write_json(layout.state_file, status, durable=durable)
+
+
+def read_status(layout: RunLayout) -> dict[str, Any]:
+    """The last state the supervisor wrote, with heartbeat ages brought up to now and a liveness check."""
+    try:
+        status = read_json(layout.state_file)
+    except FileNotFoundError:
+        raise StatusError(f"{layout.root}: no trainwarden run here (missing {layout.state_file})") from None
+    except (OSError, ValueError) as exc:
+        raise StatusError(f"{layout.state_file}: unreadable: {exc}") from None
+    alive = _pid_alive(status.get("supervisor_pid"))
+    status["supervisor_alive"] = alive
+    if alive:  # ages were true when written; add the time since
+        since = max(0.0, time.time() - status.get("updated_at", time.time()))
+        for rank in status.get("ranks", []):
+            if rank.get("heartbeat_age_s") is not None:
+                rank["heartbeat_age_s"] = round(rank["heartbeat_age_s"] + since, 3)
+    return status
+
+
+def render(status: dict[str, Any]) -> str:
+    """A short human summary of a status dict."""
+    lines = [f"run {status.get('run_dir')}: {status['state']}, attempt {status['attempt']}, "
+             f"restarts {status['restarts']}/{status.get('max_restarts')}"]
+    if not status.get("supervisor_alive") and status["state"] not in ("finished", "stopped", "failed"):
+        lines.append(f"  supervisor (pid {status.get('supervisor_pid')}) is not running; this state is stale")
+    ckpt = status.get("last_checkpoint")
+    lines.append(f"  last checkpoint: {'step ' + str(ckpt['step']) if ckpt else 'none'}"
+                 + (f"; resumed from step {status['resumed_from']['step']}" if status.get("resumed_from") else ""))
+    if status.get("heartbeats") == "off":
+        lines.append("  heartbeats: none seen (script does not use the worker library?): hang detection is off")
+    for rank in status["ranks"]:
+        age = rank["heartbeat_age_s"]
+        beat = "no heartbeat" if age is None else f"heartbeat {age:.1f} s ago ({rank.get('heartbeat_phase')})"
+        code = "" if rank.get("returncode") is None else f", exit {rank['returncode']}"
+        lines.append(f"  rank {rank['rank']}: pid {rank['pid']}, step {rank['step']}, {beat}{code}")
+    if status.get("last_failure"):
+        lines.append(f"  last failure: {status['last_failure']}")
+    if status.get("reason"):
+        lines.append(f"  reason: {status['reason']}")
+    return "\n".join(lines)
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,9 @@
+"""trainwarden's worker library: heartbeats, step events, atomic checkpoints and exact resume.
+
+Import cost stays small: torch is imported only when a checkpoint is saved or loaded.
+"""
+
+from worker.contract import WorkerConfig
+from worker.warden import Warden
+
+__all__ = ["Warden", "WorkerConfig"]

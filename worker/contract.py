@@ -1,0 +1,176 @@
+"""The contract between supervisor and worker: environment, exit codes, run-dir layout, atomic files.
+
+Both halves import this module; it must never import torch (the supervisor stays small).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ENV_ATTEMPT",
+    "ENV_RESUME_STEP",
+    "ENV_RUN_DIR",
+    "ENV_WORKER_CONFIG",
+    "EXIT_ANOMALY",
+    "EXIT_CONFIG",
+    "EXIT_FAILED",
+    "RunLayout",
+    "atomic_write_bytes",
+    "WorkerConfig",
+    "atomic_write_json",
+    "complete_checkpoint_steps",
+    "fsync_dir",
+    "read_json",
+    "unlink_quietly",
+]
+
+# Set by the supervisor for every rank (besides torchrun's RANK, WORLD_SIZE, MASTER_ADDR, ...).
+ENV_RUN_DIR = "TRAINWARDEN_RUN_DIR"
+ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
+# Step of the checkpoint to resume from; empty means "start from scratch".
+ENV_RESUME_STEP = "TRAINWARDEN_RESUME_STEP"
+# JSON object: the `worker:` section of the job config.
+ENV_WORKER_CONFIG = "TRAINWARDEN_WORKER_CONFIG"
+
+# Exit codes. 65 and 78 are sysexits' EX_DATAERR and EX_CONFIG, which operators and systemd know.
+EXIT_FAILED = 1  # supervisor: restarts exhausted or a rank could not be stopped
+EXIT_ANOMALY = 65  # worker: training aborted on anomalies (relaunch past the bad data)
+EXIT_CONFIG = 78  # supervisor: the job config is invalid; nothing was launched
+
+_CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)-(?P<step>\d+)\.ckpt$")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The `worker:` section of a job config; the supervisor hands it to every rank as JSON."""
+
+    save_checkpoint_steps: int = 0  # seed 001; 0 means never save
+    prefix: str = "ckpt"  # seed 001's checkpoint file prefix
+    resume_training: bool = True  # seed 001; without a supervisor, resume from the newest complete checkpoint
+    heartbeat_interval_s: float = 0.5
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> WorkerConfig:
+        """The config the supervisor passed, or defaults; unknown keys are ignored for forward compatibility."""
+        raw = json.loads(os.environ.get(ENV_WORKER_CONFIG) or "{}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where every file of one run lives; the only place that knows the run-dir layout."""
+
+    root: Path
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / "supervisor" / "state.json"
+
+    @property
+    def journal(self) -> Path:
+        return self.root / "supervisor" / "events.jsonl"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.root / "checkpoint"
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.root / "ranks" / f"rank_{rank}"
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "heartbeat.json"
+
+    def rank_events(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "events.jsonl"
+
+    def attempt_log(self, attempt: int, rank: int, stream: str) -> Path:
+        return self.root / "logs" / f"attempt_{attempt}" / f"rank_{rank}.{stream}"
+
+    def rank_checkpoint_dir(self, rank: int) -> Path:
+        return self.checkpoint_dir / f"rank_{rank}"
+
+    def checkpoint_file(self, rank: int, step: int, prefix: str) -> Path:
+        return self.rank_checkpoint_dir(rank) / f"{prefix}_rank_{rank}-{step}.ckpt"
+
+    def meta_file(self, rank: int) -> Path:
+        return self.rank_checkpoint_dir(rank) / "meta.json"
+
+
+def checkpoint_steps(layout: RunLayout, rank: int, prefix: str) -> set[int]:
+    """Steps for which `rank` has a finished checkpoint file (files are renamed into place whole)."""
+    try:
+        names = os.listdir(layout.rank_checkpoint_dir(rank))
+    except FileNotFoundError:
+        return set()
+    steps = set()
+    for name in names:
+        match = _CKPT_NAME.match(name)
+        if match and match["prefix"] == prefix and int(match["rank"]) == rank:
+            steps.add(int(match["step"]))
+    return steps
+
+
+def complete_checkpoint_steps(layout: RunLayout, world_size: int, prefix: str) -> list[int]:
+    """Steps, oldest first, whose checkpoint exists on every rank."""
+    common = checkpoint_steps(layout, 0, prefix)
+    for rank in range(1, world_size):
+        common &= checkpoint_steps(layout, rank, prefix)
+    return sorted(common)
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write `path` so that readers see the old or the new content, never a torn file.
+
+    `durable=False` skips the fsyncs: still atomic for readers, not across a power cut.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
+    """Atomically write `obj` as JSON."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode(), durable=durable)
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file; raises OSError or ValueError on a missing or garbled file."""
+    with open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

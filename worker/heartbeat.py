@@ -1,0 +1,42 @@
+"""Per-rank heartbeat file: cheap, atomic, throttled, and never raises into the training loop."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from worker.contract import atomic_write_json
+
+__all__ = ["Heartbeat"]
+
+
+class Heartbeat:
+    """Writes `{"seq", "step", "phase", ...}` to one file, at most once per `interval_s` per phase."""
+
+    def __init__(self, path: Path, *, rank: int, attempt: int, interval_s: float) -> None:
+        self.path = path
+        self.interval_s = interval_s
+        self._static = {"rank": rank, "attempt": attempt, "pid": os.getpid()}
+        self._seq = 0
+        self._last_write = float("-inf")
+        self._phase = ""
+        self._failures = 0
+
+    def beat(self, step: int, phase: str, *, force: bool = False) -> None:
+        """Record progress; writes only when the interval has passed, the phase changed, or forced."""
+        now = time.monotonic()
+        if not force and phase == self._phase and now - self._last_write < self.interval_s:
+            return
+        self._seq += 1
+        self._phase = phase
+        self._last_write = now
+        record = {**self._static, "seq": self._seq, "step": step, "phase": phase, "time": time.time()}
+        try:
+            # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.
+            atomic_write_json(self.path, record, durable=False)
+        except OSError as exc:  # a full or flaky disk must not stop training
+            self._failures += 1
+            if self._failures == 1 or self._failures % 1000 == 0:
+                print(f"trainwarden: heartbeat write failed ({self._failures}x): {exc}", file=sys.stderr)

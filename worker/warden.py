@@ -1,0 +1,159 @@
+"""The worker library's entry point: one object the training loop calls once per step."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from worker.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from worker.contract import (
+    ENV_ATTEMPT,
+    ENV_RESUME_STEP,
+    ENV_RUN_DIR,
+    RunLayout,
+    WorkerConfig,
+    complete_checkpoint_steps,
+)
+from worker.events import open_event_log
+from worker.faults import FaultPlan
+from worker.heartbeat import Heartbeat
+
+__all__ = ["Warden"]
+
+DEFAULT_RUN_DIR = "runs/local"
+
+
+class Warden:
+    """Heartbeats, step events, checkpoints and exact resume for one rank of a training job.
+
+    Reads its rank and run directory from the environment (the supervisor's, or torchrun's).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any = None,
+        *,
+        config: WorkerConfig | None = None,
+        data_state: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        env = os.environ
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.config = config or WorkerConfig.from_env()
+        self.rank = int(env.get("RANK", "0"))
+        self.world_size = int(env.get("WORLD_SIZE", "1"))
+        # torchrun's restart counter stands in when no supervisor is there (the benchmark baseline).
+        self.attempt = int(env.get(ENV_ATTEMPT) or env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        self.layout = RunLayout(Path(env.get(ENV_RUN_DIR, DEFAULT_RUN_DIR)))
+        self.data_state: dict[str, Any] = {}
+        self._data_state_fn = data_state
+        self._faults = FaultPlan.from_env(rank=self.rank, attempt=self.attempt)
+        self._heartbeat = Heartbeat(
+            self.layout.heartbeat(self.rank),
+            rank=self.rank,
+            attempt=self.attempt,
+            interval_s=self.config.heartbeat_interval_s,
+        )
+        self.log, self._log_stream = open_event_log(
+            self.layout.rank_events(self.rank), rank=self.rank, attempt=self.attempt
+        )
+        self.step = 0
+        self._last_step_end = time.perf_counter()
+        self._heartbeat.beat(0, "startup", force=True)
+        self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
+
+    def resume(self) -> int:
+        """Load the checkpoint to resume from, if any; returns the number of steps already done."""
+        step = self._resume_step()
+        if step is None:
+            self.log.info("fresh_start")
+            return 0
+        state = load_checkpoint(self.layout, rank=self.rank, step=step, prefix=self.config.prefix)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])
+        self.data_state = state["data_state"]
+        self.step = step
+        self.log.info("resumed", step=step, data_position=state["data_position"])
+        self._last_step_end = time.perf_counter()
+        return step
+
+    def step_done(self, step: int, *, loss: float, grad_norm: float | None = None, **fields: Any) -> None:
+        """Report that optimizer step `step` (1-based) finished; saves a checkpoint when one is due."""
+        now = time.perf_counter()
+        step_time_s, self._last_step_end = now - self._last_step_end, now
+        self.step = step
+        self.log.info(
+            "step",
+            step=step,
+            loss=float(loss),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            step_time_s=round(step_time_s, 6),
+            **fields,
+        )
+        self._heartbeat.beat(step, "train")
+        if self._faults.due("sigkill", step):
+            self._faults.kill_self()
+        every = self.config.save_checkpoint_steps
+        if every and step % every == 0:
+            self.save(step)
+
+    def save(self, step: int) -> Path:
+        """Save this rank's checkpoint of `step` atomically (all ranks must save the same steps)."""
+        started = time.perf_counter()
+        self._heartbeat.beat(step, "save", force=True)
+        payload = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": capture_rng(),
+            "data_position": step,
+            "data_state": self._data_state_fn() if self._data_state_fn else {},
+            "world_size": self.world_size,
+        }
+        path = save_checkpoint(
+            self.layout,
+            rank=self.rank,
+            step=step,
+            prefix=self.config.prefix,
+            payload=payload,
+            before_rename=self._torn_save if self._faults.due("sigkill_in_save", step) else None,
+        )
+        self.log.info("checkpoint_saved", step=step, path=str(path), duration_s=round(time.perf_counter() - started, 4))
+        self._heartbeat.beat(step, "train", force=True)
+        return path
+
+    def finish(self) -> None:
+        """Mark the rank done and close its event log."""
+        self.log.info("rank_finished", step=self.step)
+        self._heartbeat.beat(self.step, "done", force=True)
+        self._log_stream.close()
+
+    def __enter__(self) -> Warden:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self._log_stream.close()
+
+    def _resume_step(self) -> int | None:
+        named = os.environ.get(ENV_RESUME_STEP)
+        if named is not None:  # the supervisor decided
+            return int(named) if named else None
+        if not self.config.resume_training:
+            return None
+        steps = complete_checkpoint_steps(self.layout, self.world_size, self.config.prefix)
+        return steps[-1] if steps else None
+
+    def _torn_save(self, tmp: Path) -> None:
+        # Leave the half-written temporary file a kill mid-write would leave, then die by SIGKILL.
+        os.truncate(tmp, tmp.stat().st_size // 2)
+        self._faults.kill_self()
