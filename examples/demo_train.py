@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import random
 from pathlib import Path
 
 import torch
@@ -77,6 +78,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     torch.manual_seed(args.seed + 1 + rank)  # distinct dropout masks per rank
+    random.seed(args.seed + rank)
 
     warden = Warden(ddp, optimizer, scheduler)
     start = warden.resume()
@@ -92,7 +94,8 @@ def main() -> None:
         warden.step_done(step + 1, loss=loss.item(), grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0])
         if rank == 0 and (step + 1) % 50 == 0:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
-    if warden.step != start and warden.config.save_checkpoint_steps and args.steps % warden.config.save_checkpoint_steps:
+    every = warden.config.save_checkpoint_steps
+    if warden.step != start and every and args.steps % every:
         warden.save(args.steps)  # always leave the final state on disk
     warden.finish()
     dist.destroy_process_group()

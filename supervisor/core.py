@@ -20,7 +20,6 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Union
 
 __all__ = [
     "Action",
@@ -126,7 +125,7 @@ class Tick:
     """Time passed; deadlines are checked."""
 
 
-Event = Union[Started, RanksLaunched, LaunchFailed, ChildExited, HeartbeatSeen, SignalReceived, Tick]
+Event = Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | SignalReceived | Tick
 
 # ---- actions: imperatives ------------------------------------------------------------------
 
@@ -155,7 +154,7 @@ class Record:
     fields: tuple[tuple[str, object], ...] = ()
 
 
-Action = Union[LaunchRanks, SignalRanks, Record]
+Action = LaunchRanks | SignalRanks | Record
 
 # ---- state ---------------------------------------------------------------------------------
 
@@ -251,7 +250,8 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
         return state, []
     ranks = tuple(RankState(rank, pid=pid) for rank, pid in enumerate(event.pids))
     state = replace(state, phase=Phase.RUNNING, ranks=ranks, resume_step=event.resume_step, deadline=None)
-    return state, [_record("ranks_launched", attempt=event.attempt, pids=list(event.pids), resume_step=event.resume_step)]
+    record = _record("ranks_launched", attempt=event.attempt, pids=list(event.pids), resume_step=event.resume_step)
+    return state, [record]
 
 
 def _on_launch_failed(state: State, event: LaunchFailed, now: float) -> tuple[State, list[Action]]:
@@ -386,7 +386,7 @@ def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]
         ]
     if state.phase is Phase.STOPPING:
         stuck = [f"rank {r.rank} (pid {r.pid})" for r in state.ranks if r.running]
-        reason = f"{', '.join(stuck)} survived SIGKILL for {state.policy.sigkill_wait_s:g} s; not relaunching on top of it"
+        reason = f"{', '.join(stuck)} survived SIGKILL for {state.policy.sigkill_wait_s:g} s; not relaunching over it"
         return _fail(state, reason), [_record("rank_unkillable", level="error", ranks=stuck)]
     return state, []
 

@@ -5,6 +5,7 @@ Both halves import this module; it must never import torch (the supervisor stays
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -170,7 +171,5 @@ def fsync_dir(directory: Path) -> None:
 
 
 def unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -1,0 +1,84 @@
+"""Helpers for end-to-end tests: write a job config, run the real supervisor, read its status."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_STEPS = 60
+DEMO_SAVE_EVERY = 10
+
+
+@dataclass
+class Finished:
+    """A supervisor run that ended."""
+
+    returncode: int
+    stderr: str
+    run_dir: Path
+
+    def status(self) -> dict[str, Any]:
+        return trainwarden_status(self.run_dir)
+
+
+def write_config(path: Path, **overrides: Any) -> Path:
+    """A job config based on configs/demo.yaml, shortened for tests, with `overrides` on top."""
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config["script"] = str(REPO / "examples" / "demo_train.py")
+    config["args"] = ["--steps", str(DEMO_STEPS)]
+    config["worker"]["save_checkpoint_steps"] = DEMO_SAVE_EVERY
+    config["restart"]["backoff_initial_s"] = 0.2
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def start_supervisor(config: Path, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 120) -> Finished:
+    """Wait (bounded) for a supervisor to exit."""
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate(timeout=10)
+        pytest.fail(f"supervisor did not finish within {timeout} s; stderr tail:\n{stderr[-3000:]}")
+    return Finished(proc.returncode, stderr, run_dir)
+
+
+def run_supervisor(config: Path, run_dir: Path, timeout: float = 120) -> Finished:
+    return finish(start_supervisor(config, run_dir), run_dir, timeout)
+
+
+def trainwarden_status(run_dir: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "supervisor", "status", "--json", str(run_dir)],
+                         cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(out.stdout)
+
+
+def journal(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "supervisor" / "events.jsonl").read_text().splitlines()]
+
+
+def heartbeat(run_dir: Path, rank: int) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "ranks" / f"rank_{rank}" / "heartbeat.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None

@@ -1,0 +1,104 @@
+"""A real 2-rank gloo run under the supervisor survives kill -9 and resumes bitwise exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import wait_until
+from tests.e2e.conftest import (
+    DEMO_STEPS,
+    finish,
+    heartbeat,
+    journal,
+    run_supervisor,
+    start_supervisor,
+    write_config,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def final_state(run_dir: Path, rank: int) -> dict[str, Any]:
+    path = run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    """Tensors equal bit for bit (NaN-safe), everything else equal, recursively."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(_bits(a), _bits(b)), f"tensor differs at {where}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"differs at {where}: {a!r} != {b!r}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_training_state(run_dir: Path, reference: Path) -> None:
+    for rank in (0, 1):
+        got, want = final_state(run_dir, rank), final_state(reference, rank)
+        for part in ("model", "optimizer", "scheduler", "rng", "data_position"):
+            assert_bitwise_equal(got[part], want[part], f"rank {rank} {part}")
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of the demo job: the state every interrupted run must end in."""
+    tmp = tmp_path_factory.mktemp("reference")
+    done = run_supervisor(write_config(tmp / "job.yaml"), tmp / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.status()["restarts"] == 0
+    return tmp / "run"
+
+
+def test_sigkill_of_a_rank_mid_run_relaunches_and_ends_bitwise_equal(tmp_path: Path, reference_run: Path) -> None:
+    """SIGKILL of rank 1 halfway through leads to one relaunch from a checkpoint and the same final state."""
+    run_dir = tmp_path / "run"
+    proc = start_supervisor(write_config(tmp_path / "job.yaml"), run_dir)
+    beat = wait_until(lambda: (hb := heartbeat(run_dir, 1)) and hb["step"] >= 25 and hb, timeout=90,
+                      what="rank 1 to pass step 25")
+    os.kill(beat["pid"], signal.SIGKILL)
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert (status["state"], status["restarts"], status["attempt"]) == ("finished", 1, 1)
+    assert status["last_checkpoint"] == {"step": DEMO_STEPS}
+    assert status["resumed_from"]["step"] >= 20
+    crashes = [e for e in journal(run_dir) if e["event"] == "rank_crashed"]
+    assert [(e["rank"], e["returncode"]) for e in crashes] == [(1, -signal.SIGKILL)]
+    assert_same_training_state(run_dir, reference_run)
+
+
+def test_sigkill_while_writing_a_checkpoint_falls_back_and_ends_bitwise_equal(
+    tmp_path: Path, reference_run: Path
+) -> None:
+    """A rank killed halfway through writing checkpoint 30 leaves it incomplete; the run resumes from 20."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:sigkill_in_save@30"})
+    done = run_supervisor(config, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert (status["state"], status["restarts"]) == ("finished", 1)
+    launches = [e for e in journal(run_dir) if e["event"] == "ranks_launched"]
+    assert [e["resume_step"] for e in launches] == [None, 20]
+    torn = list((run_dir / "checkpoint" / "rank_1").glob(".demo_rank_1-30.ckpt.*.tmp"))
+    assert len(torn) == 1, "the half-written temporary file of the killed save is left as it was"
+    assert_same_training_state(run_dir, reference_run)
