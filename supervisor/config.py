@@ -136,14 +136,13 @@ def _check(hint: Any, value: Any, source: str, name: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, source, prefix=f"{name}.")
     if origin is list:
-        items = value if isinstance(value, list) else None
-        if items is None or not all(_scalar(v) for v in items):
+        if not isinstance(value, list):
             raise ConfigError(f"{source}: '{name}' must be a list of strings, got {_kind(value)}")
-        return [str(v) for v in items]
+        return [_string(item, source, f"{name}[{i}]") for i, item in enumerate(value)]
     if origin is dict:
-        if not isinstance(value, dict) or not all(_scalar(v) for v in value.values()):
+        if not isinstance(value, dict):
             raise ConfigError(f"{source}: '{name}' must be a mapping of names to strings, got {_kind(value)}")
-        return {str(k): str(v) for k, v in value.items()}
+        return {str(k): _string(v, source, f"{name}.{k}") for k, v in value.items()}
     return _check_scalar(hint, value, source, name)
 
 
@@ -160,8 +159,11 @@ def _check_scalar(hint: Any, value: Any, source: str, name: str) -> Any:
     raise ConfigError(f"{source}: '{name}' must be {wanted}, got {_kind(value)}")
 
 
-def _scalar(value: Any) -> bool:
-    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+def _string(value: Any, source: str, name: str) -> str:
+    """A string, or a number YAML read as one (`"--steps", 600`); nothing else."""
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{source}: '{name}' must be a string, got {_kind(value)}")
 
 
 def _kind(value: Any) -> str:

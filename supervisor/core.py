@@ -9,7 +9,7 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     RUNNING  --SignalReceived--> STOPPING (then stopped)
     STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED
     STOPPING --deadline--> SIGKILL; a second deadline --> FAILED (a rank survived SIGKILL)
-    STOPPING --second SIGINT--> SIGKILL now
+    STOPPING --second SIGINT of the run--> SIGKILL now; a stop request cancels a pending relaunch
     BACKOFF  --deadline--> STARTING (next attempt)
     BACKOFF  --SignalReceived--> STOPPED
     STARTING --LaunchFailed--> FAILED
@@ -37,6 +37,7 @@ __all__ = [
     "SignalReceived",
     "Started",
     "State",
+    "Then",
     "Tick",
     "decide",
     "describe_exit",
@@ -207,6 +208,7 @@ class State:
     deadline: float | None = None  # monotonic; meaning depends on the phase
     then: Then | None = None
     sigkill_sent: bool = False
+    interrupts: int = 0  # SIGINTs so far: the second one kills at once
     resume_step: int | None = None
     last_failure: str | None = None
     reason: str | None = None
@@ -223,10 +225,7 @@ def initial_state(policy: Policy) -> State:
 def describe_exit(returncode: int) -> str:
     """'exited with code 3' or 'killed by SIGKILL', as a person would say it."""
     if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
+        return f"killed by {_signal_name(-returncode)}"
     return f"exited with code {returncode}"
 
 
@@ -260,7 +259,9 @@ def _on_launch_failed(state: State, event: LaunchFailed, now: float) -> tuple[St
 
 
 def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
-    if event.attempt != state.attempt or not state.ranks[event.rank].running:
+    if event.attempt != state.attempt or not 0 <= event.rank < len(state.ranks):
+        return state, []
+    if not state.ranks[event.rank].running:
         return state, []
     state = _update_rank(state, event.rank, returncode=event.returncode)
     if state.phase is Phase.RUNNING:
@@ -348,7 +349,7 @@ def _fail(state: State, reason: str) -> State:
 
 
 def _on_heartbeat(state: State, event: HeartbeatSeen, now: float) -> tuple[State, list[Action]]:
-    if event.attempt != state.attempt or event.rank >= len(state.ranks):
+    if event.attempt != state.attempt or not 0 <= event.rank < len(state.ranks):
         return state, []
     if state.ranks[event.rank].heartbeat_seq == event.seq:
         return state, []
@@ -358,18 +359,28 @@ def _on_heartbeat(state: State, event: HeartbeatSeen, now: float) -> tuple[State
 
 
 def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, list[Action]]:
-    name = signal.Signals(event.signum).name
-    actions: list[Action] = [_record("signal_received", signal=name, phase=state.phase.value)]
+    interrupts = state.interrupts + (event.signum == signal.SIGINT)
+    state = replace(state, interrupts=interrupts)
+    actions: list[Action] = [_record("signal_received", signal=_signal_name(event.signum), phase=state.phase.value)]
     if state.phase is Phase.STOPPING:
-        if event.signum == signal.SIGINT and not state.sigkill_sent:  # a second Ctrl-C means now
-            state = replace(state, then=Then.STOP, sigkill_sent=True, deadline=now + state.policy.sigkill_wait_s)
-            return state, actions + [SignalRanks(state.attempt, signal.SIGKILL)]
-        return replace(state, then=Then.STOP), actions
+        # A stop request cancels a pending relaunch, but a run already failing still fails.
+        state = replace(state, then=Then.FAIL if state.then is Then.FAIL else Then.STOP)
+        if interrupts >= 2 and not state.sigkill_sent:  # a second Ctrl-C means now
+            state = replace(state, sigkill_sent=True, deadline=now + state.policy.sigkill_wait_s)
+            actions.append(SignalRanks(state.attempt, signal.SIGKILL))
+        return state, actions
     if state.phase is Phase.BACKOFF:
         state = replace(state, phase=Phase.STOPPED, deadline=None, reason="stopped on request")
         return state, actions + [_record("run_stopped", attempt=state.attempt)]
     state, stop = _begin_stop(state, Then.STOP, now)
     return state, actions + stop
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]]:

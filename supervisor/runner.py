@@ -31,7 +31,7 @@ from supervisor.journal import Journal
 from supervisor.ranks import Ranks, launch_ranks
 from supervisor.status import snapshot, write_status
 from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
-from worker.contract import RunLayout, complete_checkpoint_steps
+from worker.contract import RunLayout, complete_checkpoint_steps, unlink_quietly
 
 __all__ = ["Supervisor"]
 
@@ -149,6 +149,8 @@ class Supervisor:
 
     def _launch(self, attempt: int) -> Event:
         resume_step = self._resume_step(attempt)
+        for rank in range(self.config.nproc_per_node):  # a beat from an earlier run must not pass for this one
+            unlink_quietly(self.layout.heartbeat(rank))
         try:
             self._ranks = launch_ranks(self.config, self.layout, attempt=attempt, resume_step=resume_step,
                                        on_exit=self._on_child_exit)

@@ -50,6 +50,8 @@ def read_status(layout: RunLayout) -> dict[str, Any]:
         raise StatusError(f"{layout.root}: no trainwarden run here (missing {layout.state_file})") from None
     except (OSError, ValueError) as exc:
         raise StatusError(f"{layout.state_file}: unreadable: {exc}") from None
+    if not isinstance(status, dict) or not isinstance(status.get("ranks"), list):
+        raise StatusError(f"{layout.state_file}: not a trainwarden state file")
     alive = _pid_alive(status.get("supervisor_pid"))
     status["supervisor_alive"] = alive
     if alive:  # ages were true when written; add the time since

@@ -170,6 +170,6 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

@@ -77,7 +77,7 @@ def test_restarts_exhausted_exit_nonzero_with_one_line_reason(tmp_path: Path) ->
     assert last_line.startswith("trainwarden: run failed: ") and "restarts exhausted" in last_line
     assert "logs/attempt_2" in last_line
     for rank in (0, 1):
-        assert (tmp_path / "run" / "logs" / f"attempt_2" / f"rank_{rank}.err").exists()
+        assert (tmp_path / "run" / "logs" / "attempt_2" / f"rank_{rank}.err").exists()
 
 
 def test_rank_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:

@@ -1,0 +1,252 @@
+"""The supervisor/worker contract: run-dir layout, complete checkpoints, atomic files, worker config, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from worker.contract import (
+    ENV_WORKER_CONFIG,
+    RunLayout,
+    WorkerConfig,
+    atomic_write_bytes,
+    atomic_write_json,
+    complete_checkpoint_steps,
+    read_json,
+)
+from worker.faults import ENV_FAULTS, Fault, FaultPlan, parse_faults
+
+
+def touch(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+
+
+def save(layout: RunLayout, rank: int, *steps: int, prefix: str = "ckpt") -> None:
+    for step in steps:
+        touch(layout.checkpoint_file(rank, step, prefix))
+
+
+# ---- layout -----------------------------------------------------------------------------------
+
+
+def test_run_layout_paths(tmp_path):
+    """Every file of a run lives at its documented place under the run dir."""
+    layout = RunLayout(tmp_path)
+    assert layout.state_file == tmp_path / "supervisor" / "state.json"
+    assert layout.journal == tmp_path / "supervisor" / "events.jsonl"
+    assert layout.checkpoint_dir == tmp_path / "checkpoint"
+    assert layout.rank_dir(3) == tmp_path / "ranks" / "rank_3"
+    assert layout.heartbeat(3) == tmp_path / "ranks" / "rank_3" / "heartbeat.json"
+    assert layout.rank_events(3) == tmp_path / "ranks" / "rank_3" / "events.jsonl"
+    assert layout.attempt_log(2, 1, "err") == tmp_path / "logs" / "attempt_2" / "rank_1.err"
+    assert layout.rank_checkpoint_dir(1) == tmp_path / "checkpoint" / "rank_1"
+    assert layout.meta_file(1) == tmp_path / "checkpoint" / "rank_1" / "meta.json"
+
+
+def test_checkpoint_file_name_follows_seed_format(tmp_path):
+    """A checkpoint file is named PREFIX_rank_RANK-STEP.ckpt in its rank's directory (seed 001)."""
+    path = RunLayout(tmp_path).checkpoint_file(1, 25, "demo")
+    assert path == tmp_path / "checkpoint" / "rank_1" / "demo_rank_1-25.ckpt"
+
+
+# ---- complete checkpoints -----------------------------------------------------------------------
+
+
+def test_complete_checkpoint_steps_only_steps_on_every_rank(tmp_path):
+    """Only steps whose checkpoint exists on every rank count."""
+    layout = RunLayout(tmp_path)
+    save(layout, 0, 25, 50, 75)
+    save(layout, 1, 25, 50)
+    save(layout, 2, 25, 75)
+    assert complete_checkpoint_steps(layout, 3, "ckpt") == [25]
+    assert complete_checkpoint_steps(layout, 2, "ckpt") == [25, 50]
+
+
+def test_complete_checkpoint_steps_sorted_numerically(tmp_path):
+    """Steps come back oldest first in numeric, not lexical, order."""
+    layout = RunLayout(tmp_path)
+    for rank in (0, 1):
+        save(layout, rank, 100, 9, 10, 1000)
+    assert complete_checkpoint_steps(layout, 2, "ckpt") == [9, 10, 100, 1000]
+
+
+def test_complete_checkpoint_steps_ignores_junk(tmp_path):
+    """Stray files, temporaries, other prefixes, misplaced rank files and non-numeric steps are not checkpoints."""
+    layout = RunLayout(tmp_path)
+    save(layout, 0, 25)
+    save(layout, 1, 25)
+    d0, d1 = layout.rank_checkpoint_dir(0), layout.rank_checkpoint_dir(1)
+    junk = [
+        d0 / "notes.txt",
+        d0 / "meta.json",
+        d0 / ".ckpt_rank_0-50.ckpt.abc123.tmp",  # a torn save's temporary
+        d1 / ".ckpt_rank_1-50.ckpt.def456.tmp",
+        d0 / "ckpt_rank_0-50.ckpt.tmp",
+        d1 / "ckpt_rank_1-50.ckpt.tmp",
+        d0 / "other_rank_0-75.ckpt",  # another prefix
+        d1 / "other_rank_1-75.ckpt",
+        d0 / "ckpt_rank_0-100.ckpt",  # rank 1's step 100 sits in rank 0's directory
+        d0 / "ckpt_rank_1-100.ckpt",
+        d0 / "ckpt_rank_0-abc.ckpt",  # non-numeric steps
+        d1 / "ckpt_rank_1-abc.ckpt",
+        d0 / "ckpt_rank_0-.ckpt",
+        d1 / "ckpt_rank_1-.ckpt",
+        d0 / "ckpt_rank_0-125.pt",  # wrong extension
+        d1 / "ckpt_rank_1-125.pt",
+        tmp_path / "checkpoint" / "ckpt_rank_0-150.ckpt",  # outside any rank directory
+    ]
+    for path in junk:
+        touch(path)
+    assert complete_checkpoint_steps(layout, 2, "ckpt") == [25]
+
+
+def test_complete_checkpoint_steps_without_checkpoint_dir_is_empty(tmp_path):
+    """A run dir with no checkpoint directory has no complete checkpoint."""
+    assert complete_checkpoint_steps(RunLayout(tmp_path / "fresh"), 2, "ckpt") == []
+
+
+def test_complete_checkpoint_steps_missing_rank_dir_means_none(tmp_path):
+    """If one rank has never saved, no step is complete."""
+    layout = RunLayout(tmp_path)
+    save(layout, 0, 25, 50)
+    assert complete_checkpoint_steps(layout, 2, "ckpt") == []
+
+
+def test_complete_checkpoint_steps_matches_prefix_exactly(tmp_path):
+    """Only files of the configured prefix count, even when another prefix ends with it."""
+    layout = RunLayout(tmp_path)
+    for rank in (0, 1):
+        save(layout, rank, 10, prefix="demo")
+        save(layout, rank, 20, prefix="my_demo")
+    assert complete_checkpoint_steps(layout, 2, "demo") == [10]
+    assert complete_checkpoint_steps(layout, 2, "my_demo") == [20]
+
+
+# ---- atomic files -----------------------------------------------------------------------------
+
+
+def test_atomic_write_json_replaces_content_and_leaves_no_temp(tmp_path):
+    """Writing twice leaves exactly the target file holding the second value."""
+    path = tmp_path / "state.json"
+    atomic_write_json(path, {"step": 1})
+    atomic_write_json(path, {"step": 2, "ranks": [0, 1]})
+    assert os.listdir(tmp_path) == ["state.json"]
+    assert read_json(path) == {"step": 2, "ranks": [0, 1]}
+
+
+def test_atomic_write_json_creates_parent_dirs(tmp_path):
+    """The parent directories of the target are created as needed."""
+    path = tmp_path / "a" / "b" / "meta.json"
+    atomic_write_json(path, [1, 2], durable=False)
+    assert json.loads(path.read_text()) == [1, 2]
+    assert os.listdir(path.parent) == ["meta.json"]
+
+
+def test_atomic_write_failure_keeps_old_content_and_no_temp(tmp_path):
+    """A write that fails midway leaves the old content in place and no temporary file."""
+    path = tmp_path / "state.json"
+    atomic_write_json(path, {"step": 1})
+    with pytest.raises(TypeError):
+        atomic_write_bytes(path, "not bytes")  # type: ignore[arg-type]
+    assert os.listdir(tmp_path) == ["state.json"]
+    assert read_json(path) == {"step": 1}
+
+
+def test_read_json_garbage_raises_value_error(tmp_path):
+    """A garbled JSON file raises ValueError."""
+    path = tmp_path / "x.json"
+    path.write_text('{"step": ')
+    with pytest.raises(ValueError):
+        read_json(path)
+
+
+# ---- worker config ----------------------------------------------------------------------------
+
+
+def test_worker_config_round_trips_to_env(monkeypatch):
+    """A WorkerConfig passed through `to_env` comes back equal from `from_env`."""
+    config = WorkerConfig(save_checkpoint_steps=25, prefix="demo", resume_training=False, heartbeat_interval_s=2.0)
+    monkeypatch.setenv(ENV_WORKER_CONFIG, config.to_env())
+    assert WorkerConfig.from_env() == config
+
+
+def test_worker_config_from_env_ignores_unknown_keys(monkeypatch):
+    """Keys a newer supervisor adds are ignored; known keys are kept."""
+    monkeypatch.setenv(ENV_WORKER_CONFIG, json.dumps({"save_checkpoint_steps": 5, "future_knob": True}))
+    assert WorkerConfig.from_env() == WorkerConfig(save_checkpoint_steps=5)
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_worker_config_from_env_defaults_when_unset(monkeypatch, value):
+    """With the variable unset or empty, the worker config is all defaults."""
+    if value is None:
+        monkeypatch.delenv(ENV_WORKER_CONFIG, raising=False)
+    else:
+        monkeypatch.setenv(ENV_WORKER_CONFIG, value)
+    assert WorkerConfig.from_env() == WorkerConfig()
+
+
+# ---- faults -----------------------------------------------------------------------------------
+
+
+def test_parse_faults_valid_spec():
+    """A comma-separated spec with spaces and an empty item parses into faults in order."""
+    assert parse_faults(" 1:sigkill@25, 0:sigkill_in_save@50,") == [
+        Fault(rank=1, kind="sigkill", step=25),
+        Fault(rank=0, kind="sigkill_in_save", step=50),
+    ]
+
+
+def test_parse_faults_empty_spec():
+    """An empty spec means no faults."""
+    assert parse_faults("") == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "bad"),
+    [
+        ("1sigkill@25", "1sigkill@25"),
+        ("1:sigkill", "1:sigkill"),
+        ("x:sigkill@3", "x:sigkill@3"),
+        ("1:sigkill@ten", "1:sigkill@ten"),
+        ("1:sigkill@", "1:sigkill@"),
+        ("0:sigkill@5,1:explode@3", "1:explode@3"),
+        ("0:sigkill@5, oops", "oops"),
+    ],
+)
+def test_parse_faults_invalid_spec_names_bad_item(spec, bad):
+    """An unparsable item or unknown kind raises ValueError naming the variable and the bad item."""
+    with pytest.raises(ValueError) as info:
+        parse_faults(spec)
+    message = str(info.value)
+    assert message.startswith(f"{ENV_FAULTS}: ")
+    assert repr(bad) in message
+
+
+def test_fault_plan_due_only_for_its_rank_kind_and_step():
+    """A fault is due only on its own rank, for its kind and at its step."""
+    faults = [Fault(rank=1, kind="sigkill", step=25)]
+    plan = FaultPlan(faults, rank=1, attempt=0)
+    assert plan.due("sigkill", 25)
+    assert not plan.due("sigkill", 24)
+    assert not plan.due("sigkill_in_save", 25)
+    assert not FaultPlan(faults, rank=0, attempt=0).due("sigkill", 25)
+
+
+def test_fault_plan_due_only_on_first_attempt():
+    """A relaunched attempt never fires the faults, so it can pass the same step."""
+    faults = [Fault(rank=0, kind="sigkill", step=25)]
+    assert FaultPlan(faults, rank=0, attempt=0).due("sigkill", 25)
+    assert not FaultPlan(faults, rank=0, attempt=1).due("sigkill", 25)
+
+
+def test_fault_plan_from_env(monkeypatch):
+    """`FaultPlan.from_env` arms the faults named in the environment."""
+    monkeypatch.setenv(ENV_FAULTS, "0:sigkill_in_save@50")
+    assert FaultPlan.from_env(rank=0, attempt=0).due("sigkill_in_save", 50)
+    monkeypatch.delenv(ENV_FAULTS)
+    assert not FaultPlan.from_env(rank=0, attempt=0).due("sigkill_in_save", 50)

@@ -1,0 +1,174 @@
+"""The run's state file: snapshot of the core state, atomic write and read back, human summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from supervisor.core import (
+    ChildExited,
+    HeartbeatSeen,
+    Policy,
+    RanksLaunched,
+    State,
+    decide,
+    initial_state,
+)
+from supervisor.status import StatusError, read_status, render, snapshot, write_status
+from worker.contract import RunLayout
+
+NOW = 1000.0
+POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,
+                kill_grace_s=10.0)
+
+
+def running(resume_step: int | None = None) -> State:
+    state, _ = decide(initial_state(POLICY), RanksLaunched(0, (100, 101), resume_step), NOW)
+    return state
+
+
+def test_snapshot_of_running_state_with_heartbeat():
+    """A snapshot carries phase, counters and, per rank, pid, step, heartbeat age and phase; heartbeats are on."""
+    state, _ = decide(running(resume_step=25), HeartbeatSeen(0, 1, seq=4, step=30, phase="train"), NOW + 1)
+    before = time.time()
+    status = snapshot(state, now=NOW + 3.5, extra={"run_dir": "runs/x"})
+    assert before <= status.pop("updated_at") <= time.time()
+    assert status == {
+        "state": "running",
+        "attempt": 0,
+        "restarts": 0,
+        "max_restarts": 3,
+        "ranks": [
+            {"rank": 0, "pid": 100, "step": None, "heartbeat_age_s": None, "heartbeat_phase": None,
+             "returncode": None},
+            {"rank": 1, "pid": 101, "step": 30, "heartbeat_age_s": 2.5, "heartbeat_phase": "train",
+             "returncode": None},
+        ],
+        "heartbeats": "on",
+        "resumed_from": {"step": 25},
+        "last_failure": None,
+        "reason": None,
+        "run_dir": "runs/x",
+    }
+
+
+def test_snapshot_without_heartbeats_says_off():
+    """With no heartbeat from any rank, the snapshot says heartbeats are off and nothing was resumed."""
+    status = snapshot(running(), now=NOW, extra={})
+    assert status["heartbeats"] == "off"
+    assert status["resumed_from"] is None
+    assert [r["heartbeat_age_s"] for r in status["ranks"]] == [None, None]
+
+
+def test_snapshot_after_crash_carries_failure_and_returncode():
+    """After a crash the snapshot shows the stopping phase, the failure and the rank's exit code."""
+    state, _ = decide(running(), ChildExited(0, 1, -9), NOW)
+    status = snapshot(state, now=NOW, extra={})
+    assert status["state"] == "stopping"
+    assert status["last_failure"] == "rank 1 killed by SIGKILL in attempt 0"
+    assert [r["returncode"] for r in status["ranks"]] == [None, -9]
+
+
+def test_write_then_read_status_round_trips(tmp_path):
+    """A written status reads back unchanged, marked not alive when it names no supervisor pid."""
+    layout = RunLayout(tmp_path)
+    status = snapshot(running(), now=NOW, extra={"run_dir": str(tmp_path), "supervisor_pid": None})
+    write_status(layout, status, durable=False)
+    assert os.listdir(layout.state_file.parent) == ["state.json"]
+    assert read_status(layout) == {**status, "supervisor_alive": False}
+
+
+def test_read_status_of_live_supervisor_ages_heartbeats(tmp_path):
+    """With the supervisor alive, heartbeat ages grow by the time since the status was written."""
+    layout = RunLayout(tmp_path)
+    state, _ = decide(running(), HeartbeatSeen(0, 0, seq=1, step=5, phase="train"), NOW)
+    status = snapshot(state, now=NOW + 1.0, extra={"supervisor_pid": os.getpid()})
+    status["updated_at"] = time.time() - 10.0
+    write_status(layout, status, durable=True)
+    read = read_status(layout)
+    assert read["supervisor_alive"] is True
+    assert read["ranks"][0]["heartbeat_age_s"] == pytest.approx(11.0, abs=1.0)
+    assert read["ranks"][1]["heartbeat_age_s"] is None
+
+
+def test_read_status_missing_dir_raises(tmp_path):
+    """Reading a directory that holds no run raises StatusError naming the missing state file."""
+    layout = RunLayout(tmp_path / "nowhere")
+    with pytest.raises(StatusError) as info:
+        read_status(layout)
+    assert str(info.value) == f"{layout.root}: no trainwarden run here (missing {layout.state_file})"
+
+
+@pytest.mark.parametrize("content", [b"", b'{"state": "runn', b"\xff\xfe garbage"])
+def test_read_status_garbage_file_raises(tmp_path, content):
+    """An empty, truncated or binary state file raises StatusError saying it is unreadable."""
+    layout = RunLayout(tmp_path)
+    layout.state_file.parent.mkdir(parents=True)
+    layout.state_file.write_bytes(content)
+    with pytest.raises(StatusError) as info:
+        read_status(layout)
+    assert str(info.value).startswith(f"{layout.state_file}: unreadable: ")
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "null", '"running"'])
+def test_read_status_non_object_json_raises(tmp_path, content):
+    """A state file holding valid JSON that is not an object raises StatusError."""
+    layout = RunLayout(tmp_path)
+    layout.state_file.parent.mkdir(parents=True)
+    layout.state_file.write_text(content)
+    with pytest.raises(StatusError):
+        read_status(layout)
+
+
+def test_render_says_heartbeats_off():
+    """With no heartbeat seen, the summary says hang detection is off and each rank has no heartbeat."""
+    status = {**snapshot(running(), now=NOW, extra={"run_dir": "runs/x", "last_checkpoint": None}),
+              "supervisor_alive": True}
+    text = render(status)
+    assert text.splitlines() == [
+        "run runs/x: running, attempt 0, restarts 0/3",
+        "  last checkpoint: none",
+        "  heartbeats: none seen (script does not use the worker library?): hang detection is off",
+        "  rank 0: pid 100, step None, no heartbeat",
+        "  rank 1: pid 101, step None, no heartbeat",
+    ]
+
+
+def test_render_with_heartbeats_and_failure():
+    """With heartbeats, a checkpoint and a failure, the summary shows them and no heartbeats-off line."""
+    state, _ = decide(running(resume_step=25), HeartbeatSeen(0, 0, seq=2, step=40, phase="train"), NOW)
+    state, _ = decide(state, ChildExited(0, 1, 3), NOW)
+    status = {**snapshot(state, now=NOW + 1.5, extra={"run_dir": "runs/x", "last_checkpoint": {"step": 25}}),
+              "supervisor_alive": True}
+    assert render(status).splitlines() == [
+        "run runs/x: stopping, attempt 0, restarts 0/3",
+        "  last checkpoint: step 25; resumed from step 25",
+        "  rank 0: pid 100, step 40, heartbeat 1.5 s ago (train)",
+        "  rank 1: pid 101, step None, no heartbeat, exit 3",
+        "  last failure: rank 1 exited with code 3 in attempt 0",
+    ]
+
+
+def test_render_flags_stale_state_of_dead_supervisor():
+    """A non-terminal status whose supervisor is gone is flagged as stale."""
+    status = {**snapshot(running(), now=NOW, extra={"supervisor_pid": 4242}), "supervisor_alive": False}
+    assert "  supervisor (pid 4242) is not running; this state is stale" in render(status).splitlines()
+
+
+def test_render_terminal_state_not_flagged_stale():
+    """A finished run's status is not called stale, and its reason is shown."""
+    status = {**snapshot(running(), now=NOW, extra={"supervisor_pid": 4242}), "supervisor_alive": False,
+              "state": "failed", "reason": "restarts exhausted"}
+    lines = render(status).splitlines()
+    assert not any("stale" in line for line in lines)
+    assert lines[-1] == "  reason: restarts exhausted"
+
+
+def test_status_file_is_json(tmp_path):
+    """The state file on disk is plain JSON that other tools can read."""
+    layout = RunLayout(tmp_path)
+    write_status(layout, {"state": "running", "attempt": 0}, durable=False)
+    assert json.loads(layout.state_file.read_text()) == {"state": "running", "attempt": 0}
