@@ -9,9 +9,9 @@ from pathlib import Path
 
 from supervisor.config import ConfigError, load_config
 from supervisor.journal import open_journal
-from supervisor.runner import Supervisor
+from supervisor.runner import RunDirBusy, Supervisor, lock_run_dir
 from supervisor.status import StatusError, read_status, render
-from worker.contract import EXIT_CONFIG, RunLayout
+from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
 
 __all__ = ["main"]
 
@@ -43,14 +43,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"trainwarden: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     layout = RunLayout(Path(args.run_dir or config.run_dir).resolve())
+    try:
+        lock = lock_run_dir(layout)
+    except RunDirBusy as exc:
+        print(f"trainwarden: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     journal = open_journal(layout.journal)
     try:
-        code = Supervisor(config, layout, journal, config_path=args.config).run()
-        state = read_status(layout)
+        supervisor = Supervisor(config, layout, journal, config_path=args.config)
+        code = supervisor.run()
     finally:
         journal.close()
+        lock.close()
     if code != 0:
-        print(f"trainwarden: run failed: {state['reason']} (rank logs: {state['logs']})", file=sys.stderr)
+        logs = layout.attempt_log(supervisor.state.attempt, 0, "err").parent
+        print(f"trainwarden: run failed: {supervisor.state.reason} (rank logs: {logs})", file=sys.stderr)
     return code
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
 import signal
 import time
 from collections import deque
-from typing import Any
+from typing import IO, Any
 
 from supervisor.config import JobConfig
 from supervisor.core import (
@@ -33,10 +34,31 @@ from supervisor.status import snapshot, write_status
 from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
 from worker.contract import RunLayout, complete_checkpoint_steps, unlink_quietly
 
-__all__ = ["Supervisor"]
+__all__ = ["RunDirBusy", "Supervisor", "lock_run_dir"]
 
 POLL_INTERVAL_S = 1.0  # re-read heartbeats and refresh the state file this often, events or not
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class RunDirBusy(Exception):
+    """Another supervisor holds the run dir."""
+
+
+def lock_run_dir(layout: RunLayout) -> IO[str]:
+    """Hold an exclusive lock on the run dir for this process's lifetime: one supervisor per run."""
+    layout.lock_file.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(layout.lock_file, "a+")  # noqa: SIM115 - held open until the supervisor exits
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise RunDirBusy(f"{layout.root} is already supervised by pid {holder}") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 class Supervisor:

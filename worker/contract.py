@@ -75,6 +75,10 @@ class RunLayout:
     root: Path
 
     @property
+    def lock_file(self) -> Path:
+        return self.root / "supervisor" / "lock"
+
+    @property
     def state_file(self) -> Path:
         return self.root / "supervisor" / "state.json"
 

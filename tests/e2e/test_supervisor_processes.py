@@ -131,3 +131,28 @@ def test_bad_config_is_refused_and_nothing_starts(tmp_path: Path, text: str, exp
     assert done.stderr.startswith(f"trainwarden: config error: {config}: ")
     assert expected in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_command_that_cannot_start_fails_without_retrying(tmp_path: Path) -> None:
+    """A command that does not exist fails the run at once, exit 1, naming the missing file."""
+    config = job(tmp_path, SLEEP, command=[str(tmp_path / "no-such-trainer")])
+    done = run_supervisor(config, tmp_path / "run", timeout=30)
+
+    assert done.returncode == 1
+    status = done.status()
+    assert (status["state"], status["restarts"]) == ("failed", 0)
+    assert status["reason"] == f"could not launch ranks: No such file or directory: {tmp_path / 'no-such-trainer'}"
+
+
+def test_second_supervisor_on_the_same_run_dir_is_refused(tmp_path: Path) -> None:
+    """While one supervisor runs a run dir, another one exits 1 naming the holder's pid and starts nothing."""
+    run_dir = tmp_path / "run"
+    first = start_supervisor(job(tmp_path, SLEEP), run_dir)
+    wait_until(lambda: (run_dir / "supervisor" / "state.json").exists(), timeout=30, what="first supervisor up")
+    second = run_supervisor(job(tmp_path, SLEEP), run_dir, timeout=30)
+    first.send_signal(signal.SIGTERM)
+    finish(first, run_dir, timeout=30)
+
+    assert second.returncode == 1
+    assert second.stderr.strip() == f"trainwarden: {run_dir} is already supervised by pid {first.pid}"
+    assert [e["event"] for e in journal(run_dir)].count("supervisor_started") == 1
