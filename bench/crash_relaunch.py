@@ -1,0 +1,364 @@
+"""Crash→relaunch benchmark: trainwarden against plain torchrun on the demo job, in one invocation.
+
+Each trial runs the demo job (2 ranks, gloo, CPU) under each launcher in turn (trainwarden, then
+torchrun). Once rank 1's heartbeat reports step K, rank 1 is SIGKILLed and we measure:
+
+- crash→relaunch: from the kill until the first new rank process exists; the same for both launchers:
+  descendants of the launcher running demo_train.py that were not there before the kill, polled every
+  10 ms, earliest psutil `create_time()`;
+- crash→first step: from the kill until the earliest `step` event of a later attempt in the ranks'
+  events.jsonl (attempt 1, or a later one when the first relaunch failed; the trial line says which);
+- worked first time: the launcher exits 0 within the trial timeout, the final checkpoint exists, and
+  attempt 2 never appears (no second relaunch).
+
+A trial past its timeout has every process of the run SIGKILLed and counts as not worked.
+Run from the repository root:  .venv/bin/python bench/crash_relaunch.py [--trials N] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+import yaml
+
+from worker.contract import RunLayout
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = "examples/demo_train.py"
+PREFIX = "demo"
+NPROC = 2
+KILLED_RANK = 1
+RELAUNCH_POLL_S = 0.01
+POLL_S = 0.05
+LAUNCHERS = ("trainwarden", "torchrun")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every trial runs and when it kills rank 1."""
+
+    steps: int
+    kill_step: int
+    save_every: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launcher's command line, environment and run directory for one trial."""
+
+    argv: list[str]
+    env: dict[str, str]
+    run_dir: Path
+
+
+@dataclass(frozen=True)
+class Trial:
+    """What one trial of one launcher measured; None where it never happened."""
+
+    launcher: str
+    relaunch_s: float | None
+    first_step_s: float | None
+    resumed_attempt: int | None
+    worked: bool
+    note: str
+    wall_s: float
+
+
+# ---- launchers -------------------------------------------------------------------------------
+
+
+def trainwarden_launch(job: Job, work: Path) -> Launch:
+    """`python -m supervisor run` on a config derived from configs/demo.yaml."""
+    run_dir = work / "run"
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text(encoding="utf-8"))
+    config.update(script=str(REPO / SCRIPT), args=["--steps", str(job.steps)], run_dir=str(run_dir))
+    config["worker"]["save_checkpoint_steps"] = job.save_every
+    path = work / "job.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    argv = [sys.executable, "-m", "supervisor", "run", str(path), "--run-dir", str(run_dir)]
+    return Launch(argv, dict(os.environ), run_dir)
+
+
+def torchrun_launch(job: Job, work: Path) -> Launch:
+    """Plain torchrun with its default rendezvous; the worker library resumes by itself."""
+    run_dir = work / "run"
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    argv = [torchrun, "--nproc-per-node", str(NPROC), "--max-restarts", "3", SCRIPT, "--steps", str(job.steps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRAINWARDEN_RUN_DIR=str(run_dir),
+               TRAINWARDEN_WORKER_CONFIG=json.dumps({"save_checkpoint_steps": job.save_every, "prefix": PREFIX}))
+    return Launch(argv, env, run_dir)
+
+
+LAUNCH = {"trainwarden": trainwarden_launch, "torchrun": torchrun_launch}
+
+# ---- observing a run -------------------------------------------------------------------------
+
+
+def poll(check: Callable[[], T | None], deadline: float, interval_s: float, alive: subprocess.Popen) -> T | None:
+    """The first non-None `check()`, or None once `deadline` (monotonic) passes or `alive` has exited."""
+    while time.monotonic() < deadline:
+        found = check()
+        if found is not None or alive.poll() is not None:
+            return found
+        time.sleep(interval_s)
+    return None
+
+
+def read_heartbeat(layout: RunLayout, rank: int) -> dict[str, Any] | None:
+    try:
+        return json.loads(layout.heartbeat(rank).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def beat_at(layout: RunLayout, step: int) -> dict[str, Any] | None:
+    """Rank 1's heartbeat once the first attempt has reached `step`."""
+    beat = read_heartbeat(layout, KILLED_RANK)
+    return beat if beat and beat.get("attempt") == 0 and beat.get("step", -1) >= step else None
+
+
+def rank_procs(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    """Descendants of the launcher that run the training script."""
+    found = {}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for proc in psutil.Process(launcher.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if any(arg.endswith("demo_train.py") for arg in proc.cmdline()):
+                    found[proc.pid] = proc
+    return found
+
+
+def started_at(proc: psutil.Process) -> float:
+    """A process's creation time on the time.time() clock, to 10 ms."""
+    # psutil adds /proc/stat's whole-second btime to the since-boot start time; correct to the real boot instant.
+    boot_error_s = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) - psutil.boot_time()
+    return proc.create_time() + boot_error_s
+
+
+class NewRanks:
+    """A check for `poll`: the rank processes that appeared since `before`, once every rank exists."""
+
+    def __init__(self, launcher: subprocess.Popen, before: set[int]) -> None:
+        self.launcher, self.before = launcher, before
+        self.seen: dict[int, psutil.Process] = {}
+
+    def __call__(self) -> list[psutil.Process] | None:
+        fresh = rank_procs(self.launcher)
+        self.seen.update({pid: p for pid, p in fresh.items() if pid not in self.before})
+        return list(self.seen.values()) if len(self.seen) >= NPROC else None
+
+
+def rank_events(layout: RunLayout) -> list[dict[str, Any]]:
+    """Every whole event line of every rank."""
+    events = []
+    for rank in range(NPROC):
+        with contextlib.suppress(OSError):
+            for line in layout.rank_events(rank).read_text(encoding="utf-8").splitlines():
+                with contextlib.suppress(ValueError):
+                    events.append(json.loads(line))
+    return events
+
+
+def first_resumed_step(events: list[dict[str, Any]]) -> tuple[float, int] | None:
+    """Wall time and attempt of the earliest step event after the first attempt."""
+    steps = [(datetime.fromisoformat(e["time"].replace("Z", "+00:00")).timestamp(), e["attempt"])
+             for e in events if e.get("event") == "step" and e.get("attempt", 0) >= 1]
+    return min(steps, default=None)
+
+
+# ---- one trial ---------------------------------------------------------------------------------
+
+
+def run_trial(name: str, job: Job, work: Path) -> Trial:
+    """Launch, kill rank 1 at the kill step, measure; never leaves a process of the run behind."""
+    work.mkdir(parents=True)
+    launch = LAUNCH[name](job, work)
+    started = time.monotonic()
+    with open(work / "launcher.out", "wb") as out, open(work / "launcher.err", "wb") as err:
+        launcher = subprocess.Popen(launch.argv, cwd=REPO, env=launch.env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, start_new_session=True)
+    try:
+        measured = measure(launcher, RunLayout(launch.run_dir), job, deadline=started + job.timeout_s)
+    finally:
+        kill_run(launcher, launch.run_dir)
+    return Trial(name, *measured, wall_s=time.monotonic() - started)
+
+
+def measure(launcher: subprocess.Popen, layout: RunLayout, job: Job,
+            deadline: float) -> tuple[float | None, float | None, int | None, bool, str]:
+    beat = poll(lambda: beat_at(layout, job.kill_step), deadline, POLL_S, launcher)
+    if beat is None:
+        return None, None, None, False, f"rank {KILLED_RANK} never reached step {job.kill_step}"
+    before = set(rank_procs(launcher))
+    killed_at = time.time()
+    os.kill(beat["pid"], signal.SIGKILL)
+    new = NewRanks(launcher, before)
+    poll(new, deadline, RELAUNCH_POLL_S, launcher)
+    relaunch_s = min(started_at(p) for p in new.seen.values()) - killed_at if new.seen else None
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        launcher.wait(timeout=max(0.0, deadline - time.monotonic()))
+    events = rank_events(layout)
+    first = first_resumed_step(events)
+    first_step_s, resumed_attempt = (None, None) if first is None else (first[0] - killed_at, first[1])
+    worked, note = verdict(launcher.returncode, events, layout, job)
+    return relaunch_s, first_step_s, resumed_attempt, worked, note
+
+
+def verdict(returncode: int | None, events: list[dict[str, Any]], layout: RunLayout, job: Job) -> tuple[bool, str]:
+    """Whether the one relaunch took the run to its end, and if not, why."""
+    if returncode is None:
+        return False, f"timed out after {job.timeout_s:g} s"
+    if returncode != 0:
+        return False, f"launcher exited {returncode}"
+    if max((e.get("attempt", 0) for e in events), default=0) >= 2:
+        return False, "relaunched more than once"
+    if not layout.checkpoint_file(0, job.steps, PREFIX).exists():
+        return False, "no final checkpoint"
+    return True, "ok"
+
+
+def kill_run(launcher: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL the launcher's group and every process whose environment names the run dir; wait, bounded."""
+    procs = [p for p in psutil.process_iter() if names_run_dir(p, run_dir)]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(launcher.pid, signal.SIGKILL)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        launcher.wait(timeout=10)
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    alive = [p for p in alive if not is_zombie(p)]
+    if launcher.returncode is None or alive:
+        print(f"WARNING: left behind after SIGKILL: {[launcher.pid, *(p.pid for p in alive)]}", flush=True)
+
+
+def names_run_dir(proc: psutil.Process, run_dir: Path) -> bool:
+    try:
+        return proc.environ().get("TRAINWARDEN_RUN_DIR") == str(run_dir)
+    except psutil.Error:
+        return False
+
+
+def is_zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def trial_line(index: int, trials: int, t: Trial) -> str:
+    resumed = f" (attempt {t.resumed_attempt})" if t.resumed_attempt else ""
+    return (f"trial {index}/{trials}  {t.launcher:<11}  crash→relaunch {fmt(t.relaunch_s):>5} s  "
+            f"crash→first step {fmt(t.first_step_s):>5} s{resumed}  {'worked' if t.worked else 'FAILED'} "
+            f"({t.note}), trial took {t.wall_s:.1f} s")
+
+
+def spread(values: list[float | None]) -> tuple[float | None, str]:
+    """Median, and 'median [min–max]' as text, of the values that were measured."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return None, "n/a"
+    median = statistics.median(got)
+    missing = f", {len(values) - len(got)} n/a" if len(got) < len(values) else ""
+    return median, f"{median:.2f} [{min(got):.2f}–{max(got):.2f}]{missing}"
+
+
+def ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.2f}" if numerator and denominator else "n/a"
+
+
+def summary(results: list[Trial]) -> str:
+    rows = [f"{'launcher':<12} {'crash→relaunch s, median [min–max]':<36} "
+            f"{'crash→first step s, median [min–max]':<38} worked first time"]
+    medians: dict[str, tuple[float | None, float | None]] = {}
+    for name in LAUNCHERS:
+        mine = [t for t in results if t.launcher == name]
+        relaunch, relaunch_text = spread([t.relaunch_s for t in mine])
+        first, first_text = spread([t.first_step_s for t in mine])
+        medians[name] = (relaunch, first)
+        rows.append(f"{name:<12} {relaunch_text:<36} {first_text:<38} {sum(t.worked for t in mine)}/{len(mine)}")
+    (tw_relaunch, tw_first), (tr_relaunch, tr_first) = medians["trainwarden"], medians["torchrun"]
+    rows.append(f"ratio torchrun/trainwarden of medians (>1 means trainwarden is faster): "
+                f"crash→relaunch {ratio(tr_relaunch, tw_relaunch)}, crash→first step {ratio(tr_first, tw_first)}")
+    return "\n".join(rows)
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=80, help="training steps of the demo job")
+    parser.add_argument("--kill-step", type=int, default=35, help="SIGKILL rank 1 once its heartbeat shows this step")
+    parser.add_argument("--save-every", type=int, default=10, help="worker.save_checkpoint_steps")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="limit for one trial of one launcher")
+    parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
+    args = parser.parse_args(argv)
+    if not 0 < args.kill_step < args.steps:
+        parser.error("--kill-step must be between 0 and --steps")
+    return args
+
+
+def run(job: Job, trials: int, work: Path) -> list[Trial]:
+    results = []
+    for index in range(1, trials + 1):
+        for name in LAUNCHERS:
+            trial = run_trial(name, job, work / f"trial_{index}_{name}")
+            results.append(trial)
+            print(trial_line(index, trials, trial), flush=True)
+    return results
+
+
+def main() -> int:
+    args = parse_args()
+    job = Job(args.steps, args.kill_step, args.save_every, args.timeout_s)
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}  (cwd {Path.cwd()})")
+    print(f"cores: {os.cpu_count()} (usable {len(os.sched_getaffinity(0))}); {args.trials} trials, "
+          f"{job.steps} steps, SIGKILL rank {KILLED_RANK} at step {job.kill_step}, "
+          f"checkpoint every {job.save_every} steps", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="trainwarden-bench-")).resolve()
+    try:
+        results = run(job, args.trials, work)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        return 130
+    finally:
+        if args.keep:
+            print(f"run dirs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
