@@ -17,7 +17,6 @@ from supervisor.core import (
     Event,
     LaunchFailed,
     LaunchRanks,
-    Phase,
     RanksLaunched,
     Record,
     SignalRanks,
@@ -207,7 +206,3 @@ class Supervisor:
             write_status(self.layout, snapshot(self.state, now=time.monotonic(), extra=extra), durable=durable)
         except OSError as exc:  # a full disk must not kill supervision; the journal says why status is stale
             self.log.error("status_write_failed", error=str(exc))
-
-    @property
-    def phase(self) -> Phase:
-        return self.state.phase
