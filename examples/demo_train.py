@@ -53,6 +53,16 @@ def batch_for(data: torch.Tensor, *, step: int, rank: int, seed: int, batch: int
     return x, y
 
 
+@torch.no_grad()
+def evaluate(model: nn.Module, data: torch.Tensor, *, vocab: int, seed: int, block: int) -> float:
+    """Mean loss on fixed held-out batches; uses no RNG state and leaves the model in training mode."""
+    model.eval()
+    x, y = batch_for(data, step=-1, rank=0, seed=seed, batch=32, block=block)
+    loss = nn.functional.cross_entropy(model(x).view(-1, vocab), y.view(-1)).item()
+    model.train()
+    return loss
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -60,6 +70,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--eval-every", type=int, default=100, help="evaluate on held-out batches every N steps")
     return parser.parse_args()
 
 
@@ -74,7 +85,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = CharTransformer(len(vocab), d_model=64, n_head=4, n_layer=2, block=args.block)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, broadcast_buffers=False)  # the only buffer is a constant mask
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     torch.manual_seed(args.seed + 1 + rank)  # distinct dropout masks per rank
@@ -92,8 +103,12 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         warden.step_done(step + 1, loss=loss.item(), grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0])
-        if rank == 0 and (step + 1) % 50 == 0:
-            print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            with warden.phase("eval"):  # its own, longer hang timeout
+                eval_loss = evaluate(model, data, vocab=len(vocab), seed=args.seed, block=args.block)
+            warden.log.info("eval", step=step + 1, eval_loss=eval_loss)
+            if rank == 0:
+                print(f"step {step + 1}/{args.steps} loss {loss.item():.4f} eval {eval_loss:.4f}", flush=True)
     every = warden.config.save_checkpoint_steps
     if warden.step != start and every and args.steps % every:
         warden.save(args.steps)  # always leave the final state on disk

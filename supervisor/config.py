@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import yaml
 
 from supervisor.core import Policy
+from supervisor.hangs import HEARTBEAT_MODES, HangPolicy
 from worker.contract import WorkerConfig
 
 __all__ = ["ConfigError", "JobConfig", "RestartConfig", "StopConfig", "load_config", "parse_config"]
@@ -53,6 +55,7 @@ class JobConfig:
     env: dict[str, str] = field(default_factory=dict)
     restart: RestartConfig = field(default_factory=RestartConfig)
     stop: StopConfig = field(default_factory=StopConfig)
+    hang: HangPolicy = field(default_factory=HangPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def policy(self) -> Policy:
@@ -64,6 +67,7 @@ class JobConfig:
             backoff_max_s=self.restart.backoff_max_s,
             kill_grace_s=self.stop.kill_grace_s,
             sigkill_wait_s=self.stop.sigkill_wait_s,
+            hang=self.hang,
         )
 
 
@@ -76,6 +80,16 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "restart.backoff_max_s": (lambda v: v >= 0, "0 or more"),
     "stop.kill_grace_s": (lambda v: v >= 0, "0 or more"),
     "stop.sigkill_wait_s": (lambda v: v > 0, "more than 0"),
+    "hang.heartbeat": (lambda v: v in HEARTBEAT_MODES, f"one of {', '.join(HEARTBEAT_MODES)}"),
+    "hang.first_heartbeat_s": (lambda v: v > 0, "more than 0"),
+    "hang.phase_timeouts_s": (lambda v: all(t > 0 for t in v.values()), "a mapping of phases to seconds > 0"),
+    "hang.default_timeout_s": (lambda v: v > 0, "more than 0"),
+    "hang.stacks_timeout_s": (lambda v: v >= 0, "0 or more"),
+    "hang.calibration.multiplier": (lambda v: v >= 1, "at least 1"),
+    "hang.calibration.percentile": (lambda v: 0 < v <= 100, "in (0, 100]"),
+    "hang.calibration.floor_s": (lambda v: v > 0, "more than 0"),
+    "hang.calibration.min_samples": (lambda v: v >= 1, "at least 1"),
+    "hang.calibration.window": (lambda v: v >= 1, "at least 1"),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
     "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),
@@ -139,10 +153,12 @@ def _check(hint: Any, value: Any, source: str, name: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{source}: '{name}' must be a list of strings, got {_kind(value)}")
         return [_string(item, source, f"{name}[{i}]") for i, item in enumerate(value)]
-    if origin is dict:
+    if origin in (dict, Mapping):
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: '{name}' must be a mapping of names to strings, got {_kind(value)}")
-        return {str(k): _string(v, source, f"{name}.{k}") for k, v in value.items()}
+            raise ConfigError(f"{source}: '{name}' must be a mapping, got {_kind(value)}")
+        if params[1] is str:
+            return {str(k): _string(v, source, f"{name}.{k}") for k, v in value.items()}
+        return {str(k): _check_scalar(params[1], v, source, f"{name}.{k}") for k, v in value.items()}
     return _check_scalar(hint, value, source, name)
 
 

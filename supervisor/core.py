@@ -6,9 +6,11 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     STARTING --RanksLaunched--> RUNNING
     RUNNING  --ChildExited(0), last rank--> FINISHED
     RUNNING  --ChildExited(!=0)--> STOPPING (then relaunch, or fail when restarts are exhausted)
+    RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang)
     RUNNING  --SignalReceived--> STOPPING (then stopped)
     STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED
-    STOPPING --deadline--> SIGKILL; a second deadline --> FAILED (a rank survived SIGKILL)
+    STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL)
+    STOPPING --deadline in KILL--> FAILED (a rank survived SIGKILL)
     STOPPING --second SIGINT of the run--> SIGKILL now; a stop request cancels a pending relaunch
     BACKOFF  --deadline--> STARTING (next attempt)
     BACKOFF  --SignalReceived--> STOPPED
@@ -18,14 +20,19 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
+
+from supervisor.hangs import TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
 
 __all__ = [
     "Action",
     "ChildExited",
+    "DumpStacks",
     "Event",
+    "Hang",
     "HeartbeatSeen",
+    "KillLeftovers",
     "LaunchFailed",
     "LaunchRanks",
     "Phase",
@@ -35,13 +42,18 @@ __all__ = [
     "Record",
     "SignalRanks",
     "SignalReceived",
+    "StacksCollected",
     "Started",
     "State",
+    "StopStage",
     "Then",
     "Tick",
     "decide",
     "describe_exit",
     "initial_state",
+    "hang_deadline",
+    "next_deadline",
+    "rank_deadline",
 ]
 
 
@@ -67,6 +79,14 @@ class Then(Enum):
     RELAUNCH = "relaunch"
     FAIL = "fail"
     STOP = "stop"
+
+
+class StopStage(Enum):
+    """How far stopping has gone: collect stacks (after a hang), then SIGTERM, then SIGKILL."""
+
+    STACKS = "stacks"
+    TERM = "term"
+    KILL = "kill"
 
 
 # ---- events: past-tense facts -------------------------------------------------------------
@@ -115,6 +135,14 @@ class HeartbeatSeen:
 
 
 @dataclass(frozen=True)
+class StacksCollected:
+    """Stack dumps of a hung attempt's ranks were written (`paths`, possibly none)."""
+
+    attempt: int
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class SignalReceived:
     """The supervisor got a signal (SIGTERM, SIGINT, ...)."""
 
@@ -126,7 +154,7 @@ class Tick:
     """Time passed; deadlines are checked."""
 
 
-Event = Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | SignalReceived | Tick
+Event = Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | StacksCollected | SignalReceived | Tick
 
 # ---- actions: imperatives ------------------------------------------------------------------
 
@@ -147,6 +175,22 @@ class SignalRanks:
 
 
 @dataclass(frozen=True)
+class DumpStacks:
+    """Collect the Python stacks of every running rank; `faulthandler_ranks` have the worker library's handler."""
+
+    attempt: int
+    ranks: tuple[int, ...]
+    faulthandler_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KillLeftovers:
+    """SIGKILL whatever is left of `attempt`'s process trees (grandchildren outliving their rank)."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Record:
     """Write a decision to the supervisor's journal."""
 
@@ -155,7 +199,7 @@ class Record:
     fields: tuple[tuple[str, object], ...] = ()
 
 
-Action = LaunchRanks | SignalRanks | Record
+Action = LaunchRanks | SignalRanks | DumpStacks | KillLeftovers | Record
 
 # ---- state ---------------------------------------------------------------------------------
 
@@ -171,6 +215,7 @@ class Policy:
     backoff_max_s: float
     kill_grace_s: float
     sigkill_wait_s: float = 5.0
+    hang: HangPolicy = field(default_factory=HangPolicy)
 
     def backoff_s(self, restarts_done: int) -> float:
         """Delay before the next relaunch: none for the first, then exponential up to the cap."""
@@ -197,6 +242,19 @@ class RankState:
 
 
 @dataclass(frozen=True)
+class Hang:
+    """The newest hang: which rank went silent, in which phase, for how long, and where its stacks are."""
+
+    attempt: int
+    rank: int
+    phase: str
+    step: int | None
+    silent_s: float
+    timeout_s: float
+    stacks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class State:
     """Everything the supervisor knows about the run."""
 
@@ -207,8 +265,12 @@ class State:
     ranks: tuple[RankState, ...] = ()
     deadline: float | None = None  # monotonic; meaning depends on the phase
     then: Then | None = None
-    sigkill_sent: bool = False
+    stop_stage: StopStage | None = None
     interrupts: int = 0  # SIGINTs so far: the second one kills at once
+    launched_at: float | None = None  # monotonic launch time of the current attempt
+    heartbeats_seen: bool = False  # some rank of this run has ever beaten: the script uses the worker library
+    step_gaps: tuple[float, ...] = ()  # seconds between consecutive train beats, all ranks, all attempts
+    hang: Hang | None = None
     resume_step: int | None = None
     last_failure: str | None = None
     reason: str | None = None
@@ -218,8 +280,40 @@ class State:
         return {Phase.FINISHED: 0, Phase.STOPPED: 0, Phase.FAILED: 1}.get(self.phase)
 
 
-def initial_state(policy: Policy) -> State:
-    return State(policy=policy, ranks=tuple(RankState(r) for r in range(policy.nproc)))
+def initial_state(policy: Policy, step_gaps: tuple[float, ...] = ()) -> State:
+    """A run before its first launch; `step_gaps` carries calibration over from an earlier supervisor."""
+    return State(policy=policy, ranks=tuple(RankState(r) for r in range(policy.nproc)), step_gaps=step_gaps)
+
+
+def rank_deadline(state: State, rank: RankState) -> float | None:
+    """When `rank` must show a new heartbeat (monotonic), or None."""
+    if state.phase is not Phase.RUNNING or not rank.running or state.launched_at is None:
+        return None
+    hang = state.policy.hang
+    return beat_deadline(
+        hang,
+        phase=rank.heartbeat_phase,
+        last_beat=rank.heartbeat_monotonic,
+        launched_at=state.launched_at,
+        expect_beat=hang.heartbeat == "required" or state.heartbeats_seen,
+        gaps=state.step_gaps,
+    )
+
+
+def hang_deadline(state: State) -> float | None:
+    """When the job counts as hung: once every running rank with a deadline is past it.
+
+    In a collective job one stuck rank stalls every peer within a step, so all go silent; a rank
+    legitimately in a long phase (rank 0's slow save) keeps its peers, blocked waiting for it, alive.
+    """
+    deadlines = [d for r in state.ranks if (d := rank_deadline(state, r)) is not None]
+    return max(deadlines) if deadlines else None
+
+
+def next_deadline(state: State) -> float | None:
+    """The earliest moment a Tick can change anything: the phase deadline or the hang deadline."""
+    present = [d for d in (state.deadline, hang_deadline(state)) if d is not None]
+    return min(present) if present else None
 
 
 def describe_exit(returncode: int) -> str:
@@ -248,7 +342,8 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
     if event.attempt != state.attempt or state.phase is not Phase.STARTING:
         return state, []
     ranks = tuple(RankState(rank, pid=pid) for rank, pid in enumerate(event.pids))
-    state = replace(state, phase=Phase.RUNNING, ranks=ranks, resume_step=event.resume_step, deadline=None)
+    state = replace(state, phase=Phase.RUNNING, ranks=ranks, resume_step=event.resume_step, deadline=None,
+                    launched_at=now)
     record = _record("ranks_launched", attempt=event.attempt, pids=list(event.pids), resume_step=event.resume_step)
     return state, [record]
 
@@ -283,26 +378,47 @@ def _on_clean_exit(state: State, event: ChildExited) -> tuple[State, list[Action
 
 def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
     failure = f"rank {event.rank} {describe_exit(event.returncode)} in attempt {event.attempt}"
-    exhausted = state.restarts >= state.policy.max_restarts
-    then = Then.FAIL if exhausted else Then.RELAUNCH
+    then = _failure_outcome(state)
     state = replace(state, last_failure=failure)
     actions: list[Action] = [
         _record("rank_crashed", level="error", rank=event.rank, attempt=event.attempt, returncode=event.returncode,
                 description=describe_exit(event.returncode)),
     ]
-    if exhausted:
-        actions.append(_record("restarts_exhausted", level="error", restarts=state.restarts,
-                               max_restarts=state.policy.max_restarts))
     state, stop_actions = _begin_stop(state, then, now)
-    return state, actions + stop_actions
+    return state, actions + _exhausted_records(state, then) + stop_actions
 
 
-def _begin_stop(state: State, then: Then, now: float) -> tuple[State, list[Action]]:
-    state = replace(state, phase=Phase.STOPPING, then=then, sigkill_sent=False,
-                    deadline=now + state.policy.kill_grace_s)
+def _exhausted_records(state: State, then: Then) -> list[Action]:
+    if then is not Then.FAIL:
+        return []
+    return [_record("restarts_exhausted", level="error", restarts=state.restarts,
+                    max_restarts=state.policy.max_restarts)]
+
+
+def _failure_outcome(state: State) -> Then:
+    return Then.FAIL if state.restarts >= state.policy.max_restarts else Then.RELAUNCH
+
+
+def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = False) -> tuple[State, list[Action]]:
+    state = replace(state, phase=Phase.STOPPING, then=then)
     if not any(r.running for r in state.ranks):
         return _all_down(state, now)
+    if stacks_first:
+        running = tuple(r.rank for r in state.ranks if r.running)
+        with_handler = tuple(r.rank for r in state.ranks if r.running and r.heartbeat_seq is not None)
+        state = replace(state, stop_stage=StopStage.STACKS, deadline=now + state.policy.hang.stacks_timeout_s)
+        return state, [DumpStacks(state.attempt, running, with_handler)]
+    return _terminate(state, now)
+
+
+def _terminate(state: State, now: float) -> tuple[State, list[Action]]:
+    state = replace(state, stop_stage=StopStage.TERM, deadline=now + state.policy.kill_grace_s)
     return state, [SignalRanks(state.attempt, signal.SIGTERM)]
+
+
+def _kill(state: State, now: float) -> tuple[State, list[Action]]:
+    state = replace(state, stop_stage=StopStage.KILL, deadline=now + state.policy.sigkill_wait_s)
+    return state, [SignalRanks(state.attempt, signal.SIGKILL)]
 
 
 def _after_rank_down(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
@@ -315,15 +431,17 @@ def _after_rank_down(state: State, event: ChildExited, now: float) -> tuple[Stat
 
 
 def _all_down(state: State, now: float) -> tuple[State, list[Action]]:
+    actions: list[Action] = [KillLeftovers(state.attempt)]
+    state = replace(state, stop_stage=None)
     if state.then is Then.STOP:
         state = replace(state, phase=Phase.STOPPED, deadline=None, reason="stopped on request")
-        return state, [_record("run_stopped", attempt=state.attempt)]
+        return state, actions + [_record("run_stopped", attempt=state.attempt)]
     if state.then is Then.FAIL:
         reason = f"{state.last_failure}; restarts exhausted ({state.restarts}/{state.policy.max_restarts})"
-        return _fail(state, reason), []
+        return _fail(state, reason), actions
     delay = state.policy.backoff_s(state.restarts)
     state = replace(state, phase=Phase.BACKOFF, deadline=now + delay)
-    actions: list[Action] = [_record("relaunch_scheduled", attempt=state.attempt + 1, backoff_s=delay)]
+    actions.append(_record("relaunch_scheduled", attempt=state.attempt + 1, backoff_s=delay))
     if delay <= 0:
         state, launch = _relaunch(state)
         actions += launch
@@ -340,6 +458,7 @@ def _relaunch(state: State) -> tuple[State, list[Action]]:
         ranks=tuple(RankState(r) for r in range(state.policy.nproc)),
         deadline=None,
         then=None,
+        launched_at=None,
     )
     return state, [LaunchRanks(attempt)]
 
@@ -351,11 +470,24 @@ def _fail(state: State, reason: str) -> State:
 def _on_heartbeat(state: State, event: HeartbeatSeen, now: float) -> tuple[State, list[Action]]:
     if event.attempt != state.attempt or not 0 <= event.rank < len(state.ranks):
         return state, []
-    if state.ranks[event.rank].heartbeat_seq == event.seq:
+    before = state.ranks[event.rank]
+    if before.heartbeat_seq == event.seq:
         return state, []
+    if before.heartbeat_phase == TRAIN_PHASE == event.phase and before.heartbeat_monotonic is not None:
+        gaps = with_gap(state.step_gaps, now - before.heartbeat_monotonic, state.policy.hang.calibration.window)
+        state = replace(state, step_gaps=gaps)
     state = _update_rank(state, event.rank, step=event.step, heartbeat_seq=event.seq,
                          heartbeat_monotonic=now, heartbeat_phase=event.phase)
-    return state, []
+    return replace(state, heartbeats_seen=True), []
+
+
+def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tuple[State, list[Action]]:
+    if event.attempt != state.attempt or state.stop_stage is not StopStage.STACKS:
+        return state, []
+    if state.hang is not None:
+        state = replace(state, hang=replace(state.hang, stacks=event.paths))
+    state, actions = _terminate(state, now)
+    return state, [_record("stacks_collected", attempt=event.attempt, paths=list(event.paths)), *actions]
 
 
 def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, list[Action]]:
@@ -365,9 +497,9 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
     if state.phase is Phase.STOPPING:
         # A stop request cancels a pending relaunch, but a run already failing still fails.
         state = replace(state, then=Then.FAIL if state.then is Then.FAIL else Then.STOP)
-        if interrupts >= 2 and not state.sigkill_sent:  # a second Ctrl-C means now
-            state = replace(state, sigkill_sent=True, deadline=now + state.policy.sigkill_wait_s)
-            actions.append(SignalRanks(state.attempt, signal.SIGKILL))
+        if interrupts >= 2 and state.stop_stage is not StopStage.KILL:  # a second Ctrl-C means now
+            state, kill = _kill(state, now)
+            actions += kill
         return state, actions
     if state.phase is Phase.BACKOFF:
         state = replace(state, phase=Phase.STOPPED, deadline=None, reason="stopped on request")
@@ -384,22 +516,56 @@ def _signal_name(signum: int) -> str:
 
 
 def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]]:
+    if state.phase is Phase.RUNNING:
+        return _check_heartbeats(state, now)
     if state.deadline is None or now < state.deadline:
         return state, []
     if state.phase is Phase.BACKOFF:
         return _relaunch(state)
-    if state.phase is Phase.STOPPING and not state.sigkill_sent:
-        alive = [r.rank for r in state.ranks if r.running]
-        state = replace(state, sigkill_sent=True, deadline=now + state.policy.sigkill_wait_s)
-        return state, [
-            _record("stop_grace_expired", level="warning", ranks=alive, grace_s=state.policy.kill_grace_s),
-            SignalRanks(state.attempt, signal.SIGKILL),
-        ]
-    if state.phase is Phase.STOPPING:
-        stuck = [f"rank {r.rank} (pid {r.pid})" for r in state.ranks if r.running]
-        reason = f"{', '.join(stuck)} survived SIGKILL for {state.policy.sigkill_wait_s:g} s; not relaunching over it"
-        return _fail(state, reason), [_record("rank_unkillable", level="error", ranks=stuck)]
-    return state, []
+    if state.phase is not Phase.STOPPING:
+        return state, []
+    alive = [r.rank for r in state.ranks if r.running]
+    if state.stop_stage is StopStage.STACKS:
+        state, actions = _terminate(state, now)
+        return state, [_record("stacks_timed_out", level="warning", ranks=alive), *actions]
+    if state.stop_stage is StopStage.TERM:
+        state, actions = _kill(state, now)
+        return state, [_record("stop_grace_expired", level="warning", ranks=alive,
+                               grace_s=state.policy.kill_grace_s), *actions]
+    stuck = [f"rank {r.rank} (pid {r.pid})" for r in state.ranks if r.running]
+    reason = f"{', '.join(stuck)} survived SIGKILL for {state.policy.sigkill_wait_s:g} s; not relaunching over it"
+    return _fail(state, reason), [_record("rank_unkillable", level="error", ranks=stuck), KillLeftovers(state.attempt)]
+
+
+def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:
+    """Declare a hang once every rank is overdue, naming the one silent longest past its deadline."""
+    deadline = hang_deadline(state)
+    if deadline is None or now < deadline:
+        return state, []
+    overdue = [(d, r) for r in state.ranks if (d := rank_deadline(state, r)) is not None]
+    _, rank = min(overdue, key=lambda pair: pair[0])
+    hang = _describe_hang(state, rank, now)
+    where = "before its first heartbeat" if rank.heartbeat_phase is None else f"in phase {hang.phase}"
+    after = "" if hang.step is None else f" (last heartbeat at step {hang.step})"
+    failure = (f"rank {rank.rank} hung {where}{after}: no heartbeat for {hang.silent_s:.1f} s "
+               f"(timeout {hang.timeout_s:g} s) in attempt {state.attempt}")
+    then = _failure_outcome(state)
+    state = replace(state, hang=hang, last_failure=failure)
+    record = _record("hang_detected", level="error", rank=rank.rank, attempt=state.attempt, phase=hang.phase,
+                     step=hang.step, silent_s=round(hang.silent_s, 3), timeout_s=hang.timeout_s)
+    state, stop = _begin_stop(state, then, now, stacks_first=True)
+    return state, [record, *_exhausted_records(state, then), *stop]
+
+
+def _describe_hang(state: State, rank: RankState, now: float) -> Hang:
+    hang = state.policy.hang
+    if rank.heartbeat_monotonic is None or rank.heartbeat_phase is None:
+        assert state.launched_at is not None
+        silent, phase, timeout = now - state.launched_at, "launch", hang.first_heartbeat_s
+    else:
+        silent, phase = now - rank.heartbeat_monotonic, rank.heartbeat_phase
+        timeout = phase_timeout(hang, phase, state.step_gaps)
+    return Hang(attempt=state.attempt, rank=rank.rank, phase=phase, step=rank.step, silent_s=silent, timeout_s=timeout)
 
 
 def _update_rank(state: State, rank: int, **changes: object) -> State:
@@ -418,6 +584,7 @@ _HANDLERS = {
     LaunchFailed: _on_launch_failed,
     ChildExited: _on_child_exited,
     HeartbeatSeen: _on_heartbeat,
+    StacksCollected: _on_stacks_collected,
     SignalReceived: _on_signal,
     Tick: _on_tick,
 }

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from supervisor.config import JobConfig
+from supervisor.trees import die_with_parent
 from worker.contract import ENV_ATTEMPT, ENV_RESUME_STEP, ENV_RUN_DIR, ENV_WORKER_CONFIG, RunLayout
 
 __all__ = ["Ranks", "free_port", "launch_ranks", "rank_argv"]
@@ -35,10 +36,16 @@ class Ranks:
                 continue
             try:
                 os.killpg(proc.pid, signum)  # the rank leader's pid is its group id
+                if signum == signal.SIGTERM:
+                    os.killpg(proc.pid, signal.SIGCONT)  # a frozen (SIGSTOPped) rank must be able to act on it
                 sent.append(rank)
             except ProcessLookupError:
                 pass
         return sent
+
+    @property
+    def pids(self) -> set[int]:
+        return {proc.pid for proc in self.procs}
 
 
 def free_port(host: str) -> int:
@@ -102,9 +109,10 @@ def _spawn(argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int
     out_path = layout.attempt_log(attempt, rank, "out")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "ab") as out, open(layout.attempt_log(attempt, rank, "err"), "ab") as err:
-        # start_new_session: the rank leads its own process group, so killpg reaches its whole tree.
+        # start_new_session: the rank leads its own process group, so killpg reaches its whole tree;
+        # die_with_parent: a SIGKILLed supervisor takes its ranks along.
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent)
 
 
 def _wait(proc: subprocess.Popen, attempt: int, rank: int, on_exit: Callable[[int, int, int], None]) -> None:

@@ -2,41 +2,67 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import queue
 import signal
+import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import IO, Any
+
+import psutil
 
 from supervisor.config import JobConfig
 from supervisor.core import (
     Action,
     ChildExited,
+    DumpStacks,
     Event,
+    KillLeftovers,
     LaunchFailed,
     LaunchRanks,
     RanksLaunched,
     Record,
     SignalRanks,
     SignalReceived,
+    StacksCollected,
     Started,
     State,
     Tick,
     decide,
     initial_state,
+    next_deadline,
 )
 from supervisor.journal import Journal
 from supervisor.ranks import Ranks, launch_ranks
-from supervisor.status import snapshot, write_status
+from supervisor.stacks import start_stack_collection
+from supervisor.status import StatusError, read_status, snapshot, write_status
+from supervisor.trees import (
+    become_subreaper,
+    descendants,
+    kill_predecessor_leftovers,
+    reap_orphans,
+    record_pids,
+    sigkill,
+)
 from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
 from worker.contract import RunLayout, complete_checkpoint_steps, unlink_quietly
 
-__all__ = ["RunDirBusy", "Supervisor", "lock_run_dir"]
+__all__ = ["LeftoversSurvived", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
 POLL_INTERVAL_S = 1.0  # re-read heartbeats and refresh the state file this often, events or not
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class LeftoversSurvived:
+    """Processes that were still alive `sigkill_wait_s` after SIGKILL (uninterruptible sleep)."""
+
+    attempt: int
+    processes: tuple[dict[str, Any], ...]
 
 
 class RunDirBusy(Exception):
@@ -67,7 +93,7 @@ class Supervisor:
         self.config = config
         self.layout = layout
         self.log = journal.log
-        self.state: State = initial_state(config.policy())
+        self.state: State = initial_state(config.policy(), step_gaps=_previous_step_gaps(layout))
         self._config_path = config_path
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ranks: Ranks | None = None
@@ -75,13 +101,16 @@ class Supervisor:
         self._next_poll = 0.0
         self._unreadable: set[int] = set()
         self._started_at = time.time()
+        self._recorded_pids: set[int] = set()
 
     def run(self) -> int:
         """Supervise until the run finishes, fails or is stopped."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in HANDLED_SIGNALS}
         self._watcher.start()
         self.log.info("supervisor_started", pid=os.getpid(), config=self._config_path, run_dir=str(self.layout.root),
-                      nproc=self.config.nproc_per_node)
+                      nproc=self.config.nproc_per_node, subreaper=become_subreaper())
+        for leftover in kill_predecessor_leftovers(self.layout):
+            self.log.warning("predecessor_leftover_killed", **leftover)
         try:
             self._handle(Started())
             while not self.state.phase.terminal:
@@ -105,7 +134,8 @@ class Supervisor:
 
     def _next_event(self) -> Any:
         now = time.monotonic()
-        wake = self._next_poll if self.state.deadline is None else min(self._next_poll, self.state.deadline)
+        deadline = next_deadline(self.state)
+        wake = self._next_poll if deadline is None else min(self._next_poll, deadline)
         if now >= wake:
             return Tick()
         try:
@@ -130,8 +160,25 @@ class Supervisor:
             return self._read_heartbeats([item.rank])
         if isinstance(item, Tick):
             self._next_poll = time.monotonic() + POLL_INTERVAL_S
+            self._track_processes()
             return [*self._read_heartbeats(range(self.config.nproc_per_node)), item]
+        if isinstance(item, LeftoversSurvived):
+            self.log.error("process_unkillable", attempt=item.attempt, processes=item.processes)
+            return []
         return [item]
+
+    def _track_processes(self) -> None:
+        """Record the run's processes for a successor, and reap adopted orphans."""
+        managed = self._ranks.pids if self._ranks else set()
+        reap_orphans(managed)
+        procs = descendants()
+        pids = {proc.pid for proc in procs}
+        if pids != self._recorded_pids:
+            self._recorded_pids = pids
+            try:
+                record_pids(self.layout, procs)
+            except OSError as exc:
+                self.log.error("pids_write_failed", error=str(exc))
 
     def _read_heartbeats(self, ranks: Any) -> list[Event]:
         events: list[Event] = []
@@ -158,7 +205,36 @@ class Supervisor:
             return self._signal_ranks(action)
         if isinstance(action, LaunchRanks):
             return [self._launch(action.attempt)]
+        if isinstance(action, DumpStacks):
+            return self._dump_stacks(action)
+        if isinstance(action, KillLeftovers):
+            return self._kill_tree_leftovers(action.attempt)
         raise TypeError(f"unknown action {action!r}")
+
+    def _dump_stacks(self, action: DumpStacks) -> list[Event]:
+        if self._ranks is None or self._ranks.attempt != action.attempt:
+            return [StacksCollected(action.attempt, ())]
+        pids = {rank: self._ranks.procs[rank].pid for rank in action.ranks}
+        start_stack_collection(self.layout, action.attempt, pids, action.faulthandler_ranks, self._inbox.put_nowait)
+        return []
+
+    def _kill_tree_leftovers(self, attempt: int) -> list[Event]:
+        """SIGKILL every descendant that is not a rank leader; report (from a thread) any that survives."""
+        managed = self._ranks.pids if self._ranks else set()
+        hit = sigkill(p for p in descendants() if p.pid not in managed)
+        if hit:
+            self.log.warning("leftovers_killed", attempt=attempt, pids=[p.pid for p in hit])
+            threading.Thread(target=self._await_leftovers, args=(attempt, hit), daemon=True).start()
+        return []
+
+    def _await_leftovers(self, attempt: int, procs: list[psutil.Process]) -> None:
+        _, alive = psutil.wait_procs(procs, timeout=self.config.stop.sigkill_wait_s)
+        survivors = []
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                survivors.append({"pid": proc.pid, "name": proc.name(), "status": proc.status()})
+        if survivors:
+            self._inbox.put_nowait(LeftoversSurvived(attempt, tuple(survivors)))
 
     def _signal_ranks(self, action: SignalRanks) -> list[Event]:
         if self._ranks is None or self._ranks.attempt != action.attempt:
@@ -187,10 +263,10 @@ class Supervisor:
         return steps[-1] if steps else None
 
     def _kill_leftovers(self) -> None:
-        """On any way out, no rank outlives the supervisor."""
-        if self._ranks is None:
-            return
-        self._ranks.signal(signal.SIGKILL, only=lambda rank: self._ranks.procs[rank].poll() is None)
+        """On any way out, no process of the run outlives the supervisor."""
+        if self._ranks is not None:
+            self._ranks.signal(signal.SIGKILL, only=lambda rank: self._ranks.procs[rank].poll() is None)
+        sigkill(descendants())
 
     def _write_status(self, *, durable: bool) -> None:
         steps = complete_checkpoint_steps(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
@@ -206,3 +282,12 @@ class Supervisor:
             write_status(self.layout, snapshot(self.state, now=time.monotonic(), extra=extra), durable=durable)
         except OSError as exc:  # a full disk must not kill supervision; the journal says why status is stale
             self.log.error("status_write_failed", error=str(exc))
+
+
+def _previous_step_gaps(layout: RunLayout) -> tuple[float, ...]:
+    """Calibration samples a previous supervisor of this run dir kept, so a restart does not start blind."""
+    try:
+        gaps = read_status(layout).get("calibration", {}).get("step_gaps", [])
+        return tuple(float(g) for g in gaps)
+    except (StatusError, AttributeError, TypeError, ValueError):
+        return ()

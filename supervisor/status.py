@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 from typing import Any
 
 from supervisor.core import State
+from supervisor.hangs import TRAIN_PHASE, phase_timeout
 from worker.contract import RunLayout, atomic_write_json, read_json
 
 __all__ = ["StatusError", "read_status", "render", "snapshot", "write_status"]
@@ -31,6 +33,13 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "ranks": ranks,
         "heartbeats": "on" if any(r.heartbeat_seq is not None for r in state.ranks) else "off",
         "resumed_from": None if state.resume_step is None else {"step": state.resume_step},
+        "hang": None if state.hang is None else {**asdict(state.hang), "silent_s": round(state.hang.silent_s, 3)},
+        "calibration": {
+            "enabled": state.policy.hang.calibration.enabled,
+            "train_timeout_s": phase_timeout(state.policy.hang, TRAIN_PHASE, state.step_gaps),
+            "samples": len(state.step_gaps),
+            "step_gaps": [round(g, 4) for g in state.step_gaps],
+        },
         "last_failure": state.last_failure,
         "reason": state.reason,
         "updated_at": time.time(),
@@ -78,6 +87,11 @@ def render(status: dict[str, Any]) -> str:
         beat = "no heartbeat" if age is None else f"heartbeat {age:.1f} s ago ({rank.get('heartbeat_phase')})"
         code = "" if rank.get("returncode") is None else f", exit {rank['returncode']}"
         lines.append(f"  rank {rank['rank']}: pid {rank['pid']}, step {rank['step']}, {beat}{code}")
+    if hang := status.get("hang"):
+        stacks = ", ".join(hang["stacks"]) or "none collected"
+        lines.append(f"  hang: rank {hang['rank']} in phase {hang['phase']} at step {hang['step']}, silent "
+                     f"{hang['silent_s']:.1f} s (timeout {hang['timeout_s']:g} s), attempt {hang['attempt']}; "
+                     f"stacks: {stacks}")
     if status.get("last_failure"):
         lines.append(f"  last failure: {status['last_failure']}")
     if status.get("reason"):

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -22,6 +23,7 @@ __all__ = [
     "EXIT_ANOMALY",
     "EXIT_CONFIG",
     "EXIT_FAILED",
+    "STACK_DUMP_SIGNAL",
     "RunLayout",
     "atomic_write_bytes",
     "WorkerConfig",
@@ -39,6 +41,9 @@ ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
 ENV_RESUME_STEP = "TRAINWARDEN_RESUME_STEP"
 # JSON object: the `worker:` section of the job config.
 ENV_WORKER_CONFIG = "TRAINWARDEN_WORKER_CONFIG"
+
+# The supervisor asks a rank leader for its Python stacks with this signal (faulthandler dumps them).
+STACK_DUMP_SIGNAL = signal.SIGUSR2
 
 # Exit codes. 65 and 78 are sysexits' EX_DATAERR and EX_CONFIG, which operators and systemd know.
 EXIT_FAILED = 1  # supervisor: restarts exhausted or a rank could not be stopped
@@ -79,6 +84,11 @@ class RunLayout:
         return self.root / "supervisor" / "lock"
 
     @property
+    def pids_file(self) -> Path:
+        """Rank processes (pid and start time) of the running attempt, for a successor to clean up."""
+        return self.root / "supervisor" / "pids.json"
+
+    @property
     def state_file(self) -> Path:
         return self.root / "supervisor" / "state.json"
 
@@ -98,6 +108,14 @@ class RunLayout:
 
     def rank_events(self, rank: int) -> Path:
         return self.rank_dir(rank) / "events.jsonl"
+
+    def stack_dump(self, rank: int, attempt: int) -> Path:
+        """faulthandler's dump of every thread, written by the rank itself on STACK_DUMP_SIGNAL."""
+        return self.rank_dir(rank) / f"stacks_attempt_{attempt}.txt"
+
+    def pyspy_dump(self, rank: int, attempt: int) -> Path:
+        """`py-spy dump` of the rank, taken from outside by the supervisor."""
+        return self.rank_dir(rank) / f"pyspy_attempt_{attempt}.txt"
 
     def attempt_log(self, attempt: int, rank: int, stream: str) -> Path:
         return self.root / "logs" / f"attempt_{attempt}" / f"rank_{rank}.{stream}"

@@ -1,63 +1,93 @@
-"""Fault injection for demos and tests: real faults (SIGKILL, a torn save) at a chosen rank and step.
+"""Fault injection for demos and tests: real faults (SIGKILL, hangs, SIGSTOP, slow saves) at a chosen rank and step.
 
-`TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP` items, e.g. `1:sigkill@25`.
+`TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP[:SECONDS]` items, e.g. `1:hang@25`.
 A fault fires only in the first attempt of a run, so the relaunched run can pass the same step.
 Kinds:
 - `sigkill`: the rank SIGKILLs itself right after finishing step STEP.
 - `sigkill_in_save`: the rank SIGKILLs itself halfway through writing its checkpoint of step STEP.
+- `hang`: after step STEP the rank sleeps forever, so its peers block in the next step's all-reduce.
+- `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
+- `sigstop`: the rank freezes itself with SIGSTOP after step STEP (as `kill -STOP` from outside would).
+- `slow_save`: the checkpoint save of step STEP takes SECONDS longer (default 5).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
-__all__ = ["ENV_FAULTS", "KINDS", "Fault", "FaultPlan", "parse_faults"]
+__all__ = ["ENV_FAULTS", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_faults"]
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
-KINDS = ("sigkill", "sigkill_in_save")
+KINDS = ("sigkill", "sigkill_in_save", "hang", "hang_in_save", "sigstop", "slow_save")
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault to inject: what, on which rank, at which step."""
+    """One fault to inject: what, on which rank, at which step, with an optional duration."""
 
     rank: int
     kind: str
     step: int
+    seconds: float = 5.0
 
 
 def parse_faults(spec: str) -> list[Fault]:
-    """Parse `RANK:KIND@STEP[,...]`; raises ValueError naming the bad item."""
-    faults = []
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        try:
-            rank, rest = item.split(":", 1)
-            kind, step = rest.split("@", 1)
-            fault = Fault(rank=int(rank), kind=kind, step=int(step))
-        except ValueError:
-            raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP") from None
-        if fault.kind not in KINDS:
-            raise ValueError(f"{ENV_FAULTS}: unknown fault kind {fault.kind!r} in {item!r}; known: {KINDS}")
-        faults.append(fault)
-    return faults
+    """Parse `RANK:KIND@STEP[:SECONDS][,...]`; raises ValueError naming the bad item."""
+    return [_parse_item(item) for item in (part.strip() for part in spec.split(",")) if item]
+
+
+def _parse_item(item: str) -> Fault:
+    try:
+        rank, rest = item.split(":", 1)
+        kind, when = rest.split("@", 1)
+        step, _, seconds = when.partition(":")
+        fault = Fault(rank=int(rank), kind=kind, step=int(step), seconds=float(seconds) if seconds else 5.0)
+    except ValueError:
+        raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP[:SECONDS]") from None
+    if fault.kind not in KINDS:
+        raise ValueError(f"{ENV_FAULTS}: unknown fault kind {fault.kind!r} in {item!r}; known: {', '.join(KINDS)}")
+    return fault
 
 
 class FaultPlan:
-    """The faults armed for this rank in this attempt; `due()` is a set lookup, cheap every step."""
+    """The faults armed for this rank in this attempt; `due()` is a dict lookup, cheap every step."""
 
     def __init__(self, faults: list[Fault], *, rank: int, attempt: int) -> None:
         armed = attempt == 0
-        self._due = {(f.kind, f.step) for f in faults if armed and f.rank == rank}
+        self._due = {(f.kind, f.step): f for f in faults if armed and f.rank == rank}
 
     @classmethod
     def from_env(cls, *, rank: int, attempt: int) -> FaultPlan:
         return cls(parse_faults(os.environ.get(ENV_FAULTS, "")), rank=rank, attempt=attempt)
 
-    def due(self, kind: str, step: int) -> bool:
-        return bool(self._due) and (kind, step) in self._due
+    def due(self, kind: str, step: int) -> Fault | None:
+        return self._due.get((kind, step)) if self._due else None
 
-    @staticmethod
-    def kill_self() -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
+    def after_step(self, step: int) -> None:
+        """Fire the faults that strike between steps."""
+        if not self._due:
+            return
+        if self.due("sigkill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.due("sigstop", step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.due("hang", step):
+            hang_forever()
+
+    def in_save(self, step: int) -> None:
+        """Fire the faults that strike inside a checkpoint save, before anything is written."""
+        if not self._due:
+            return
+        if slow := self.due("slow_save", step):
+            time.sleep(slow.seconds)
+        if self.due("hang_in_save", step):
+            hang_forever()
+
+
+def hang_forever() -> None:
+    """Block like a rank stuck in a collective that never returns (only a signal ends it)."""
+    while True:
+        time.sleep(3600)

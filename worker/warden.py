@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
+import signal
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,7 @@ from worker.contract import (
     ENV_ATTEMPT,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
+    STACK_DUMP_SIGNAL,
     RunLayout,
     WorkerConfig,
     complete_checkpoint_steps,
@@ -30,6 +35,7 @@ class Warden:
     """Heartbeats, step events, checkpoints and exact resume for one rank of a training job.
 
     Reads its rank and run directory from the environment (the supervisor's, or torchrun's).
+    Phases (`startup`, `train`, `save`, `eval` or any name) tell the supervisor which timeout applies.
     """
 
     def __init__(
@@ -62,8 +68,10 @@ class Warden:
             self.layout.rank_events(self.rank), rank=self.rank, attempt=self.attempt
         )
         self.step = 0
+        self._phase = "startup"
         self._last_step_end = time.perf_counter()
-        self._heartbeat.beat(0, "startup", force=True)
+        self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt))
+        self._heartbeat.beat(0, self._phase, force=True)
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
 
     def resume(self) -> int:
@@ -97,17 +105,36 @@ class Warden:
             step_time_s=round(step_time_s, 6),
             **fields,
         )
+        self._phase = "train"
         self._heartbeat.beat(step, "train")
-        if self._faults.due("sigkill", step):
-            self._faults.kill_self()
+        self._faults.after_step(step)
         every = self.config.save_checkpoint_steps
         if every and step % every == 0:
             self.save(step)
 
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a stretch of work (`eval`, `save`, a custom name) so the supervisor applies its timeout."""
+        previous, self._phase = self._phase, name
+        self._heartbeat.beat(self.step, name, force=True)
+        try:
+            yield
+        finally:
+            self._phase = previous
+            self._heartbeat.beat(self.step, previous, force=True)
+
+    def beat(self) -> None:
+        """Show progress inside a long phase (an eval loop, a slow data fetch); throttled, never raises."""
+        self._heartbeat.beat(self.step, self._phase)
+
     def save(self, step: int) -> Path:
         """Save this rank's checkpoint of `step` atomically (all ranks must save the same steps)."""
+        with self.phase("save"):
+            return self._save(step)
+
+    def _save(self, step: int) -> Path:
         started = time.perf_counter()
-        self._heartbeat.beat(step, "save", force=True)
+        self._faults.in_save(step)
         payload = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -126,14 +153,14 @@ class Warden:
             before_rename=self._torn_save if self._faults.due("sigkill_in_save", step) else None,
         )
         self.log.info("checkpoint_saved", step=step, path=str(path), duration_s=round(time.perf_counter() - started, 4))
-        self._heartbeat.beat(step, "train", force=True)
         return path
 
     def finish(self) -> None:
         """Mark the rank done and close its event log."""
         self.log.info("rank_finished", step=self.step)
+        self._phase = "done"
         self._heartbeat.beat(self.step, "done", force=True)
-        self._log_stream.close()
+        self._close()
 
     def __enter__(self) -> Warden:
         return self
@@ -142,7 +169,13 @@ class Warden:
         if exc_type is None:
             self.finish()
         else:
-            self._log_stream.close()
+            self._close()
+
+    def _close(self) -> None:
+        self._log_stream.close()
+        if self._stacks is not None:
+            faulthandler.unregister(STACK_DUMP_SIGNAL)
+            self._stacks.close()
 
     def _resume_step(self) -> int | None:
         named = os.environ.get(ENV_RESUME_STEP)
@@ -156,4 +189,19 @@ class Warden:
     def _torn_save(self, tmp: Path) -> None:
         # Leave the half-written temporary file a kill mid-write would leave, then die by SIGKILL.
         os.truncate(tmp, tmp.stat().st_size // 2)
-        self._faults.kill_self()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _register_stack_dump(path: Path) -> Any:
+    """Dump every thread's Python stack to `path` when the supervisor sends STACK_DUMP_SIGNAL.
+
+    faulthandler writes from the C signal handler, so it works while the main thread is stuck in a collective.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stream = open(path, "a")  # noqa: SIM115 - must stay open for the handler
+        faulthandler.register(STACK_DUMP_SIGNAL, file=stream, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError) as exc:  # no stack dumps is better than no training
+        print(f"trainwarden: cannot register the stack dump handler: {exc}", file=sys.stderr)
+        return None
+    return stream

@@ -186,7 +186,7 @@ def test_null_section_refused(tmp_path):
 def test_env_list_refused(tmp_path):
     """A list given for `env` is refused by key name."""
     message = refusal(tmp_path, "script: t.py\nenv: [OMP_NUM_THREADS]\n")
-    assert "'env' must be a mapping of names to strings, got a list" in message
+    assert "'env' must be a mapping, got a list" in message
 
 
 def test_non_list_args_refused(tmp_path):

@@ -10,7 +10,10 @@ import pytest
 from supervisor.core import (
     Action,
     ChildExited,
+    DumpStacks,
+    Hang,
     HeartbeatSeen,
+    KillLeftovers,
     LaunchFailed,
     LaunchRanks,
     Phase,
@@ -20,14 +23,20 @@ from supervisor.core import (
     Record,
     SignalRanks,
     SignalReceived,
+    StacksCollected,
     Started,
     State,
+    StopStage,
     Then,
     Tick,
     decide,
     describe_exit,
+    hang_deadline,
     initial_state,
+    next_deadline,
+    rank_deadline,
 )
+from supervisor.hangs import Calibration
 
 NOW = 1000.0
 PIDS = (100, 101)
@@ -65,6 +74,48 @@ def backoff(policy: Policy = POLICY) -> State:
     state = stopping_for_crash(policy, restarts=1)
     state, _ = decide(state, ChildExited(1, 1, -15), NOW)
     assert state.phase is Phase.BACKOFF
+    return state
+
+
+SOLO = replace(POLICY, nproc=1)
+HUNG_AT = NOW + 310.0  # `silent()`: rank 1, the last to beat (NOW + 10), passes the 300 s train timeout
+HUNG = Hang(attempt=0, rank=0, phase="train", step=10, silent_s=305.0, timeout_s=300.0)  # rank 0 beat at NOW + 5
+STACKS = ("stacks/attempt-0-rank-0.txt", "stacks/attempt-0-rank-1.txt")
+
+
+def with_hang(policy: Policy = POLICY, **changes: object) -> Policy:
+    """`policy` with some `HangPolicy` fields changed."""
+    return replace(policy, hang=replace(policy.hang, **changes))
+
+
+def calibrating(policy: Policy = SOLO, **changes: object) -> Policy:
+    """`policy` with calibration on after 3 gaps (multiplier 10, p99, floor 30 s), plus `changes`."""
+    return with_hang(policy, calibration=Calibration(enabled=True, min_samples=3, **changes))
+
+
+def beat(state: State, rank: int, seq: int, at: float, phase: str = "train", step: int = 10) -> State:
+    """`state` after rank `rank` of the current attempt showed heartbeat `seq` at `at`."""
+    state, actions = decide(state, HeartbeatSeen(state.attempt, rank, seq=seq, step=step, phase=phase), at)
+    assert actions == []
+    return state
+
+
+def train_beats(state: State, times: list[float], rank: int = 0) -> State:
+    """`state` after rank `rank` showed consecutive `train` heartbeats at `times`."""
+    for seq, at in enumerate(times, start=1):
+        state = beat(state, rank, seq, at, step=seq)
+    return state
+
+
+def silent(policy: Policy = POLICY, *, restarts: int = 0) -> State:
+    """RUNNING with both ranks silent after one `train` beat at step 10: rank 0 at NOW + 5, rank 1 at NOW + 10."""
+    return beat(beat(running(policy, restarts=restarts), 0, 1, NOW + 5), 1, 1, NOW + 10)
+
+
+def hung(policy: Policy = POLICY, *, restarts: int = 0) -> State:
+    """STOPPING in the STACKS stage after `silent()` was declared hung at HUNG_AT."""
+    state, _ = decide(silent(policy, restarts=restarts), Tick(), HUNG_AT)
+    assert (state.phase, state.stop_stage) == (Phase.STOPPING, StopStage.STACKS)
     return state
 
 
@@ -143,7 +194,8 @@ def test_signal_while_starting_stops_at_once():
     assert state.phase is Phase.STOPPED
     assert state.deadline is None
     assert state.reason == "stopped on request"
-    assert shape(actions) == ["signal_received", "run_stopped"]
+    assert state.stop_stage is None
+    assert shape(actions) == ["signal_received", KillLeftovers(0), "run_stopped"]
 
 
 # ---- running ----------------------------------------------------------------------------------
@@ -174,7 +226,7 @@ def test_running_child_exited_nonzero_begins_stop_with_sigterm():
     state, actions = decide(running(), ChildExited(0, 1, 3), NOW)
     assert state.phase is Phase.STOPPING
     assert state.deadline == NOW + 10.0
-    assert state.sigkill_sent is False
+    assert state.stop_stage is StopStage.TERM
     assert state.last_failure == "rank 1 exited with code 3 in attempt 0"
     assert state.ranks[1].returncode == 3
     assert shape(actions) == ["rank_crashed", SignalRanks(0, signal.SIGTERM)]
@@ -195,7 +247,8 @@ def test_crash_of_last_running_rank_relaunches_at_once():
     state, actions = decide(state, ChildExited(0, 1, 2), NOW)
     assert state.phase is Phase.STARTING
     assert (state.attempt, state.restarts) == (1, 1)
-    assert shape(actions) == ["rank_crashed", "relaunch_scheduled", LaunchRanks(1)]
+    assert state.stop_stage is None
+    assert shape(actions) == ["rank_crashed", KillLeftovers(0), "relaunch_scheduled", LaunchRanks(1)]
 
 
 def test_child_exit_of_old_attempt_ignored():
@@ -285,7 +338,8 @@ def test_first_relaunch_has_no_backoff():
     assert (state.attempt, state.restarts) == (1, 1)
     assert state.deadline is None
     assert state.ranks == (RankState(0), RankState(1))
-    assert shape(actions) == ["rank_stopped", "relaunch_scheduled", LaunchRanks(1)]
+    assert state.stop_stage is None
+    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled", LaunchRanks(1)]
     assert dict(record(actions, "relaunch_scheduled").fields) == {"attempt": 1, "backoff_s": 0.0}
 
 
@@ -295,7 +349,8 @@ def test_later_relaunch_enters_backoff():
     assert state.phase is Phase.BACKOFF
     assert (state.attempt, state.restarts) == (1, 1)
     assert state.deadline == NOW + 1 + 1.0
-    assert shape(actions) == ["rank_stopped", "relaunch_scheduled"]
+    assert state.stop_stage is None
+    assert shape(actions) == ["rank_stopped", KillLeftovers(1), "relaunch_scheduled"]
     assert dict(record(actions, "relaunch_scheduled").fields) == {"attempt": 2, "backoff_s": 1.0}
 
 
@@ -341,7 +396,8 @@ def test_restarts_exhausted_fails_after_ranks_down():
     assert state.phase is Phase.FAILED
     assert state.exit_code == 1
     assert state.reason == "rank 0 exited with code 3 in attempt 3; restarts exhausted (3/3)"
-    assert shape(actions) == ["rank_stopped"]
+    assert state.stop_stage is None
+    assert shape(actions) == ["rank_stopped", KillLeftovers(3)]
 
 
 def test_no_restarts_allowed_single_rank_crash_fails_at_once():
@@ -350,7 +406,7 @@ def test_no_restarts_allowed_single_rank_crash_fails_at_once():
     state, actions = decide(running(policy), ChildExited(0, 0, 1), NOW)
     assert state.phase is Phase.FAILED
     assert state.reason == "rank 0 exited with code 1 in attempt 0; restarts exhausted (0/0)"
-    assert shape(actions) == ["rank_crashed", "restarts_exhausted"]
+    assert shape(actions) == ["rank_crashed", "restarts_exhausted", KillLeftovers(0)]
 
 
 # ---- stop deadlines ---------------------------------------------------------------------------
@@ -366,7 +422,7 @@ def test_stopping_deadline_sends_sigkill():
     """At the grace deadline the surviving ranks get SIGKILL and a second, shorter deadline starts."""
     state, actions = decide(stopping_for_crash(), Tick(), NOW + 10.0)
     assert state.phase is Phase.STOPPING
-    assert state.sigkill_sent is True
+    assert state.stop_stage is StopStage.KILL
     assert state.deadline == NOW + 10.0 + 5.0
     assert shape(actions) == ["stop_grace_expired", SignalRanks(0, signal.SIGKILL)]
     expired = record(actions, "stop_grace_expired")
@@ -380,7 +436,8 @@ def test_rank_exit_after_sigkill_completes_stop():
     state, actions = decide(state, ChildExited(0, 1, -9), NOW + 10.1)
     assert state.phase is Phase.STARTING
     assert state.attempt == 1
-    assert shape(actions) == ["rank_stopped", "relaunch_scheduled", LaunchRanks(1)]
+    assert state.stop_stage is None
+    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled", LaunchRanks(1)]
 
 
 def test_stopping_second_deadline_fails_unkillable():
@@ -390,7 +447,7 @@ def test_stopping_second_deadline_fails_unkillable():
     assert state.phase is Phase.FAILED
     assert state.deadline is None
     assert state.reason.startswith("rank 1 (pid 101) survived SIGKILL for 5 s; ")
-    assert shape(actions) == ["rank_unkillable"]
+    assert shape(actions) == ["rank_unkillable", KillLeftovers(0)]
     assert actions[0].level == "error"
     assert dict(actions[0].fields) == {"ranks": ["rank 1 (pid 101)"]}
 
@@ -403,7 +460,7 @@ def test_signal_while_running_stops_ranks():
     state, actions = decide(running(), SignalReceived(signal.SIGTERM), NOW)
     assert state.phase is Phase.STOPPING
     assert state.deadline == NOW + 10.0
-    assert state.sigkill_sent is False
+    assert state.stop_stage is StopStage.TERM
     assert shape(actions) == ["signal_received", SignalRanks(0, signal.SIGTERM)]
     assert dict(actions[0].fields) == {"signal": "SIGTERM", "phase": "running"}
 
@@ -417,7 +474,8 @@ def test_stop_on_request_ends_stopped_when_ranks_down():
     assert state.exit_code == 0
     assert state.deadline is None
     assert state.reason == "stopped on request"
-    assert shape(actions) == ["rank_stopped", "run_stopped"]
+    assert state.stop_stage is None
+    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "run_stopped"]
 
 
 def test_signal_while_stopping_for_crash_stops_instead_of_relaunch():
@@ -434,7 +492,7 @@ def test_sigterm_while_stopping_does_not_escalate():
     """A second SIGTERM while STOPPING sends no SIGKILL and keeps the deadline."""
     state, _ = decide(running(), SignalReceived(signal.SIGTERM), NOW)
     state, actions = decide(state, SignalReceived(signal.SIGTERM), NOW + 1)
-    assert state.sigkill_sent is False
+    assert state.stop_stage is StopStage.TERM
     assert state.deadline == NOW + 10.0
     assert shape(actions) == ["signal_received"]
 
@@ -444,7 +502,7 @@ def test_second_sigint_while_stopping_kills_now():
     state, _ = decide(running(), SignalReceived(signal.SIGINT), NOW)
     state, actions = decide(state, SignalReceived(signal.SIGINT), NOW + 1)
     assert state.phase is Phase.STOPPING
-    assert state.sigkill_sent is True
+    assert state.stop_stage is StopStage.KILL
     assert state.deadline == NOW + 1 + 5.0
     assert shape(actions) == ["signal_received", SignalRanks(0, signal.SIGKILL)]
 
@@ -462,7 +520,7 @@ def test_first_sigint_while_stopping_after_crash_does_not_kill():
     """The operator's first Ctrl-C during the stop after a crash cancels the relaunch but sends no SIGKILL."""
     state, _ = decide(running(), ChildExited(0, 1, 3), NOW)
     state, actions = decide(state, SignalReceived(signal.SIGINT), NOW + 1)
-    assert (state.phase, state.then, state.sigkill_sent) == (Phase.STOPPING, Then.STOP, False)
+    assert (state.phase, state.then, state.stop_stage) == (Phase.STOPPING, Then.STOP, StopStage.TERM)
     assert shape(actions) == ["signal_received"]
 
 
@@ -485,6 +543,422 @@ def test_signal_while_stopping_after_restarts_exhausted_still_fails():
     assert state.exit_code == 1
 
 
+# ---- hang detection ---------------------------------------------------------------------------
+
+
+def test_ranks_launched_records_launch_time():
+    """`RanksLaunched` stores the launch time from which first-heartbeat deadlines count."""
+    state, _ = decide(initial_state(POLICY), RanksLaunched(0, PIDS, None), NOW + 7)
+    assert state.launched_at == NOW + 7
+
+
+def test_relaunch_clears_launch_time():
+    """A relaunch clears the previous attempt's launch time until its ranks are launched."""
+    state, _ = decide(stopping_for_crash(), ChildExited(0, 1, -15), NOW + 1)
+    assert (state.phase, state.launched_at) == (Phase.STARTING, None)
+
+
+def test_heartbeat_marks_heartbeats_seen():
+    """The first heartbeat of the run marks that the script uses the worker library."""
+    state = running()
+    assert state.heartbeats_seen is False
+    assert beat(state, 1, 1, NOW + 1).heartbeats_seen is True
+
+
+def test_all_ranks_past_train_timeout_declares_hang():
+    """Once every rank is silent past its `train` timeout, a hang is declared: stacks first, with a deadline."""
+    state, actions = decide(silent(), Tick(), HUNG_AT)
+    assert state.phase is Phase.STOPPING
+    assert (state.stop_stage, state.then) == (StopStage.STACKS, Then.RELAUNCH)
+    assert state.deadline == HUNG_AT + 15.0
+    assert state.hang == HUNG
+    assert state.last_failure == ("rank 0 hung in phase train (last heartbeat at step 10): "
+                                  "no heartbeat for 305.0 s (timeout 300 s) in attempt 0")
+    assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(0, 1))]
+    detected = record(actions, "hang_detected")
+    assert detected.level == "error"
+    assert dict(detected.fields) == {"rank": 0, "attempt": 0, "phase": "train", "step": 10, "silent_s": 305.0,
+                                     "timeout_s": 300.0}
+
+
+def test_tick_one_instant_before_hang_deadline_does_nothing():
+    """A tick just before the last rank's heartbeat deadline declares nothing."""
+    state = silent()
+    assert hang_deadline(state) == HUNG_AT
+    assert decide(state, Tick(), HUNG_AT - 0.001) == (state, [])
+
+
+def test_one_rank_overdue_while_peer_beats_is_no_hang():
+    """A rank past its deadline is not a hang while a peer still beats within its own timeout."""
+    state = beat(beat(running(), 0, 1, NOW + 5), 1, 1, NOW + 200)
+    assert rank_deadline(state, state.ranks[0]) == NOW + 305
+    assert decide(state, Tick(), NOW + 499.999) == (state, [])
+    state, _ = decide(state, Tick(), NOW + 500)
+    assert (state.hang.rank, state.hang.silent_s) == (0, 495.0)
+
+
+def test_peer_in_long_save_keeps_job_alive():
+    """A rank in a long `save` keeps the job alive while its peer, blocked waiting for it, is past `train`."""
+    state = beat(beat(running(), 0, 1, NOW, phase="save"), 1, 1, NOW, step=10)
+    assert hang_deadline(state) == NOW + 1800
+    assert decide(state, Tick(), NOW + 1799.999) == (state, [])
+    state, _ = decide(state, Tick(), NOW + 1800)
+    assert state.hang == Hang(attempt=0, rank=1, phase="train", step=10, silent_s=1800.0, timeout_s=300.0)
+
+
+def test_most_overdue_rank_is_named_in_hang():
+    """When every rank is past its deadline, the hang names the one whose deadline passed first."""
+    state = beat(beat(running(), 0, 1, NOW + 20, step=8), 1, 1, NOW + 5, step=7)
+    state, actions = decide(state, Tick(), NOW + 400)
+    assert state.hang == Hang(attempt=0, rank=1, phase="train", step=7, silent_s=395.0, timeout_s=300.0)
+    assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(0, 1))]
+
+
+def test_finished_rank_is_not_declared_hung():
+    """A rank that already exited 0 has no heartbeat deadline however long it has been silent."""
+    state = beat(beat(running(), 0, 1, NOW), 1, 1, NOW)
+    state, _ = decide(state, ChildExited(0, 0, 0), NOW + 1)
+    state = beat(state, 1, 2, NOW + 250)
+    assert rank_deadline(state, state.ranks[0]) is None
+    assert decide(state, Tick(), NOW + 549) == (state, [])
+
+
+def test_required_heartbeat_first_beat_timeout_declares_hang():
+    """With heartbeat `required`, a rank with no heartbeat by launch + first_heartbeat_s is hung in `launch`."""
+    state, actions = decide(running(with_hang(heartbeat="required")), Tick(), NOW + 900)
+    assert (state.phase, state.stop_stage, state.deadline) == (Phase.STOPPING, StopStage.STACKS, NOW + 915)
+    assert state.hang == Hang(attempt=0, rank=0, phase="launch", step=None, silent_s=900.0, timeout_s=900.0)
+    assert state.last_failure.startswith("rank 0 hung before its first heartbeat:")
+    assert state.last_failure.endswith(": no heartbeat for 900.0 s (timeout 900 s) in attempt 0")
+    assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=())]
+    assert dict(record(actions, "hang_detected").fields) == {"rank": 0, "attempt": 0, "phase": "launch",
+                                                             "step": None, "silent_s": 900.0, "timeout_s": 900.0}
+
+
+def test_first_heartbeat_hang_failure_names_no_step():
+    """The failure text of a hang before any heartbeat does not mention a step the rank never reported."""
+    state, _ = decide(running(with_hang(heartbeat="required")), Tick(), NOW + 900)
+    assert "step None" not in state.last_failure
+
+
+def test_required_heartbeat_tick_before_first_beat_timeout_does_nothing():
+    """With heartbeat `required`, a tick just before launch + first_heartbeat_s declares nothing."""
+    state = running(with_hang(heartbeat="required"))
+    assert decide(state, Tick(), NOW + 899.999) == (state, [])
+
+
+def test_auto_heartbeat_without_any_beat_never_declares_hang():
+    """With heartbeat `auto`, a run whose ranks never beat (no worker library) is never declared hung."""
+    state = running()
+    assert [rank_deadline(state, r) for r in state.ranks] == [None, None]
+    assert decide(state, Tick(), NOW + 10**6) == (state, [])
+
+
+def test_auto_heartbeat_first_beat_timeout_applies_once_heartbeats_seen():
+    """With heartbeat `auto`, once some rank has beaten, a rank silent since launch is due by first_heartbeat_s."""
+    state = running()
+    assert rank_deadline(state, state.ranks[0]) is None
+    state = beat(state, 1, 1, NOW + 700)
+    assert [rank_deadline(state, r) for r in state.ranks] == [NOW + 900, NOW + 1000]
+    state, actions = decide(state, Tick(), NOW + 1000)
+    assert state.hang == Hang(attempt=0, rank=0, phase="launch", step=None, silent_s=1000.0, timeout_s=900.0)
+    assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(1,))]
+
+
+def test_auto_heartbeats_seen_survives_relaunch():
+    """With heartbeat `auto`, beats seen in an earlier attempt make the first-heartbeat timeout apply after relaunch."""
+    state = beat(running(), 0, 1, NOW)
+    state, _ = decide(state, ChildExited(0, 0, 1), NOW + 1)
+    state, _ = decide(state, ChildExited(0, 1, -15), NOW + 2)
+    state, _ = decide(state, RanksLaunched(1, (200, 201), None), NOW + 3)
+    assert state.heartbeats_seen is True
+    assert [rank_deadline(state, r) for r in state.ranks] == [NOW + 903, NOW + 903]
+    state, actions = decide(state, Tick(), NOW + 903)
+    assert state.hang == Hang(attempt=1, rank=0, phase="launch", step=None, silent_s=900.0, timeout_s=900.0)
+    assert shape(actions) == ["hang_detected", DumpStacks(1, ranks=(0, 1), faulthandler_ranks=())]
+
+
+def test_heartbeat_off_never_declares_hang():
+    """With heartbeat `off`, no rank has a deadline and no tick declares a hang."""
+    state = beat(running(with_hang(heartbeat="off")), 0, 1, NOW)
+    assert [rank_deadline(state, r) for r in state.ranks] == [None, None]
+    assert next_deadline(state) is None
+    assert decide(state, Tick(), NOW + 10**6) == (state, [])
+
+
+def test_save_phase_gets_its_longer_timeout():
+    """A rank whose newest heartbeat named `save` may stay silent for the `save` timeout, not the `train` one."""
+    state = beat(running(SOLO), 0, 1, NOW, phase="save")
+    assert rank_deadline(state, state.ranks[0]) == NOW + 1800
+    assert decide(state, Tick(), NOW + 1799.999) == (state, [])
+    state, _ = decide(state, Tick(), NOW + 1800)
+    assert state.hang == Hang(attempt=0, rank=0, phase="save", step=10, silent_s=1800.0, timeout_s=1800.0)
+
+
+def test_unknown_custom_phase_gets_default_timeout():
+    """A phase not named in phase_timeouts_s gets default_timeout_s."""
+    state = beat(running(with_hang(SOLO, default_timeout_s=777.0)), 0, 1, NOW, phase="shuffle_shards")
+    assert rank_deadline(state, state.ranks[0]) == NOW + 777
+    state, _ = decide(state, Tick(), NOW + 777)
+    assert state.hang == Hang(attempt=0, rank=0, phase="shuffle_shards", step=10, silent_s=777.0, timeout_s=777.0)
+
+
+def test_heartbeat_resets_deadline():
+    """A new heartbeat moves the rank's deadline to its time plus the phase timeout."""
+    state = beat(running(SOLO), 0, 1, NOW + 10)
+    assert next_deadline(state) == NOW + 310
+    state = beat(state, 0, 2, NOW + 200)
+    assert next_deadline(state) == NOW + 500
+    assert decide(state, Tick(), NOW + 310) == (state, [])
+
+
+def test_heartbeat_same_seq_does_not_reset_deadline():
+    """A heartbeat with an already-seen sequence number leaves the deadline where it was."""
+    state = beat(running(SOLO), 0, 1, NOW + 10)
+    again, _ = decide(state, HeartbeatSeen(0, 0, seq=1, step=10, phase="train"), NOW + 200)
+    assert next_deadline(again) == NOW + 310
+
+
+# ---- calibration ------------------------------------------------------------------------------
+
+
+def test_gap_recorded_between_consecutive_train_beats():
+    """Consecutive `train` heartbeats of a rank record the seconds between them."""
+    state = train_beats(running(SOLO), [NOW, NOW + 2, NOW + 5])
+    assert state.step_gaps == (2.0, 3.0)
+
+
+def test_no_gap_recorded_across_other_phases():
+    """Gaps are recorded only between consecutive `train` beats: not train->save, save->train or launch->train."""
+    state = beat(running(SOLO), 0, 1, NOW + 1)
+    state = beat(state, 0, 2, NOW + 2, phase="save")
+    state = beat(state, 0, 3, NOW + 60)
+    assert state.step_gaps == ()
+    state = beat(state, 0, 4, NOW + 61)
+    assert state.step_gaps == (1.0,)
+
+
+def test_gaps_measured_per_rank_and_pooled():
+    """Each rank's gap is measured from its own previous beat, and all ranks' gaps go into one pool."""
+    state = beat(running(), 0, 1, NOW)
+    state = beat(state, 1, 1, NOW + 1)
+    state = beat(state, 0, 2, NOW + 2)
+    state = beat(state, 1, 2, NOW + 4)
+    assert state.step_gaps == (2.0, 3.0)
+
+
+def test_gaps_keep_only_the_calibration_window():
+    """Only the newest `window` gaps are kept."""
+    state = train_beats(running(calibrating(window=2)), [NOW, NOW + 1, NOW + 3, NOW + 6])
+    assert state.step_gaps == (2.0, 3.0)
+
+
+def test_configured_train_timeout_until_min_samples():
+    """With fewer than min_samples gaps, the configured `train` timeout applies."""
+    state = train_beats(running(calibrating()), [NOW, NOW + 5, NOW + 10])
+    assert state.step_gaps == (5.0, 5.0)
+    assert rank_deadline(state, state.ranks[0]) == NOW + 10 + 300
+
+
+def test_calibrated_train_timeout_replaces_configured_after_min_samples():
+    """Once min_samples gaps are seen, the `train` timeout is multiplier * p99 of the gaps."""
+    state = train_beats(running(calibrating()), [NOW, NOW + 5, NOW + 10, NOW + 15])
+    assert rank_deadline(state, state.ranks[0]) == NOW + 15 + 50
+    assert decide(state, Tick(), NOW + 64.999) == (state, [])
+    state, _ = decide(state, Tick(), NOW + 65)
+    assert state.hang == Hang(attempt=0, rank=0, phase="train", step=4, silent_s=50.0, timeout_s=50.0)
+
+
+def test_calibration_off_keeps_configured_train_timeout():
+    """With calibration disabled, gaps are still recorded but the configured `train` timeout applies."""
+    state = train_beats(running(SOLO), [NOW, NOW + 5, NOW + 10, NOW + 15])
+    assert state.step_gaps == (5.0, 5.0, 5.0)
+    assert rank_deadline(state, state.ranks[0]) == NOW + 15 + 300
+
+
+def test_calibration_does_not_shorten_save_timeout():
+    """The calibrated timeout applies to `train` only; a `save` beat keeps the `save` timeout."""
+    state = train_beats(running(calibrating()), [NOW, NOW + 5, NOW + 10, NOW + 15])
+    state = beat(state, 0, 5, NOW + 16, phase="save")
+    assert rank_deadline(state, state.ranks[0]) == NOW + 16 + 1800
+
+
+def test_fast_step_calibrates_to_floor_not_hair_trigger():
+    """A 0.2 s step calibrates to the 30 s floor, not to 10 * 0.2 = 2 s."""
+    times = [NOW + 0.2 * i for i in range(5)]
+    state = train_beats(running(calibrating()), times)
+    last = times[-1]
+    assert rank_deadline(state, state.ranks[0]) == last + 30.0
+    assert decide(state, Tick(), last + 29.999) == (state, [])
+    state, _ = decide(state, Tick(), last + 30.0)
+    assert (state.hang.rank, state.hang.timeout_s) == (0, 30.0)
+
+
+def test_step_gaps_survive_relaunch():
+    """Gaps learned in one attempt are kept across a relaunch and calibrate the next attempt's timeout."""
+    state = train_beats(running(calibrating()), [NOW, NOW + 5, NOW + 10, NOW + 15])
+    state, _ = decide(state, ChildExited(0, 0, 1), NOW + 16)
+    state, _ = decide(state, RanksLaunched(1, (200,), 4), NOW + 17)
+    assert state.step_gaps == (5.0, 5.0, 5.0)
+    state = beat(state, 0, 1, NOW + 20)
+    assert state.step_gaps == (5.0, 5.0, 5.0)
+    assert rank_deadline(state, state.ranks[0]) == NOW + 20 + 50
+
+
+def test_initial_state_carries_step_gaps():
+    """`initial_state` takes gaps learned by an earlier supervisor, and they calibrate at once."""
+    state = initial_state(calibrating(), step_gaps=(4.0, 4.0, 4.0))
+    assert state.step_gaps == (4.0, 4.0, 4.0)
+    state, _ = decide(state, RanksLaunched(0, (100,), None), NOW)
+    state = beat(state, 0, 1, NOW + 1)
+    assert rank_deadline(state, state.ranks[0]) == NOW + 1 + 40
+
+
+# ---- stack collection after a hang ------------------------------------------------------------
+
+
+def test_stacks_collected_moves_to_term_with_sigterm():
+    """`StacksCollected` stores the dump paths in the hang and SIGTERMs the attempt with the grace deadline."""
+    state, actions = decide(hung(), StacksCollected(0, STACKS), HUNG_AT + 3)
+    assert (state.phase, state.stop_stage, state.then) == (Phase.STOPPING, StopStage.TERM, Then.RELAUNCH)
+    assert state.deadline == HUNG_AT + 3 + 10.0
+    assert state.hang == replace(HUNG, stacks=STACKS)
+    assert shape(actions) == ["stacks_collected", SignalRanks(0, signal.SIGTERM)]
+    assert dict(record(actions, "stacks_collected").fields) == {"attempt": 0, "paths": list(STACKS)}
+
+
+def test_stacks_tick_before_deadline_does_nothing():
+    """A tick before the stack-collection deadline changes nothing."""
+    state = hung()
+    assert decide(state, Tick(), HUNG_AT + 14.999) == (state, [])
+
+
+def test_stacks_deadline_moves_to_term_with_stacks_timed_out():
+    """At the stack-collection deadline the attempt is SIGTERMed anyway, with a warning naming the live ranks."""
+    state, actions = decide(hung(), Tick(), HUNG_AT + 15)
+    assert (state.phase, state.stop_stage) == (Phase.STOPPING, StopStage.TERM)
+    assert state.deadline == HUNG_AT + 15 + 10.0
+    assert state.hang.stacks == ()
+    assert shape(actions) == ["stacks_timed_out", SignalRanks(0, signal.SIGTERM)]
+    timed_out = record(actions, "stacks_timed_out")
+    assert timed_out.level == "warning"
+    assert dict(timed_out.fields) == {"ranks": [0, 1]}
+
+
+def test_term_deadline_after_stacks_sends_sigkill():
+    """After the stacks stage, the grace deadline escalates to SIGKILL as in any stop."""
+    state, _ = decide(hung(), StacksCollected(0, STACKS), HUNG_AT + 3)
+    state, actions = decide(state, Tick(), HUNG_AT + 13)
+    assert (state.stop_stage, state.deadline) == (StopStage.KILL, HUNG_AT + 13 + 5.0)
+    assert shape(actions) == ["stop_grace_expired", SignalRanks(0, signal.SIGKILL)]
+
+
+def test_stacks_collected_of_old_attempt_ignored():
+    """`StacksCollected` for an attempt other than the current one changes nothing."""
+    state = hung(restarts=1)
+    assert decide(state, StacksCollected(0, STACKS), HUNG_AT + 1) == (state, [])
+
+
+def test_stacks_collected_outside_stacks_stage_ignored():
+    """`StacksCollected` while RUNNING or in the TERM stage of a crash stop changes nothing."""
+    for state in (running(), stopping_for_crash()):
+        assert decide(state, StacksCollected(0, STACKS), NOW + 1) == (state, [])
+
+
+def test_hang_relaunches_after_ranks_down():
+    """A hung attempt with restarts left relaunches once its ranks are down."""
+    state, _ = decide(hung(), StacksCollected(0, STACKS), HUNG_AT + 1)
+    state, _ = decide(state, ChildExited(0, 0, -15), HUNG_AT + 2)
+    state, actions = decide(state, ChildExited(0, 1, -15), HUNG_AT + 3)
+    assert (state.phase, state.attempt, state.restarts, state.stop_stage) == (Phase.STARTING, 1, 1, None)
+    assert state.hang.stacks == STACKS
+    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled", LaunchRanks(1)]
+
+
+def test_ranks_down_during_stacks_stage_complete_the_stop():
+    """Ranks all going down while stacks are collected complete the stop without waiting for the stacks."""
+    state, _ = decide(hung(), ChildExited(0, 0, -6), HUNG_AT + 1)
+    assert state.stop_stage is StopStage.STACKS
+    state, actions = decide(state, ChildExited(0, 1, -6), HUNG_AT + 2)
+    assert (state.phase, state.attempt, state.stop_stage) == (Phase.STARTING, 1, None)
+    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled", LaunchRanks(1)]
+
+
+def test_hang_with_restarts_exhausted_fails_after_ranks_down():
+    """A hang with no restarts left records the exhaustion, still collects stacks, and FAILs once ranks are down."""
+    state, actions = decide(silent(restarts=3), Tick(), HUNG_AT)
+    assert (state.phase, state.stop_stage, state.then) == (Phase.STOPPING, StopStage.STACKS, Then.FAIL)
+    assert shape(actions) == ["hang_detected", "restarts_exhausted",
+                              DumpStacks(3, ranks=(0, 1), faulthandler_ranks=(0, 1))]
+    assert dict(record(actions, "restarts_exhausted").fields) == {"restarts": 3, "max_restarts": 3}
+    state, _ = decide(state, StacksCollected(3, STACKS), HUNG_AT + 1)
+    state, _ = decide(state, ChildExited(3, 0, -15), HUNG_AT + 2)
+    state, actions = decide(state, ChildExited(3, 1, -15), HUNG_AT + 3)
+    assert state.phase is Phase.FAILED
+    assert state.exit_code == 1
+    assert state.reason == ("rank 0 hung in phase train (last heartbeat at step 10): "
+                            "no heartbeat for 305.0 s (timeout 300 s) in attempt 3; restarts exhausted (3/3)")
+    assert shape(actions) == ["rank_stopped", KillLeftovers(3)]
+
+
+def test_first_sigint_during_stacks_stage_keeps_collecting():
+    """A first SIGINT during stack collection turns the relaunch into a stop but lets the stacks finish."""
+    state = hung()
+    state, actions = decide(state, SignalReceived(signal.SIGINT), HUNG_AT + 1)
+    assert (state.phase, state.stop_stage, state.then) == (Phase.STOPPING, StopStage.STACKS, Then.STOP)
+    assert state.deadline == HUNG_AT + 15
+    assert shape(actions) == ["signal_received"]
+
+
+def test_second_sigint_during_stacks_stage_kills_at_once():
+    """A second SIGINT during stack collection SIGKILLs at once; stacks arriving later are ignored."""
+    state, _ = decide(hung(), SignalReceived(signal.SIGINT), HUNG_AT + 1)
+    state, actions = decide(state, SignalReceived(signal.SIGINT), HUNG_AT + 2)
+    assert (state.phase, state.stop_stage, state.then) == (Phase.STOPPING, StopStage.KILL, Then.STOP)
+    assert state.deadline == HUNG_AT + 2 + 5.0
+    assert shape(actions) == ["signal_received", SignalRanks(0, signal.SIGKILL)]
+    assert decide(state, StacksCollected(0, STACKS), HUNG_AT + 3) == (state, [])
+
+
+# ---- next deadline ----------------------------------------------------------------------------
+
+
+def test_next_deadline_none_when_nothing_pending():
+    """With no phase deadline and no rank expected to beat, there is no next deadline."""
+    assert next_deadline(initial_state(POLICY)) is None
+    assert next_deadline(running()) is None
+
+
+def test_hang_deadline_is_latest_rank_deadline():
+    """While RUNNING, the job's hang deadline is the latest of the ranks' heartbeat deadlines, and the next one."""
+    state = beat(beat(running(), 0, 1, NOW + 10), 1, 1, NOW + 5, phase="save")
+    assert [rank_deadline(state, r) for r in state.ranks] == [NOW + 310, NOW + 1805]
+    assert hang_deadline(state) == NOW + 1805
+    assert next_deadline(state) == NOW + 1805
+
+
+def test_hang_deadline_none_without_rank_deadlines():
+    """With no rank expected to beat, or outside RUNNING, there is no hang deadline."""
+    assert hang_deadline(running()) is None
+    assert hang_deadline(hung()) is None
+
+
+def test_next_deadline_is_earliest_of_phase_and_hang_deadlines():
+    """The next deadline is the phase deadline when it comes first, else the hang deadline."""
+    state = silent()
+    assert next_deadline(replace(state, deadline=NOW + 50)) == NOW + 50
+    assert next_deadline(replace(state, deadline=NOW + 500)) == HUNG_AT
+
+
+def test_next_deadline_while_stopping_is_the_stop_deadline():
+    """While STOPPING, ranks have no heartbeat deadline and the next deadline is the stage's."""
+    state = hung()
+    assert [rank_deadline(state, r) for r in state.ranks] == [None, None]
+    assert next_deadline(state) == HUNG_AT + 15
+    assert next_deadline(stopping_for_crash()) == NOW + 10
+    assert next_deadline(backoff()) == NOW + 1.0
+
+
 # ---- terminal phases and exit codes -----------------------------------------------------------
 
 
@@ -493,7 +967,8 @@ def test_terminal_state_ignores_events(phase):
     """Once terminal, every event leaves the state unchanged and produces no action."""
     state = replace(running(), phase=phase, deadline=NOW)
     events = [Started(), RanksLaunched(0, PIDS, None), LaunchFailed(0, "x"), ChildExited(0, 0, 1),
-              HeartbeatSeen(0, 0, 1, 1, "train"), SignalReceived(signal.SIGINT), Tick()]
+              HeartbeatSeen(0, 0, 1, 1, "train"), StacksCollected(0, ("stacks-0.txt",)), SignalReceived(signal.SIGINT),
+              Tick()]
     for event in events:
         assert decide(state, event, NOW + 100) == (state, [])
 

@@ -1,0 +1,106 @@
+"""Whole process trees: ranks die with the supervisor, orphans come back to it, and nothing is left behind.
+
+The supervisor makes itself a child subreaper, so a grandchild whose rank died is re-parented to the
+supervisor instead of init: "everything of this run" is then simply "every descendant of the supervisor".
+The pids (with start times, so a reused pid is never touched) are recorded in the run dir, so a
+supervisor restarted after a SIGKILL can end what its predecessor left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+import psutil
+
+from worker.contract import RunLayout, atomic_write_json, read_json
+
+__all__ = [
+    "become_subreaper",
+    "descendants",
+    "die_with_parent",
+    "kill_predecessor_leftovers",
+    "record_pids",
+    "reap_orphans",
+    "sigkill",
+]
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+# Resolved once in the parent: the preexec hook runs between fork and exec and must do next to nothing.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def die_with_parent() -> None:
+    """preexec_fn for ranks: SIGKILL this process when the supervisor dies, even by SIGKILL."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def become_subreaper() -> bool:
+    """Adopt orphaned descendants (Linux 3.4+); False where the kernel refuses."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def descendants() -> list[psutil.Process]:
+    """Every live process below the supervisor: ranks, their children, and adopted orphans."""
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def sigkill(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """SIGKILL each process that is still the one we saw (psutil checks the start time); returns them."""
+    hit = []
+    for proc in procs:
+        try:
+            proc.kill()
+            hit.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return hit
+
+
+def reap_orphans(managed: set[int]) -> None:
+    """Collect exit statuses of adopted orphans (never of the ranks, whose Popen waiters own theirs)."""
+    for proc in psutil.Process().children():
+        if proc.pid in managed:
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(proc.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            continue
+
+
+def record_pids(layout: RunLayout, procs: Iterable[psutil.Process]) -> None:
+    """Write the pids and start times of the run's processes for a successor supervisor."""
+    records = []
+    for proc in procs:
+        try:
+            records.append({"pid": proc.pid, "create_time": proc.create_time(), "name": proc.name()})
+        except psutil.Error:
+            continue
+    atomic_write_json(layout.pids_file, {"supervisor_pid": os.getpid(), "processes": records}, durable=False)
+
+
+def kill_predecessor_leftovers(layout: RunLayout) -> list[dict[str, Any]]:
+    """SIGKILL processes recorded by an earlier supervisor of this run dir that are still the same processes."""
+    try:
+        recorded = read_json(layout.pids_file)["processes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    killed = []
+    for record in recorded:
+        try:
+            proc = psutil.Process(int(record["pid"]))
+            if abs(proc.create_time() - float(record["create_time"])) > 0.01:
+                continue  # the pid was reused by an unrelated process
+            proc.kill()
+            killed.append(record)
+        except (psutil.Error, KeyError, TypeError, ValueError):
+            continue
+    return killed
