@@ -19,6 +19,7 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -538,12 +539,12 @@ def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]
 
 
 def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:
-    """Declare a hang once every rank is overdue, naming the one silent longest past its deadline."""
+    """Declare a hang once every rank is overdue, naming the rank that went silent first (the likely culprit)."""
     deadline = hang_deadline(state)
     if deadline is None or now < deadline:
         return state, []
-    overdue = [(d, r) for r in state.ranks if (d := rank_deadline(state, r)) is not None]
-    _, rank = min(overdue, key=lambda pair: pair[0])
+    watched = [r for r in state.ranks if rank_deadline(state, r) is not None]
+    rank = min(watched, key=lambda r: r.heartbeat_monotonic if r.heartbeat_monotonic is not None else -math.inf)
     hang = _describe_hang(state, rank, now)
     where = "before its first heartbeat" if rank.heartbeat_phase is None else f"in phase {hang.phase}"
     after = "" if hang.step is None else f" (last heartbeat at step {hang.step})"

@@ -603,11 +603,11 @@ def test_peer_in_long_save_keeps_job_alive():
     assert hang_deadline(state) == NOW + 1800
     assert decide(state, Tick(), NOW + 1799.999) == (state, [])
     state, _ = decide(state, Tick(), NOW + 1800)
-    assert state.hang == Hang(attempt=0, rank=1, phase="train", step=10, silent_s=1800.0, timeout_s=300.0)
+    assert state.hang == Hang(attempt=0, rank=0, phase="save", step=10, silent_s=1800.0, timeout_s=1800.0)
 
 
-def test_most_overdue_rank_is_named_in_hang():
-    """When every rank is past its deadline, the hang names the one whose deadline passed first."""
+def test_rank_silent_longest_is_named_in_hang():
+    """When every rank is past its deadline, the hang names the one that went silent first."""
     state = beat(beat(running(), 0, 1, NOW + 20, step=8), 1, 1, NOW + 5, step=7)
     state, actions = decide(state, Tick(), NOW + 400)
     assert state.hang == Hang(attempt=0, rank=1, phase="train", step=7, silent_s=395.0, timeout_s=300.0)
