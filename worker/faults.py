@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["ENV_FAULTS", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_faults"]
@@ -55,16 +56,22 @@ def _parse_item(item: str) -> Fault:
 class FaultPlan:
     """The faults armed for this rank in this attempt; `due()` is a dict lookup, cheap every step."""
 
-    def __init__(self, faults: list[Fault], *, rank: int, attempt: int) -> None:
+    def __init__(self, faults: list[Fault], *, rank: int, attempt: int,
+                 on_fire: Callable[[Fault], None] = lambda fault: None) -> None:
         armed = attempt == 0
         self._due = {(f.kind, f.step): f for f in faults if armed and f.rank == rank}
+        self._on_fire = on_fire
 
     @classmethod
-    def from_env(cls, *, rank: int, attempt: int) -> FaultPlan:
-        return cls(parse_faults(os.environ.get(ENV_FAULTS, "")), rank=rank, attempt=attempt)
+    def from_env(cls, *, rank: int, attempt: int, on_fire: Callable[[Fault], None] = lambda fault: None) -> FaultPlan:
+        return cls(parse_faults(os.environ.get(ENV_FAULTS, "")), rank=rank, attempt=attempt, on_fire=on_fire)
 
     def due(self, kind: str, step: int) -> Fault | None:
-        return self._due.get((kind, step)) if self._due else None
+        """The armed fault of `kind` at `step`, announced through `on_fire` (it is about to strike)."""
+        fault = self._due.get((kind, step)) if self._due else None
+        if fault is not None:
+            self._on_fire(fault)
+        return fault
 
     def after_step(self, step: int) -> None:
         """Fire the faults that strike between steps."""

@@ -57,7 +57,7 @@ class Warden:
         self.layout = RunLayout(Path(env.get(ENV_RUN_DIR, DEFAULT_RUN_DIR)))
         self.data_state: dict[str, Any] = {}
         self._data_state_fn = data_state
-        self._faults = FaultPlan.from_env(rank=self.rank, attempt=self.attempt)
+        self._faults = FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired)
         self._heartbeat = Heartbeat(
             self.layout.heartbeat(self.rank),
             rank=self.rank,
@@ -185,6 +185,9 @@ class Warden:
             return None
         steps = complete_checkpoint_steps(self.layout, self.world_size, self.config.prefix)
         return steps[-1] if steps else None
+
+    def _fault_fired(self, fault: Any) -> None:
+        self.log.warning("fault_injected", kind=fault.kind, step=fault.step)
 
     def _torn_save(self, tmp: Path) -> None:
         # Leave the half-written temporary file a kill mid-write would leave, then die by SIGKILL.

@@ -250,3 +250,20 @@ def test_fault_plan_from_env(monkeypatch):
     assert FaultPlan.from_env(rank=0, attempt=0).due("sigkill_in_save", 50)
     monkeypatch.delenv(ENV_FAULTS)
     assert not FaultPlan.from_env(rank=0, attempt=0).due("sigkill_in_save", 50)
+
+
+def test_parse_faults_with_seconds():
+    """`RANK:KIND@STEP:SECONDS` carries a duration; without one the default of 5 s applies."""
+    assert parse_faults("0:slow_save@20:2.5,1:hang@7") == [
+        Fault(rank=0, kind="slow_save", step=20, seconds=2.5),
+        Fault(rank=1, kind="hang", step=7, seconds=5.0),
+    ]
+
+
+def test_fault_plan_announces_a_fault_before_it_strikes():
+    """`due` reports the fault through `on_fire` exactly when it is due, so the rank can log it first."""
+    fired: list[Fault] = []
+    plan = FaultPlan([Fault(rank=0, kind="hang", step=3)], rank=0, attempt=0, on_fire=fired.append)
+    assert plan.due("hang", 2) is None and fired == []
+    assert plan.due("hang", 3) == Fault(rank=0, kind="hang", step=3)
+    assert fired == [Fault(rank=0, kind="hang", step=3)]
