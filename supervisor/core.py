@@ -535,7 +535,7 @@ def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]
                                grace_s=state.policy.kill_grace_s), *actions]
     stuck = [f"rank {r.rank} (pid {r.pid})" for r in state.ranks if r.running]
     reason = f"{', '.join(stuck)} survived SIGKILL for {state.policy.sigkill_wait_s:g} s; not relaunching over it"
-    return _fail(state, reason), [_record("rank_unkillable", level="error", ranks=stuck), KillLeftovers(state.attempt)]
+    return _fail(state, reason), [KillLeftovers(state.attempt)]  # KillLeftovers logs each survivor's state
 
 
 def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:

@@ -221,6 +221,10 @@ class Supervisor:
     def _kill_tree_leftovers(self, attempt: int) -> list[Event]:
         """SIGKILL every descendant that is not a rank leader; report (from a thread) any that survives."""
         managed = self._ranks.pids if self._ranks else set()
+        for rank in (r for r in self.state.ranks if r.running and r.pid is not None):  # survived SIGKILL
+            with contextlib.suppress(psutil.Error):
+                status = psutil.Process(rank.pid).status()
+                self.log.error("rank_unkillable", rank=rank.rank, pid=rank.pid, status=status)
         hit = sigkill(p for p in descendants() if p.pid not in managed)
         if hit:
             self.log.warning("leftovers_killed", attempt=attempt, pids=[p.pid for p in hit])
