@@ -19,37 +19,41 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import shlex
-import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
-import yaml
+from harness import (
+    NPROC,
+    POLL_S,
+    PREFIX,
+    Launch,
+    first_resumed_step,
+    fmt,
+    launched,
+    poll,
+    print_header,
+    rank_events,
+    ratio,
+    read_heartbeat,
+    scratch_dir,
+    spread,
+    torchrun_launch,
+    trainwarden_launch,
+)
 
 from worker.contract import RunLayout
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = "examples/demo_train.py"
-PREFIX = "demo"
-NPROC = 2
 KILLED_RANK = 1
 RELAUNCH_POLL_S = 0.01
-POLL_S = 0.05
 LAUNCHERS = ("trainwarden", "torchrun")
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,15 +64,6 @@ class Job:
     kill_step: int
     save_every: int
     timeout_s: float
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One launcher's command line, environment and run directory for one trial."""
-
-    argv: list[str]
-    env: dict[str, str]
-    run_dir: Path
 
 
 @dataclass(frozen=True)
@@ -84,51 +79,13 @@ class Trial:
     wall_s: float
 
 
-# ---- launchers -------------------------------------------------------------------------------
+LAUNCH: dict[str, Callable[[Job, Path], Launch]] = {
+    "trainwarden": lambda job, work: trainwarden_launch(work, job.steps, job.save_every),
+    "torchrun": lambda job, work: torchrun_launch(work, job.steps, job.save_every),
+}
 
-
-def trainwarden_launch(job: Job, work: Path) -> Launch:
-    """`python -m supervisor run` on a config derived from configs/demo.yaml."""
-    run_dir = work / "run"
-    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text(encoding="utf-8"))
-    config.update(script=str(REPO / SCRIPT), args=["--steps", str(job.steps)], run_dir=str(run_dir))
-    config["worker"]["save_checkpoint_steps"] = job.save_every
-    path = work / "job.yaml"
-    path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    argv = [sys.executable, "-m", "supervisor", "run", str(path), "--run-dir", str(run_dir)]
-    return Launch(argv, dict(os.environ), run_dir)
-
-
-def torchrun_launch(job: Job, work: Path) -> Launch:
-    """Plain torchrun with its default rendezvous; the worker library resumes by itself."""
-    run_dir = work / "run"
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    argv = [torchrun, "--nproc-per-node", str(NPROC), "--max-restarts", "3", SCRIPT, "--steps", str(job.steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRAINWARDEN_RUN_DIR=str(run_dir),
-               TRAINWARDEN_WORKER_CONFIG=json.dumps({"save_checkpoint_steps": job.save_every, "prefix": PREFIX}))
-    return Launch(argv, env, run_dir)
-
-
-LAUNCH = {"trainwarden": trainwarden_launch, "torchrun": torchrun_launch}
 
 # ---- observing a run -------------------------------------------------------------------------
-
-
-def poll(check: Callable[[], T | None], deadline: float, interval_s: float, alive: subprocess.Popen) -> T | None:
-    """The first non-None `check()`, or None once `deadline` (monotonic) passes or `alive` has exited."""
-    while time.monotonic() < deadline:
-        found = check()
-        if found is not None or alive.poll() is not None:
-            return found
-        time.sleep(interval_s)
-    return None
-
-
-def read_heartbeat(layout: RunLayout, rank: int) -> dict[str, Any] | None:
-    try:
-        return json.loads(layout.heartbeat(rank).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 def beat_at(layout: RunLayout, step: int) -> dict[str, Any] | None:
@@ -168,24 +125,6 @@ class NewRanks:
         return list(self.seen.values()) if len(self.seen) >= NPROC else None
 
 
-def rank_events(layout: RunLayout) -> list[dict[str, Any]]:
-    """Every whole event line of every rank."""
-    events = []
-    for rank in range(NPROC):
-        with contextlib.suppress(OSError):
-            for line in layout.rank_events(rank).read_text(encoding="utf-8").splitlines():
-                with contextlib.suppress(ValueError):
-                    events.append(json.loads(line))
-    return events
-
-
-def first_resumed_step(events: list[dict[str, Any]]) -> tuple[float, int] | None:
-    """Wall time and attempt of the earliest step event after the first attempt."""
-    steps = [(datetime.fromisoformat(e["time"].replace("Z", "+00:00")).timestamp(), e["attempt"])
-             for e in events if e.get("event") == "step" and e.get("attempt", 0) >= 1]
-    return min(steps, default=None)
-
-
 # ---- one trial ---------------------------------------------------------------------------------
 
 
@@ -194,13 +133,8 @@ def run_trial(name: str, job: Job, work: Path) -> Trial:
     work.mkdir(parents=True)
     launch = LAUNCH[name](job, work)
     started = time.monotonic()
-    with open(work / "launcher.out", "wb") as out, open(work / "launcher.err", "wb") as err:
-        launcher = subprocess.Popen(launch.argv, cwd=REPO, env=launch.env, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, start_new_session=True)
-    try:
+    with launched(launch, work) as launcher:
         measured = measure(launcher, RunLayout(launch.run_dir), job, deadline=started + job.timeout_s)
-    finally:
-        kill_run(launcher, launch.run_dir)
     return Trial(name, *measured, wall_s=time.monotonic() - started)
 
 
@@ -237,41 +171,7 @@ def verdict(returncode: int | None, events: list[dict[str, Any]], layout: RunLay
     return True, "ok"
 
 
-def kill_run(launcher: subprocess.Popen, run_dir: Path) -> None:
-    """SIGKILL the launcher's group and every process whose environment names the run dir; wait, bounded."""
-    procs = [p for p in psutil.process_iter() if names_run_dir(p, run_dir)]
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(launcher.pid, signal.SIGKILL)
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        launcher.wait(timeout=10)
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    alive = [p for p in alive if not is_zombie(p)]
-    if launcher.returncode is None or alive:
-        print(f"WARNING: left behind after SIGKILL: {[launcher.pid, *(p.pid for p in alive)]}", flush=True)
-
-
-def names_run_dir(proc: psutil.Process, run_dir: Path) -> bool:
-    try:
-        return proc.environ().get("TRAINWARDEN_RUN_DIR") == str(run_dir)
-    except psutil.Error:
-        return False
-
-
-def is_zombie(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 # ---- report ------------------------------------------------------------------------------------
-
-
-def fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
 
 
 def trial_line(index: int, trials: int, t: Trial) -> str:
@@ -279,20 +179,6 @@ def trial_line(index: int, trials: int, t: Trial) -> str:
     return (f"trial {index}/{trials}  {t.launcher:<11}  crash→relaunch {fmt(t.relaunch_s):>5} s  "
             f"crash→first step {fmt(t.first_step_s):>5} s{resumed}  {'worked' if t.worked else 'FAILED'} "
             f"({t.note}), trial took {t.wall_s:.1f} s")
-
-
-def spread(values: list[float | None]) -> tuple[float | None, str]:
-    """Median, and 'median [min–max]' as text, of the values that were measured."""
-    got = [v for v in values if v is not None]
-    if not got:
-        return None, "n/a"
-    median = statistics.median(got)
-    missing = f", {len(values) - len(got)} n/a" if len(got) < len(values) else ""
-    return median, f"{median:.2f} [{min(got):.2f}–{max(got):.2f}]{missing}"
-
-
-def ratio(numerator: float | None, denominator: float | None) -> str:
-    return f"{numerator / denominator:.2f}" if numerator and denominator else "n/a"
 
 
 def summary(results: list[Trial]) -> str:
@@ -341,21 +227,14 @@ def run(job: Job, trials: int, work: Path) -> list[Trial]:
 def main() -> int:
     args = parse_args()
     job = Job(args.steps, args.kill_step, args.save_every, args.timeout_s)
-    print(f"command: {shlex.join([sys.executable, *sys.argv])}  (cwd {Path.cwd()})")
-    print(f"cores: {os.cpu_count()} (usable {len(os.sched_getaffinity(0))}); {args.trials} trials, "
-          f"{job.steps} steps, SIGKILL rank {KILLED_RANK} at step {job.kill_step}, "
-          f"checkpoint every {job.save_every} steps", flush=True)
-    work = Path(tempfile.mkdtemp(prefix="trainwarden-bench-")).resolve()
-    try:
-        results = run(job, args.trials, work)
-    except KeyboardInterrupt:
-        print("interrupted", flush=True)
-        return 130
-    finally:
-        if args.keep:
-            print(f"run dirs kept in {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    print_header(f"{args.trials} trials, {job.steps} steps, SIGKILL rank {KILLED_RANK} at step {job.kill_step}, "
+                 f"checkpoint every {job.save_every} steps")
+    with scratch_dir(args.keep) as work:
+        try:
+            results = run(job, args.trials, work)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            return 130
     print(summary(results))
     return 0
 
