@@ -137,10 +137,16 @@ class HeartbeatSeen:
 
 @dataclass(frozen=True)
 class StacksCollected:
-    """Stack dumps of a hung attempt's ranks were written (`paths`, possibly none)."""
+    """Stack dumps of a hung attempt's ranks were written (`paths`, possibly none).
+
+    `culprit`: the one rank the stacks show outside any collective, if they do; `last_steps`: (rank, step)
+    pairs from the ranks' event logs, truer than the throttled heartbeats.
+    """
 
     attempt: int
     paths: tuple[str, ...]
+    culprit: int | None = None
+    last_steps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,7 @@ class Hang:
     silent_s: float
     timeout_s: float
     stacks: tuple[str, ...] = ()
+    named_by: str = "heartbeat"  # or "stacks": the only rank outside a collective
 
 
 @dataclass(frozen=True)
@@ -486,9 +493,24 @@ def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tu
     if event.attempt != state.attempt or state.stop_stage is not StopStage.STACKS:
         return state, []
     if state.hang is not None:
-        state = replace(state, hang=replace(state.hang, stacks=event.paths))
+        state = replace(state, hang=_refine_hang(state, state.hang, event))
     state, actions = _terminate(state, now)
-    return state, [_record("stacks_collected", attempt=event.attempt, paths=list(event.paths)), *actions]
+    record = _record("stacks_collected", attempt=event.attempt, paths=list(event.paths), culprit=event.culprit,
+                     last_steps=dict(event.last_steps))
+    return state, [record, *actions]
+
+
+def _refine_hang(state: State, hang: Hang, event: StacksCollected) -> Hang:
+    """What the stacks and event logs know better than heartbeats: who is stuck and at which step."""
+    steps = dict(event.last_steps)
+    if event.culprit is None:
+        return replace(hang, stacks=event.paths, step=steps.get(hang.rank, hang.step))
+    culprit = state.ranks[event.culprit]
+    phase = culprit.heartbeat_phase or "launch"
+    timeout = state.policy.hang.first_heartbeat_s if phase == "launch" else phase_timeout(
+        state.policy.hang, phase, state.step_gaps)
+    return replace(hang, stacks=event.paths, rank=culprit.rank, phase=phase, timeout_s=timeout,
+                   step=steps.get(culprit.rank, culprit.step), named_by="stacks")
 
 
 def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, list[Action]]:

@@ -7,6 +7,7 @@ outside when py-spy is installed (it needs no cooperation, so it also covers scr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,10 +23,13 @@ import psutil
 from supervisor.core import StacksCollected
 from worker.contract import STACK_DUMP_SIGNAL, RunLayout
 
-__all__ = ["find_pyspy", "start_stack_collection"]
+__all__ = ["find_pyspy", "last_step", "outside_collectives", "start_stack_collection"]
 
 PYSPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0
+_TAIL_BYTES = 16384
+# Frames of a rank waiting for its peers: inside a collective, or in backward where DDP all-reduces.
+_COLLECTIVE_FRAMES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 
 
 def find_pyspy() -> str | None:
@@ -48,7 +52,7 @@ def start_stack_collection(
 
 def _collect(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler_ranks: tuple[int, ...],
              post: Callable[[object], None]) -> None:
-    paths: list[str] = []
+    dumps: dict[str, str] = {}  # path -> the text this collection added
     try:
         before = {rank: _size(layout.stack_dump(rank, attempt)) for rank in faulthandler_ranks}
         for rank in faulthandler_ranks:
@@ -56,17 +60,51 @@ def _collect(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler
         pyspy = find_pyspy()
         if pyspy is not None:
             for rank, pid in pids.items():
-                if _pyspy_dump(pyspy, pid, layout.pyspy_dump(rank, attempt)):
-                    paths.append(str(layout.pyspy_dump(rank, attempt)))
+                if text := _pyspy_dump(pyspy, pid, layout.pyspy_dump(rank, attempt)):
+                    dumps[str(layout.pyspy_dump(rank, attempt))] = text
         deadline = time.monotonic() + FAULTHANDLER_WAIT_S
         for rank, size in before.items():
             path = layout.stack_dump(rank, attempt)
             while _size(path) <= size and time.monotonic() < deadline:
                 time.sleep(0.05)
             if _size(path) > size:
-                paths.append(str(path))
+                dumps[str(path)] = _read_from(path, size)
     finally:
-        post(StacksCollected(attempt, tuple(sorted(paths))))
+        by_rank = {rank: "".join(t for p, t in dumps.items() if Path(p).parent.name == f"rank_{rank}") for rank in pids}
+        last_steps = tuple((rank, step) for rank in pids if (step := last_step(layout, rank, attempt)) is not None)
+        post(StacksCollected(attempt, tuple(sorted(dumps)), culprit=outside_collectives(by_rank),
+                             last_steps=last_steps))
+
+
+def outside_collectives(stacks: dict[int, str]) -> int | None:
+    """The one rank whose stacks show no collective or backward frame, when all others are inside one.
+
+    In a collective hang every peer waits inside the collective; the rank that is elsewhere is the cause.
+    """
+    dumped = {rank: text for rank, text in stacks.items() if text}
+    if len(dumped) < 2:
+        return None
+    outside = [rank for rank, text in dumped.items() if not any(m in text for m in _COLLECTIVE_FRAMES)]
+    return outside[0] if len(outside) == 1 else None
+
+
+def last_step(layout: RunLayout, rank: int, attempt: int) -> int | None:
+    """The newest step the rank logged in `attempt` (heartbeats are throttled; the event log is not)."""
+    path = layout.rank_events(rank)
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, _size(path) - _TAIL_BYTES))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a torn first or last line
+        if isinstance(event, dict) and event.get("event") == "step" and event.get("attempt") == attempt:
+            return int(event["step"])
+    return None
 
 
 def _request_dump(pid: int) -> None:
@@ -78,17 +116,23 @@ def _request_dump(pid: int) -> None:
         pass
 
 
-def _pyspy_dump(pyspy: str, pid: int, path: Path) -> bool:
-    """Write `py-spy dump` of `pid` to `path` (its error, if it fails); True when it worked."""
+def _pyspy_dump(pyspy: str, pid: int, path: Path) -> str | None:
+    """Write `py-spy dump` of `pid` to `path` (its error, if it fails); the dump when it worked."""
     try:
         result = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True,
                                 timeout=PYSPY_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         path.write_text(f"py-spy dump of pid {pid} failed: {exc}\n")
-        return False
+        return None
     failure = f"\n[py-spy exit {result.returncode}] {result.stderr}" if result.returncode else ""
     path.write_text(result.stdout + failure)
-    return result.returncode == 0
+    return result.stdout if result.returncode == 0 else None
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
 
 
 def _size(path: Path) -> int:

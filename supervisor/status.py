@@ -89,9 +89,11 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  rank {rank['rank']}: pid {rank['pid']}, step {rank['step']}, {beat}{code}")
     if hang := status.get("hang"):
         stacks = ", ".join(hang["stacks"]) or "none collected"
-        lines.append(f"  hang: rank {hang['rank']} in phase {hang['phase']} at step {hang['step']}, silent "
-                     f"{hang['silent_s']:.1f} s (timeout {hang['timeout_s']:g} s), attempt {hang['attempt']}; "
-                     f"stacks: {stacks}")
+        named = " (the only rank outside a collective)" if hang.get("named_by") == "stacks" else ""
+        lines.append(f"  hang in attempt {hang['attempt']}: rank {hang['rank']}{named} in phase {hang['phase']} "
+                     f"after step {hang['step']}; the job was silent {hang['silent_s']:.1f} s "
+                     f"(timeout {hang['timeout_s']:g} s)")
+        lines.append(f"  stacks: {stacks}")
     if status.get("last_failure"):
         lines.append(f"  last failure: {status['last_failure']}")
     if status.get("reason"):

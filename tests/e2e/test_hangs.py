@@ -46,7 +46,9 @@ def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(tmp_path: 
     status = done.status()
     assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
     hang = status["hang"]
-    assert (hang["attempt"], hang["phase"], hang["timeout_s"]) == (0, "train", 3.0)
+    # Heartbeats cannot tell a collective hang's culprit from its victims; the stacks can.
+    assert (hang["attempt"], hang["rank"], hang["named_by"], hang["step"]) == (0, 1, "stacks", 25)
+    assert (hang["phase"], hang["timeout_s"]) == ("train", 3.0)
     assert 3.0 <= hang["silent_s"] < 5.0
     faulthandler = {rank: run_dir / "ranks" / f"rank_{rank}" / "stacks_attempt_0.txt" for rank in (0, 1)}
     assert {str(path) for path in faulthandler.values()} <= set(hang["stacks"]), "both dumps are referenced"
@@ -97,7 +99,8 @@ def test_hang_inside_a_save_is_declared_after_the_save_timeout(tmp_path: Path) -
     assert done.returncode == 0, done.stderr[-3000:]
     status = done.status()
     assert (status["restarts"], status["resumed_from"]) == (1, {"step": 20})
-    assert (status["hang"]["rank"], status["hang"]["phase"], status["hang"]["timeout_s"]) == (1, "save", 4.0)
+    hang = status["hang"]
+    assert (hang["rank"], hang["phase"], hang["timeout_s"], hang["step"]) == (1, "save", 4.0, 30)
 
 
 # ---- tiny fake trainers ----------------------------------------------------------------------------

@@ -822,7 +822,24 @@ def test_stacks_collected_moves_to_term_with_sigterm():
     assert state.deadline == HUNG_AT + 3 + 10.0
     assert state.hang == replace(HUNG, stacks=STACKS)
     assert shape(actions) == ["stacks_collected", SignalRanks(0, signal.SIGTERM)]
-    assert dict(record(actions, "stacks_collected").fields) == {"attempt": 0, "paths": list(STACKS)}
+    assert dict(record(actions, "stacks_collected").fields) == {"attempt": 0, "paths": list(STACKS), "culprit": None,
+                                                                "last_steps": {}}
+
+
+def test_stacks_naming_a_culprit_rename_the_hung_rank():
+    """When the stacks show one rank outside every collective, the hang names it, with its phase and timeout."""
+    state = beat(beat(running(), 0, 1, NOW, step=30), 1, 1, NOW + 2, phase="save", step=30)
+    state, _ = decide(state, Tick(), NOW + 1802)
+    assert state.hang.rank == 0  # silent first, by heartbeats
+    state, _ = decide(state, StacksCollected(0, STACKS, culprit=1, last_steps=((0, 35), (1, 35))), NOW + 1803)
+    assert state.hang == Hang(attempt=0, rank=1, phase="save", step=35, silent_s=1802.0, timeout_s=1800.0,
+                              stacks=STACKS, named_by="stacks")
+
+
+def test_stacks_last_steps_correct_the_hung_rank_step():
+    """The event log's newest step replaces the throttled heartbeat's step in the hang."""
+    state, _ = decide(hung(), StacksCollected(0, STACKS, last_steps=((0, 17), (1, 18))), HUNG_AT + 3)
+    assert state.hang == replace(HUNG, stacks=STACKS, step=17)
 
 
 def test_stacks_tick_before_deadline_does_nothing():
