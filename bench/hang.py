@@ -10,7 +10,7 @@ all-reduce. Hang start is the time of rank 1's `fault_injected` event (its event
   `rank_started` events, polled every 50 ms); for torchrun this is whatever broke the hang;
 - hang→first step: until the earliest `step` event of a later attempt in any rank's events.jsonl;
 - finished: the launcher exits 0 within the trial timeout;
-- culprit: whether `hang_detected` names rank 1 as the rank that went silent first.
+- culprit: whether the hang names rank 1 in the end (`stacks_collected`'s culprit, else `hang_detected`'s rank).
 
 trainwarden runs a config derived from configs/demo.yaml with `hang: {heartbeat: required, phase_timeouts_s:
 {train: T}, calibration: {enabled: false}}`; its target is a hang declared within T + 1 s. torchrun
@@ -114,7 +114,7 @@ class Trial:
     first_step_s: float | None
     resumed_attempt: int | None
     exit_code: int | None
-    named_rank: int | None  # the rank hang_detected blamed (went silent first)
+    named_rank: int | None  # the rank finally blamed: by the stacks, else by heartbeat silence
     ended_by: str
     note: str
     wall_s: float
@@ -228,6 +228,12 @@ def ended_by(journal: list[dict[str, Any]], error: tuple[int, str] | None, stopp
     return "nothing: still hung"
 
 
+def named_rank(journal: list[dict[str, Any]]) -> int | None:
+    """The rank the hang names: the stacks' culprit when they single one out, else the first silent one."""
+    culprit = (journal_event(journal, "stacks_collected") or {}).get("culprit")
+    return culprit if culprit is not None else (journal_event(journal, "hang_detected") or {}).get("rank")
+
+
 def stack_note(journal: list[dict[str, Any]]) -> str:
     collected = journal_event(journal, "stacks_collected")
     if collected is None:
@@ -258,7 +264,7 @@ def run_trial(name: str, job: Job, work: Path) -> Trial:
         first_step_s=since(hang_at, None if first is None else first[0]),
         resumed_attempt=None if first is None else first[1],
         exit_code=seen.exit_code,
-        named_rank=(journal_event(journal, "hang_detected") or {}).get("rank"),
+        named_rank=named_rank(journal),
         ended_by="n/a" if hang_at is None else ended_by(journal, first_rank_error(work, layout), stopped),
         note=(seen.note or f"exit {seen.exit_code}") + stack_note(journal),
         wall_s=wall_s,
@@ -306,7 +312,7 @@ def summary(results: list[Trial], job: Job) -> str:
     limit_s = job.train_timeout_s + DETECTION_SLACK_S
     rows.append(f"trainwarden detection within timeout + {DETECTION_SLACK_S:g} s (≤ {limit_s:g} s): "
                 f"{sum(within_target(t, job) for t in mine)}/{len(mine)}")
-    rows.append(f"trainwarden named the hung rank {HUNG_RANK} as the one silent first: "
+    rows.append(f"trainwarden named the hung rank {HUNG_RANK} (from stacks or silence): "
                 f"{sum(t.named_rank == HUNG_RANK for t in mine)}/{len(mine)}")
     for name in LAUNCHERS:
         counts = Counter(mechanism(t.ended_by) for t in results if t.launcher == name)
