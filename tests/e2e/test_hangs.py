@@ -113,13 +113,12 @@ from worker.contract import RunLayout
 from worker.heartbeat import Heartbeat
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TRAINWARDEN_ATTEMPT"])
 layout = RunLayout(Path(os.environ["TRAINWARDEN_RUN_DIR"]))
-marker = layout.root / "grandchildren_started"
+marker = layout.root / f"grandchildren_started_{rank}"
 if os.environ.get("SPAWN") and not marker.exists():
     sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
     subprocess.Popen(sleep)                           # stays in the rank's process group
     subprocess.Popen(sleep, start_new_session=True)   # escapes it
-    if rank == 0:
-        marker.touch()
+    marker.touch()
 if os.environ.get("GARBAGE"):
     layout.heartbeat(rank).write_text('{"seq": 1, "ste')  # a torn write, as a non-atomic writer leaves
     time.sleep(1.5)
@@ -218,9 +217,11 @@ def test_restarted_supervisor_kills_what_its_killed_predecessor_left(tmp_path: P
         except (FileNotFoundError, ValueError):
             return []
 
-    wait_until(lambda: len(recorded()) >= 6, timeout=30, what="2 ranks and 4 grandchildren recorded")
-    first.kill()
-    first.communicate(timeout=10)
+    try:
+        wait_until(lambda: len(recorded()) >= 6, timeout=30, what="2 ranks and 4 grandchildren recorded")
+    finally:
+        first.kill()
+        first.communicate(timeout=10)
     escaped = [p for p in tagged_processes(os.environ[TAG_ENV]) if os.getpgid(p.pid) == p.pid]
     assert escaped, "the grandchild in its own session outlives the supervisor"
 
