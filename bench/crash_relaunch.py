@@ -31,6 +31,7 @@ from typing import Any
 
 import psutil
 from harness import (
+    LAUNCHERS,
     NPROC,
     POLL_S,
     PREFIX,
@@ -43,6 +44,7 @@ from harness import (
     rank_events,
     ratio,
     read_heartbeat,
+    run_trials,
     scratch_dir,
     spread,
     torchrun_launch,
@@ -53,7 +55,6 @@ from worker.contract import RunLayout
 
 KILLED_RANK = 1
 RELAUNCH_POLL_S = 0.01
-LAUNCHERS = ("trainwarden", "torchrun")
 
 
 @dataclass(frozen=True)
@@ -214,16 +215,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(job: Job, trials: int, work: Path) -> list[Trial]:
-    results = []
-    for index in range(1, trials + 1):
-        for name in LAUNCHERS:
-            trial = run_trial(name, job, work / f"trial_{index}_{name}")
-            results.append(trial)
-            print(trial_line(index, trials, trial), flush=True)
-    return results
-
-
 def main() -> int:
     args = parse_args()
     job = Job(args.steps, args.kill_step, args.save_every, args.timeout_s)
@@ -231,7 +222,7 @@ def main() -> int:
                  f"checkpoint every {job.save_every} steps")
     with scratch_dir(args.keep) as work:
         try:
-            results = run(job, args.trials, work)
+            results = run_trials(args.trials, work, lambda name, where: run_trial(name, job, where), trial_line)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             return 130

@@ -37,6 +37,7 @@ from typing import Any
 
 import psutil
 from harness import (
+    LAUNCHERS,
     POLL_S,
     Launch,
     demo_config,
@@ -49,6 +50,7 @@ from harness import (
     rank_events,
     ratio,
     read_events,
+    run_trials,
     scratch_dir,
     spread,
     torchrun_launch,
@@ -60,7 +62,6 @@ from worker.contract import RunLayout
 HUNG_RANK = 1
 GLOO_TIMEOUT_S = 60  # examples/demo_train.py's init_process_group timeout: torchrun's only way out of a hang
 DETECTION_SLACK_S = 1.0  # the target: a hang is declared within its phase timeout plus this
-LAUNCHERS = ("trainwarden", "torchrun")
 # An uncaught exception as torch.distributed prints it: "[rank0]: RuntimeError: [.../x.cc:78] Timed out ...".
 RANK_ERROR = re.compile(r"^\[rank(?P<rank>\d+)\]: (?P<error>\w+(?:Error|Exception)\b.*)$", re.MULTILINE)
 SOURCE_LOCATION = re.compile(r"\[[^\]]*:\d+\] ")
@@ -346,16 +347,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(job: Job, trials: int, work: Path) -> list[Trial]:
-    results = []
-    for index in range(1, trials + 1):
-        for name in LAUNCHERS:
-            trial = run_trial(name, job, work / f"trial_{index}_{name}")
-            results.append(trial)
-            print(trial_line(index, trials, trial), flush=True)
-    return results
-
-
 def main() -> int:
     args = parse_args()
     save_every = demo_config()["worker"]["save_checkpoint_steps"]
@@ -366,7 +357,7 @@ def main() -> int:
                  f"to resume; trial limit {job.timeout_s:g} s")
     with scratch_dir(args.keep) as work:
         try:
-            results = run(job, args.trials, work)
+            results = run_trials(args.trials, work, lambda name, where: run_trial(name, job, where), trial_line)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             return 130

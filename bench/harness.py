@@ -262,3 +262,18 @@ def spread(values: list[float | None]) -> tuple[float | None, str]:
 
 def ratio(numerator: float | None, denominator: float | None) -> str:
     return f"{numerator / denominator:.2f}" if numerator and denominator else "n/a"
+
+
+LAUNCHERS = ("trainwarden", "torchrun")
+
+
+def run_trials(trials: int, work: Path, run_trial: Callable[[str, Path], T],
+               describe: Callable[[int, int, T], str]) -> list[T]:
+    """Each trial runs every launcher in turn, so drift on the machine hits both alike; prints as it goes."""
+    results = []
+    for index in range(1, trials + 1):
+        for name in LAUNCHERS:
+            trial = run_trial(name, work / f"trial_{index}_{name}")
+            results.append(trial)
+            print(describe(index, trials, trial), flush=True)
+    return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_STEPS = 60
@@ -75,6 +78,13 @@ def trainwarden_status(run_dir: Path) -> dict[str, Any]:
 
 def journal(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "supervisor" / "events.jsonl").read_text().splitlines()]
+
+
+def signal_rank_at_step(run_dir: Path, rank: int, step: int, signum: int) -> None:
+    """Send `signum` to `rank` once its heartbeat shows `step` or later (bounded wait)."""
+    beat = wait_until(lambda: (hb := heartbeat(run_dir, rank)) and hb["step"] >= step and hb, timeout=90,
+                      what=f"rank {rank} to pass step {step}")
+    os.kill(beat["pid"], signum)
 
 
 def heartbeat(run_dir: Path, rank: int) -> dict[str, Any] | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -10,13 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import wait_until
 from tests.e2e.conftest import (
     DEMO_STEPS,
     finish,
-    heartbeat,
     journal,
     run_supervisor,
+    signal_rank_at_step,
     start_supervisor,
     write_config,
 )
@@ -71,9 +69,7 @@ def test_sigkill_of_a_rank_mid_run_relaunches_and_ends_bitwise_equal(tmp_path: P
     """SIGKILL of rank 1 halfway through leads to one relaunch from a checkpoint and the same final state."""
     run_dir = tmp_path / "run"
     proc = start_supervisor(write_config(tmp_path / "job.yaml"), run_dir)
-    beat = wait_until(lambda: (hb := heartbeat(run_dir, 1)) and hb["step"] >= 25 and hb, timeout=90,
-                      what="rank 1 to pass step 25")
-    os.kill(beat["pid"], signal.SIGKILL)
+    signal_rank_at_step(run_dir, 1, 25, signal.SIGKILL)
     done = finish(proc, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]

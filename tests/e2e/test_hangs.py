@@ -18,6 +18,7 @@ from tests.e2e.conftest import (
     heartbeat,
     journal,
     run_supervisor,
+    signal_rank_at_step,
     start_supervisor,
     write_config,
 )
@@ -64,9 +65,7 @@ def test_rank_frozen_from_outside_with_sigstop_is_a_hang(tmp_path: Path) -> None
     """A rank SIGSTOPped from outside stalls the job; the hang is declared, the frozen rank killed, the run done."""
     run_dir = tmp_path / "run"
     proc = start_supervisor(write_config(tmp_path / "job.yaml", hang=FAST_HANG), run_dir)
-    beat = wait_until(lambda: (hb := heartbeat(run_dir, 1)) and hb["step"] >= 25 and hb, timeout=90,
-                      what="rank 1 to pass step 25")
-    os.kill(beat["pid"], signal.SIGSTOP)
+    signal_rank_at_step(run_dir, 1, 25, signal.SIGSTOP)
     done = finish(proc, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
