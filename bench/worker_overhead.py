@@ -40,7 +40,7 @@ def main() -> None:
         baseline, warden_us = [], []
         for _ in range(args.repeats):  # interleaved, so drift hits both alike
             baseline.append(per_call_us(args.calls, lambda step: None))
-            warden_us.append(per_call_us(args.calls, lambda step: warden.step_done(step, loss=loss, grad_norm=0.5)))
+            warden_us.append(per_call_us(args.calls, lambda step: warden.step_done(loss=loss, grad_norm=0.5)))
         warden.finish()
     cost = statistics.median(warden_us) - statistics.median(baseline)
     print(f"bare loop iteration: {statistics.median(baseline):.2f} us (median of {args.repeats} x {args.calls})")

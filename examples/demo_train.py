@@ -44,9 +44,9 @@ class CharTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
-def batch_for(data: torch.Tensor, *, step: int, rank: int, seed: int, batch: int, block: int):
-    """The batch of `step` on `rank`: a pure function of its arguments, so resuming needs only the step."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+def batch_for(data: torch.Tensor, *, index: int, rank: int, seed: int, batch: int, block: int):
+    """Batch number `index` on `rank`: a pure function of its arguments, so resuming needs only the index."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + index * 1_009 + rank)
     starts = torch.randint(0, len(data) - block - 1, (batch,), generator=gen)
     x = torch.stack([data[s : s + block] for s in starts])
     y = torch.stack([data[s + 1 : s + block + 1] for s in starts])
@@ -57,7 +57,7 @@ def batch_for(data: torch.Tensor, *, step: int, rank: int, seed: int, batch: int
 def evaluate(model: nn.Module, data: torch.Tensor, *, vocab: int, seed: int, block: int) -> float:
     """Mean loss on fixed held-out batches; uses no RNG state and leaves the model in training mode."""
     model.eval()
-    x, y = batch_for(data, step=-1, rank=0, seed=seed, batch=32, block=block)
+    x, y = batch_for(data, index=-1, rank=0, seed=seed, batch=32, block=block)
     loss = nn.functional.cross_entropy(model(x).view(-1, vocab), y.view(-1)).item()
     model.train()
     return loss
@@ -93,22 +93,23 @@ def main() -> None:
 
     warden = Warden(ddp, optimizer, scheduler)
     start = warden.resume()
-    for step in range(start, args.steps):
-        x, y = batch_for(data, step=step, rank=rank, seed=args.seed, batch=args.batch_size, block=args.block)
-        logits = ddp(x)
-        loss = nn.functional.cross_entropy(logits.view(-1, len(vocab)), y.view(-1))
+    while warden.step < args.steps:
+        x, y = batch_for(data, index=warden.batches, rank=rank, seed=args.seed, batch=args.batch_size,
+                         block=args.block)
+        loss = nn.functional.cross_entropy(ddp(x).view(-1, len(vocab)), y.view(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        warden.step_done(step + 1, loss=loss.item(), grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0])
-        if args.eval_every and (step + 1) % args.eval_every == 0:
+        if warden.guard_step(loss.item(), max_norm=1.0):  # clips; False: skip this batch on every rank
+            optimizer.step()
+            scheduler.step()
+        before = warden.step
+        warden.step_done(loss=loss.item(), lr=scheduler.get_last_lr()[0])
+        if args.eval_every and warden.step != before and warden.step % args.eval_every == 0:
             with warden.phase("eval"):  # its own, longer hang timeout
                 eval_loss = evaluate(model, data, vocab=len(vocab), seed=args.seed, block=args.block)
-            warden.log.info("eval", step=step + 1, eval_loss=eval_loss)
+            warden.log.info("eval", step=warden.step, eval_loss=eval_loss)
             if rank == 0:
-                print(f"step {step + 1}/{args.steps} loss {loss.item():.4f} eval {eval_loss:.4f}", flush=True)
+                print(f"step {warden.step}/{args.steps} loss {loss.item():.4f} eval {eval_loss:.4f}", flush=True)
     every = warden.config.save_checkpoint_steps
     if warden.step != start and every and args.steps % every:
         warden.save(args.steps)  # always leave the final state on disk

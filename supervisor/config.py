@@ -15,6 +15,7 @@ import yaml
 
 from supervisor.core import Policy
 from supervisor.hangs import HEARTBEAT_MODES, HangPolicy
+from supervisor.rollback import AnomalyPolicy
 from worker.contract import WorkerConfig
 
 __all__ = ["ConfigError", "JobConfig", "RestartConfig", "StopConfig", "load_config", "parse_config"]
@@ -56,6 +57,7 @@ class JobConfig:
     restart: RestartConfig = field(default_factory=RestartConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     hang: HangPolicy = field(default_factory=HangPolicy)
+    anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def policy(self) -> Policy:
@@ -68,6 +70,7 @@ class JobConfig:
             kill_grace_s=self.stop.kill_grace_s,
             sigkill_wait_s=self.stop.sigkill_wait_s,
             hang=self.hang,
+            anomaly=self.anomaly,
         )
 
 
@@ -90,6 +93,15 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "hang.calibration.floor_s": (lambda v: v > 0, "more than 0"),
     "hang.calibration.min_samples": (lambda v: v >= 1, "at least 1"),
     "hang.calibration.window": (lambda v: v >= 1, "at least 1"),
+    "anomaly.rollback_steps": (lambda v: v >= 0, "0 or more"),
+    "anomaly.skip_after_steps": (lambda v: v >= 0, "0 or more"),
+    "anomaly.max_tries": (lambda v: v >= 1, "at least 1"),
+    "anomaly.widen_factor": (lambda v: v >= 1, "at least 1"),
+    "worker.monitor_config.global_norm_spike_threshold": (lambda v: v > 0, "more than 0"),
+    "worker.monitor_config.global_norm_spike_count_threshold": (lambda v: v >= 1, "a positive integer"),
+    "worker.adaptive_spike.sigmas": (lambda v: v > 0, "more than 0"),
+    "worker.adaptive_spike.window": (lambda v: v >= 2, "at least 2"),
+    "worker.adaptive_spike.min_samples": (lambda v: v >= 2, "at least 2"),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
     "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),

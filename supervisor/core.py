@@ -6,6 +6,7 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     STARTING --RanksLaunched--> RUNNING
     RUNNING  --ChildExited(0), last rank--> FINISHED
     RUNNING  --ChildExited(!=0)--> STOPPING (then relaunch, or fail when restarts are exhausted)
+    RUNNING  --ChildExited(EXIT_ANOMALY, abort info)--> STOPPING (then roll back past the bad data, or fail)
     RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang)
     RUNNING  --SignalReceived--> STOPPING (then stopped)
     STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from supervisor.hangs import TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
+from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
+from worker.contract import EXIT_ANOMALY
 
 __all__ = [
     "Action",
@@ -117,11 +120,15 @@ class LaunchFailed:
 
 @dataclass(frozen=True)
 class ChildExited:
-    """A rank's leader process exited; a negative code is the killing signal, as in Popen."""
+    """A rank's leader process exited; a negative code is the killing signal, as in Popen.
+
+    `abort` is what the rank logged when it exited with EXIT_ANOMALY.
+    """
 
     attempt: int
     rank: int
     returncode: int
+    abort: AbortInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -168,9 +175,14 @@ Event = Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | S
 
 @dataclass(frozen=True)
 class LaunchRanks:
-    """Start every rank of `attempt` from the newest complete checkpoint."""
+    """Start every rank of `attempt` from the newest complete checkpoint (at or before `resume_at_most`).
+
+    Ranks whose data position is below `skip_to_batch` jump to it.
+    """
 
     attempt: int
+    resume_at_most: int | None = None
+    skip_to_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +235,7 @@ class Policy:
     kill_grace_s: float
     sigkill_wait_s: float = 5.0
     hang: HangPolicy = field(default_factory=HangPolicy)
+    anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
 
     def backoff_s(self, restarts_done: int) -> float:
         """Delay before the next relaunch: none for the first, then exponential up to the cap."""
@@ -279,6 +292,9 @@ class State:
     heartbeats_seen: bool = False  # some rank of this run has ever beaten: the script uses the worker library
     step_gaps: tuple[float, ...] = ()  # seconds between consecutive train beats, all ranks, all attempts
     hang: Hang | None = None
+    rollback: Rollback | None = None  # the newest rollback; its skip window holds for every later attempt
+    rollback_pending: bool = False  # the next launch is that rollback
+    give_up: str | None = None  # why a failing stop fails, when it is not exhausted restarts
     resume_step: int | None = None
     last_failure: str | None = None
     reason: str | None = None
@@ -370,6 +386,8 @@ def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[Stat
     if state.phase is Phase.RUNNING:
         if event.returncode == 0:
             return _on_clean_exit(state, event)
+        if event.returncode == EXIT_ANOMALY and event.abort is not None:
+            return _on_anomaly_abort(state, event, event.abort, now)
         return _on_crash(state, event, now)
     if state.phase is Phase.STOPPING:
         return _after_rank_down(state, event, now)
@@ -394,6 +412,27 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
     ]
     state, stop_actions = _begin_stop(state, then, now)
     return state, actions + _exhausted_records(state, then) + stop_actions
+
+
+def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: float) -> tuple[State, list[Action]]:
+    failure = (f"rank {event.rank} aborted on anomalies in steps {abort.first_step}-{abort.abort_step} "
+               f"(batches {abort.first_batch}-{abort.abort_batch}) in attempt {event.attempt}")
+    plan = plan_rollback(state.policy.anomaly, state.rollback, abort)
+    state = replace(state, last_failure=failure)
+    record = _record("anomaly_abort", level="error", rank=event.rank, attempt=event.attempt,
+                     first_step=abort.first_step, abort_step=abort.abort_step, first_batch=abort.first_batch,
+                     abort_batch=abort.abort_batch)
+    if plan is None:
+        tries = state.policy.anomaly.max_tries
+        state = replace(state, give_up=f"{failure}; the same region already rolled back {tries} times")
+        state, stop = _begin_stop(state, Then.FAIL, now)
+        return state, [record, _record("rollbacks_exhausted", level="error", tries=tries), *stop]
+    then = _failure_outcome(state)
+    state = replace(state, rollback=plan, rollback_pending=then is Then.RELAUNCH)
+    decision = _record("rollback_scheduled", resume_at_most=plan.resume_at_most, skip_to_batch=plan.skip_to_batch,
+                       tries=plan.tries, skip_after=plan.skip_after)
+    state, stop = _begin_stop(state, then, now)
+    return state, [record, decision, *_exhausted_records(state, then), *stop]
 
 
 def _exhausted_records(state: State, then: Then) -> list[Action]:
@@ -445,8 +484,8 @@ def _all_down(state: State, now: float) -> tuple[State, list[Action]]:
         state = replace(state, phase=Phase.STOPPED, deadline=None, reason="stopped on request")
         return state, actions + [_record("run_stopped", attempt=state.attempt)]
     if state.then is Then.FAIL:
-        reason = f"{state.last_failure}; restarts exhausted ({state.restarts}/{state.policy.max_restarts})"
-        return _fail(state, reason), actions
+        exhausted = f"{state.last_failure}; restarts exhausted ({state.restarts}/{state.policy.max_restarts})"
+        return _fail(state, state.give_up or exhausted), actions
     delay = state.policy.backoff_s(state.restarts)
     state = replace(state, phase=Phase.BACKOFF, deadline=now + delay)
     actions.append(_record("relaunch_scheduled", attempt=state.attempt + 1, backoff_s=delay))
@@ -457,7 +496,7 @@ def _all_down(state: State, now: float) -> tuple[State, list[Action]]:
 
 
 def _relaunch(state: State) -> tuple[State, list[Action]]:
-    attempt = state.attempt + 1
+    attempt, was_rollback = state.attempt + 1, state.rollback_pending
     state = replace(
         state,
         phase=Phase.STARTING,
@@ -467,8 +506,11 @@ def _relaunch(state: State) -> tuple[State, list[Action]]:
         deadline=None,
         then=None,
         launched_at=None,
+        rollback_pending=False,
     )
-    return state, [LaunchRanks(attempt)]
+    rollback = state.rollback
+    resume_at_most = rollback.resume_at_most if rollback is not None and was_rollback else None
+    return state, [LaunchRanks(attempt, resume_at_most, rollback.skip_to_batch if rollback else None)]
 
 
 def _fail(state: State, reason: str) -> State:

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
 import psutil
@@ -37,7 +37,9 @@ from supervisor.core import (
     next_deadline,
 )
 from supervisor.journal import Journal
+from supervisor.rank_logs import last_event
 from supervisor.ranks import Ranks, launch_ranks
+from supervisor.rollback import AbortInfo
 from supervisor.stacks import start_stack_collection
 from supervisor.status import StatusError, read_status, snapshot, write_status
 from supervisor.trees import (
@@ -49,7 +51,7 @@ from supervisor.trees import (
     sigkill,
 )
 from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
-from worker.contract import RunLayout, complete_checkpoint_steps, unlink_quietly
+from worker.contract import EXIT_ANOMALY, RunLayout, complete_checkpoint_steps, unlink_quietly
 
 __all__ = ["LeftoversSurvived", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
@@ -132,6 +134,18 @@ class Supervisor:
     def _on_child_exit(self, attempt: int, rank: int, returncode: int) -> None:
         self._inbox.put_nowait(ChildExited(attempt, rank, returncode))
 
+    def _with_abort_info(self, event: ChildExited) -> ChildExited:
+        """An anomaly exit carries what the rank logged about its streak (a crash, if it logged nothing)."""
+        if event.returncode != EXIT_ANOMALY:
+            return event
+        logged = last_event(self.layout, event.rank, event.attempt, "anomaly_abort")
+        if logged is None:
+            self.log.warning("anomaly_abort_unreadable", rank=event.rank, attempt=event.attempt)
+            return event
+        abort = AbortInfo(first_step=int(logged["first_anomaly_step"]), abort_step=int(logged["step"]),
+                          first_batch=int(logged["first_anomaly_batch"]), abort_batch=int(logged["batch"]))
+        return replace(event, abort=abort)
+
     def _next_event(self) -> Any:
         now = time.monotonic()
         deadline = next_deadline(self.state)
@@ -162,6 +176,8 @@ class Supervisor:
             self._next_poll = time.monotonic() + POLL_INTERVAL_S
             self._track_processes()
             return [*self._read_heartbeats(range(self.config.nproc_per_node)), item]
+        if isinstance(item, ChildExited):
+            return [self._with_abort_info(item)]
         if isinstance(item, LeftoversSurvived):
             self.log.error("process_unkillable", attempt=item.attempt, processes=item.processes)
             return []
@@ -204,7 +220,7 @@ class Supervisor:
         if isinstance(action, SignalRanks):
             return self._signal_ranks(action)
         if isinstance(action, LaunchRanks):
-            return [self._launch(action.attempt)]
+            return [self._launch(action)]
         if isinstance(action, DumpStacks):
             return self._dump_stacks(action)
         if isinstance(action, KillLeftovers):
@@ -248,23 +264,25 @@ class Supervisor:
         self.log.info("ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent, attempt=action.attempt)
         return []
 
-    def _launch(self, attempt: int) -> Event:
-        resume_step = self._resume_step(attempt)
+    def _launch(self, action: LaunchRanks) -> Event:
+        attempt = action.attempt
+        resume_step = self._resume_step(attempt, action.resume_at_most)
         for rank in range(self.config.nproc_per_node):  # a beat from an earlier run must not pass for this one
             unlink_quietly(self.layout.heartbeat(rank))
         try:
             self._ranks = launch_ranks(self.config, self.layout, attempt=attempt, resume_step=resume_step,
-                                       on_exit=self._on_child_exit)
+                                       skip_to_batch=action.skip_to_batch, on_exit=self._on_child_exit)
         except OSError as exc:
             return LaunchFailed(attempt, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step)
 
-    def _resume_step(self, attempt: int) -> int | None:
-        """Newest checkpoint complete on every rank; a first attempt honours `worker.resume_training`."""
+    def _resume_step(self, attempt: int, at_most: int | None) -> int | None:
+        """Newest checkpoint complete on every rank (at or before `at_most`); attempt 0 honours resume_training."""
         if attempt == 0 and not self.config.worker.resume_training:
             return None
         steps = complete_checkpoint_steps(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
-        return steps[-1] if steps else None
+        eligible = [s for s in steps if at_most is None or s <= at_most]
+        return eligible[-1] if eligible else None
 
     def _kill_leftovers(self) -> None:
         """On any way out, no process of the run outlives the supervisor."""

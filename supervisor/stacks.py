@@ -7,7 +7,6 @@ outside when py-spy is installed (it needs no cooperation, so it also covers scr
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -21,13 +20,13 @@ from pathlib import Path
 import psutil
 
 from supervisor.core import StacksCollected
+from supervisor.rank_logs import last_step
 from worker.contract import STACK_DUMP_SIGNAL, RunLayout
 
-__all__ = ["find_pyspy", "last_step", "outside_collectives", "start_stack_collection"]
+__all__ = ["find_pyspy", "outside_collectives", "start_stack_collection"]
 
 PYSPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0
-_TAIL_BYTES = 16384
 # Frames of a rank waiting for its peers: inside a collective, or in backward where DDP all-reduces.
 _COLLECTIVE_FRAMES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 
@@ -86,25 +85,6 @@ def outside_collectives(stacks: dict[int, str]) -> int | None:
         return None
     outside = [rank for rank, text in dumped.items() if not any(m in text for m in _COLLECTIVE_FRAMES)]
     return outside[0] if len(outside) == 1 else None
-
-
-def last_step(layout: RunLayout, rank: int, attempt: int) -> int | None:
-    """The newest step the rank logged in `attempt` (heartbeats are throttled; the event log is not)."""
-    path = layout.rank_events(rank)
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, _size(path) - _TAIL_BYTES))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a torn first or last line
-        if isinstance(event, dict) and event.get("event") == "step" and event.get("attempt") == attempt:
-            return int(event["step"])
-    return None
 
 
 def _request_dump(pid: int) -> None:

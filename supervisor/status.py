@@ -34,6 +34,7 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "heartbeats": "on" if any(r.heartbeat_seq is not None for r in state.ranks) else "off",
         "resumed_from": None if state.resume_step is None else {"step": state.resume_step},
         "hang": None if state.hang is None else {**asdict(state.hang), "silent_s": round(state.hang.silent_s, 3)},
+        "rollback": None if state.rollback is None else asdict(state.rollback),
         "calibration": {
             "enabled": state.policy.hang.calibration.enabled,
             "train_timeout_s": phase_timeout(state.policy.hang, TRAIN_PHASE, state.step_gaps),
@@ -94,6 +95,11 @@ def render(status: dict[str, Any]) -> str:
                      f"after step {hang['step']}; the job was silent {hang['silent_s']:.1f} s "
                      f"(timeout {hang['timeout_s']:g} s)")
         lines.append(f"  stacks: {stacks}")
+    if rollback := status.get("rollback"):
+        abort = rollback["abort"]
+        lines.append(f"  rollback {rollback['tries']} of this region: anomalies in steps {abort['first_step']}-"
+                     f"{abort['abort_step']}; resumed at or before step {rollback['resume_at_most']}, "
+                     f"skipping data up to batch {rollback['skip_to_batch']}")
     if status.get("last_failure"):
         lines.append(f"  last failure: {status['last_failure']}")
     if status.get("reason"):

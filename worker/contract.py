@@ -11,14 +11,17 @@ import os
 import re
 import signal
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
+
+from worker.anomaly import AdaptiveConfig, MonitorConfig
 
 __all__ = [
     "ENV_ATTEMPT",
     "ENV_RESUME_STEP",
     "ENV_RUN_DIR",
+    "ENV_SKIP_TO_BATCH",
     "ENV_WORKER_CONFIG",
     "EXIT_ANOMALY",
     "EXIT_CONFIG",
@@ -41,6 +44,8 @@ ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
 ENV_RESUME_STEP = "TRAINWARDEN_RESUME_STEP"
 # JSON object: the `worker:` section of the job config.
 ENV_WORKER_CONFIG = "TRAINWARDEN_WORKER_CONFIG"
+# After an anomaly abort: a resumed rank whose data position is below this batch index jumps to it.
+ENV_SKIP_TO_BATCH = "TRAINWARDEN_SKIP_TO_BATCH"
 
 # The supervisor asks a rank leader for its Python stacks with this signal (faulthandler dumps them).
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -61,6 +66,9 @@ class WorkerConfig:
     prefix: str = "ckpt"  # seed 001's checkpoint file prefix
     resume_training: bool = True  # seed 001; without a supervisor, resume from the newest complete checkpoint
     heartbeat_interval_s: float = 0.5
+    use_skip_data_by_global_norm: bool = False  # seed 000: skip steps whose global norm exceeds the threshold
+    monitor_config: MonitorConfig = field(default_factory=MonitorConfig)  # seed 000
+    adaptive_spike: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -68,9 +76,17 @@ class WorkerConfig:
     @classmethod
     def from_env(cls) -> WorkerConfig:
         """The config the supervisor passed, or defaults; unknown keys are ignored for forward compatibility."""
-        raw = json.loads(os.environ.get(ENV_WORKER_CONFIG) or "{}")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        return _from_dict(cls, json.loads(os.environ.get(ENV_WORKER_CONFIG) or "{}"))
+
+
+def _from_dict(cls: Any, raw: dict[str, Any]) -> Any:
+    """A (nested) dataclass from a JSON object, skipping keys it does not know."""
+    values = {}
+    for f in fields(cls):
+        if f.name in raw:
+            nested = f.default_factory if is_dataclass(f.default_factory) else None
+            values[f.name] = _from_dict(nested, raw[f.name]) if nested else raw[f.name]
+    return cls(**values)
 
 
 @dataclass(frozen=True)

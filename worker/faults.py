@@ -1,6 +1,6 @@
 """Fault injection for demos and tests: real faults (SIGKILL, hangs, SIGSTOP, slow saves) at a chosen rank and step.
 
-`TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP[:SECONDS]` items, e.g. `1:hang@25`.
+`TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP[:ARG]` items, e.g. `1:hang@25`.
 A fault fires only in the first attempt of a run, so the relaunched run can pass the same step.
 Kinds:
 - `sigkill`: the rank SIGKILLs itself right after finishing step STEP.
@@ -8,7 +8,10 @@ Kinds:
 - `hang`: after step STEP the rank sleeps forever, so its peers block in the next step's all-reduce.
 - `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
 - `sigstop`: the rank freezes itself with SIGSTOP after step STEP (as `kill -STOP` from outside would).
-- `slow_save`: the checkpoint save of step STEP takes SECONDS longer (default 5).
+- `slow_save`: the checkpoint save of step STEP takes ARG seconds longer (default 5).
+- `spike`: gradients are scaled by 1000 on this rank when step STEP is attempted, ARG times in a row
+  (default 1; skipped steps do not advance the step, so a streak retries the same step number).
+- `nan`: like `spike`, with a NaN written into the gradients.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 __all__ = ["ENV_FAULTS", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_faults"]
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
-KINDS = ("sigkill", "sigkill_in_save", "hang", "hang_in_save", "sigstop", "slow_save")
+KINDS = ("sigkill", "sigkill_in_save", "hang", "hang_in_save", "sigstop", "slow_save", "spike", "nan")
+GRADIENT_KINDS = ("spike", "nan")
 
 
 @dataclass(frozen=True)
@@ -32,11 +36,11 @@ class Fault:
     rank: int
     kind: str
     step: int
-    seconds: float = 5.0
+    arg: float | None = None  # seconds for slow_save, repetitions for spike and nan
 
 
 def parse_faults(spec: str) -> list[Fault]:
-    """Parse `RANK:KIND@STEP[:SECONDS][,...]`; raises ValueError naming the bad item."""
+    """Parse `RANK:KIND@STEP[:ARG][,...]`; raises ValueError naming the bad item."""
     return [_parse_item(item) for item in (part.strip() for part in spec.split(",")) if item]
 
 
@@ -44,10 +48,10 @@ def _parse_item(item: str) -> Fault:
     try:
         rank, rest = item.split(":", 1)
         kind, when = rest.split("@", 1)
-        step, _, seconds = when.partition(":")
-        fault = Fault(rank=int(rank), kind=kind, step=int(step), seconds=float(seconds) if seconds else 5.0)
+        step, _, arg = when.partition(":")
+        fault = Fault(rank=int(rank), kind=kind, step=int(step), arg=float(arg) if arg else None)
     except ValueError:
-        raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP[:SECONDS]") from None
+        raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP[:ARG]") from None
     if fault.kind not in KINDS:
         raise ValueError(f"{ENV_FAULTS}: unknown fault kind {fault.kind!r} in {item!r}; known: {', '.join(KINDS)}")
     return fault
@@ -61,6 +65,7 @@ class FaultPlan:
         armed = attempt == 0
         self._due = {(f.kind, f.step): f for f in faults if armed and f.rank == rank}
         self._on_fire = on_fire
+        self._repeats = {key: int(f.arg or 1) for key, f in self._due.items() if f.kind in GRADIENT_KINDS}
 
     @classmethod
     def from_env(cls, *, rank: int, attempt: int, on_fire: Callable[[Fault], None] = lambda fault: None) -> FaultPlan:
@@ -89,9 +94,18 @@ class FaultPlan:
         if not self._due:
             return
         if slow := self.due("slow_save", step):
-            time.sleep(slow.seconds)
+            time.sleep(slow.arg if slow.arg is not None else 5.0)
         if self.due("hang_in_save", step):
             hang_forever()
+
+
+    def gradient_fault(self, step: int) -> str | None:
+        """`spike` or `nan` while such a fault at `step` has repetitions left (each call uses one)."""
+        for kind in GRADIENT_KINDS:
+            if self._repeats.get((kind, step), 0) > 0 and self.due(kind, step):
+                self._repeats[(kind, step)] -= 1
+                return kind
+        return None
 
 
 def hang_forever() -> None:

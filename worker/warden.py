@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from worker.contract import (
     ENV_ATTEMPT,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
+    ENV_SKIP_TO_BATCH,
     STACK_DUMP_SIGNAL,
     RunLayout,
     WorkerConfig,
@@ -24,6 +26,7 @@ from worker.contract import (
 )
 from worker.events import open_event_log
 from worker.faults import FaultPlan
+from worker.guard import StepGuard
 from worker.heartbeat import Heartbeat
 
 __all__ = ["Warden"]
@@ -67,7 +70,10 @@ class Warden:
         self.log, self._log_stream = open_event_log(
             self.layout.rank_events(self.rank), rank=self.rank, attempt=self.attempt
         )
-        self.step = 0
+        self.step = 0  # optimizer steps applied
+        self.batches = 0  # data position: batches consumed, skipped ones included; the next batch's index
+        self._guard = StepGuard(self.config, log=self.log, faults=self._faults, world_size=self.world_size)
+        self._decision: tuple[bool, float] | None = None  # this iteration's (apply?, global norm)
         self._phase = "startup"
         self._last_step_end = time.perf_counter()
         self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt))
@@ -75,7 +81,20 @@ class Warden:
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
 
     def resume(self) -> int:
-        """Load the checkpoint to resume from, if any; returns the number of steps already done."""
+        """Load the checkpoint to resume from, if any; returns the number of steps already done.
+
+        Afterwards `batches` is the index of the next batch to train on (past any window the supervisor
+        said to skip after an anomaly abort).
+        """
+        step = self._load_resume_checkpoint()
+        skip_to = int(os.environ.get(ENV_SKIP_TO_BATCH) or 0)
+        if self.batches < skip_to:
+            self.log.warning("data_window_skipped", from_batch=self.batches, to_batch=skip_to, step=self.step)
+            self.batches = skip_to
+        self._last_step_end = time.perf_counter()
+        return step
+
+    def _load_resume_checkpoint(self) -> int:
         step = self._resume_step()
         if step is None:
             self.log.info("fresh_start")
@@ -87,30 +106,46 @@ class Warden:
             self.scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"])
         self.data_state = state["data_state"]
-        self.step = step
-        self.log.info("resumed", step=step, data_position=state["data_position"])
-        self._last_step_end = time.perf_counter()
+        self.step, self.batches = step, state["data_position"]
+        self.log.info("resumed", step=step, data_position=self.batches)
         return step
 
-    def step_done(self, step: int, *, loss: float, grad_norm: float | None = None, **fields: Any) -> None:
-        """Report that optimizer step `step` (1-based) finished; saves a checkpoint when one is due."""
+    def guard_step(self, loss: Any, *, max_norm: float = math.inf) -> bool:
+        """Between `backward()` and `optimizer.step()`: clip gradients to `max_norm` and say whether to step.
+
+        False means skip this batch (a NaN/Inf, or a global-norm spike when configured); every rank gets
+        the same answer. A streak of `global_norm_spike_count_threshold` skips exits with EXIT_ANOMALY.
+        """
+        self._decision = self._guard.check(self.model.parameters(), float(loss), step=self.step + 1,
+                                           batch=self.batches, max_norm=max_norm)
+        return self._decision[0]
+
+    def step_done(self, *, loss: float, grad_norm: float | None = None, **fields: Any) -> None:
+        """Report that this batch is done: counts the step if it was applied, saves a checkpoint when due."""
         now = time.perf_counter()
         step_time_s, self._last_step_end = now - self._last_step_end, now
-        self.step = step
+        applied, guarded_norm = self._decision if self._decision is not None else (True, grad_norm)
+        self._decision = None
+        self.batches += 1
+        self.step += applied
         self.log.info(
             "step",
-            step=step,
+            step=self.step,
+            batch=self.batches - 1,
+            skipped=not applied,
             loss=float(loss),
-            grad_norm=None if grad_norm is None else float(grad_norm),
+            grad_norm=None if guarded_norm is None else float(guarded_norm),
             step_time_s=round(step_time_s, 6),
             **fields,
         )
         self._phase = "train"
-        self._heartbeat.beat(step, "train")
-        self._faults.after_step(step)
+        self._heartbeat.beat(self.step, "train")
+        if not applied:
+            return
+        self._faults.after_step(self.step)
         every = self.config.save_checkpoint_steps
-        if every and step % every == 0:
-            self.save(step)
+        if every and self.step % every == 0:
+            self.save(self.step)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -140,7 +175,7 @@ class Warden:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "rng": capture_rng(),
-            "data_position": step,
+            "data_position": self.batches,
             "data_state": self._data_state_fn() if self._data_state_fn else {},
             "world_size": self.world_size,
         }

@@ -252,11 +252,11 @@ def test_fault_plan_from_env(monkeypatch):
     assert not FaultPlan.from_env(rank=0, attempt=0).due("sigkill_in_save", 50)
 
 
-def test_parse_faults_with_seconds():
-    """`RANK:KIND@STEP:SECONDS` carries a duration; without one the default of 5 s applies."""
+def test_parse_faults_with_an_argument():
+    """`RANK:KIND@STEP:ARG` carries an argument (seconds, repetitions); without one it is None."""
     assert parse_faults("0:slow_save@20:2.5,1:hang@7") == [
-        Fault(rank=0, kind="slow_save", step=20, seconds=2.5),
-        Fault(rank=1, kind="hang", step=7, seconds=5.0),
+        Fault(rank=0, kind="slow_save", step=20, arg=2.5),
+        Fault(rank=1, kind="hang", step=7, arg=None),
     ]
 
 
@@ -267,3 +267,11 @@ def test_fault_plan_announces_a_fault_before_it_strikes():
     assert plan.due("hang", 2) is None and fired == []
     assert plan.due("hang", 3) == Fault(rank=0, kind="hang", step=3)
     assert fired == [Fault(rank=0, kind="hang", step=3)]
+
+
+def test_gradient_fault_repeats_as_often_as_asked():
+    """`spike@STEP:3` strikes the first three attempts at STEP, then no more."""
+    plan = FaultPlan(parse_faults("0:spike@5:3,0:nan@9"), rank=0, attempt=0)
+    assert [plan.gradient_fault(5) for _ in range(4)] == ["spike", "spike", "spike", None]
+    assert [plan.gradient_fault(9) for _ in range(2)] == ["nan", None]
+    assert plan.gradient_fault(6) is None

@@ -1,0 +1,63 @@
+"""Rollback past bad data after an anomaly abort, pure (PaLM's remedy for loss spikes, automated).
+
+A run that aborts on a streak of anomalies is relaunched from the newest checkpoint at or before
+`first anomaly step - rollback_steps`, and every rank jumps past the batches from that checkpoint
+through `skip_after_steps` batches after the abort. If the next streak starts within one more
+window past the skipped one, it is the same region: both distances grow by `widen_factor`; after
+`max_tries` rollbacks of one region the run fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AbortInfo", "AnomalyPolicy", "Rollback", "plan_rollback"]
+
+
+@dataclass(frozen=True)
+class AnomalyPolicy:
+    """The `anomaly:` section of a job config."""
+
+    rollback_steps: int = 100
+    skip_after_steps: int = 200
+    max_tries: int = 3
+    widen_factor: float = 2.0
+
+
+@dataclass(frozen=True)
+class AbortInfo:
+    """What a rank's `anomaly_abort` event says about the streak that ended its run."""
+
+    first_step: int
+    abort_step: int
+    first_batch: int
+    abort_batch: int
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A decided rollback: resume no later than `resume_at_most`, skip data up to `skip_to_batch`."""
+
+    abort: AbortInfo
+    tries: int  # rollbacks of this region so far, this one included
+    resume_at_most: int
+    skip_to_batch: int
+    skip_after: int
+
+
+def plan_rollback(policy: AnomalyPolicy, previous: Rollback | None, abort: AbortInfo) -> Rollback | None:
+    """The rollback for `abort`, or None when this region has been rolled back `max_tries` times already."""
+    same_region = previous is not None and abort.first_batch < previous.skip_to_batch + previous.skip_after
+    tries = previous.tries + 1 if same_region and previous is not None else 1
+    if tries > policy.max_tries:
+        return None
+    widen = policy.widen_factor ** (tries - 1)
+    rollback = round(policy.rollback_steps * widen)
+    skip_after = round(policy.skip_after_steps * widen)
+    return Rollback(
+        abort=abort,
+        tries=tries,
+        resume_at_most=max(0, abort.first_step - rollback),
+        skip_to_batch=abort.abort_batch + 1 + skip_after,
+        skip_after=skip_after,
+    )

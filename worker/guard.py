@@ -1,0 +1,85 @@
+"""The step guard: whether an optimizer step is applied or skipped, decided identically on every rank.
+
+A rank-local decision desynchronises data parallelism (one replica steps, another does not), so each
+rank's local verdict is combined with one tiny all-reduce (MAX) before anyone acts on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from worker.anomaly import AnomalyDetector
+from worker.contract import EXIT_ANOMALY, WorkerConfig
+from worker.faults import FaultPlan
+
+__all__ = ["StepGuard"]
+
+
+class StepGuard:
+    """Checks each step's gradients and loss; skips anomalous steps and aborts a streak of them."""
+
+    def __init__(self, config: WorkerConfig, *, log: Any, faults: FaultPlan, world_size: int) -> None:
+        monitor = config.monitor_config
+        skip_on_norm = config.use_skip_data_by_global_norm and monitor.monitor_on
+        self.threshold = monitor.global_norm_spike_threshold if skip_on_norm else None
+        self.count_threshold = monitor.global_norm_spike_count_threshold
+        self.detector = AnomalyDetector(self.threshold, config.adaptive_spike)
+        self._log, self._faults, self._world_size = log, faults, world_size
+
+    def check(
+        self, params: Iterable[Any], loss: float, *, step: int, batch: int, max_norm: float
+    ) -> tuple[bool, float]:
+        """Clip the gradients and decide: (apply the step?, global norm). Exits with EXIT_ANOMALY on a streak."""
+        import torch
+
+        grads = [p for p in params if p.grad is not None]
+        self._inject(grads, step)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        verdict = self.detector.judge(loss, grad_norm)
+        skip = self._agree(verdict.anomalous, grads)
+        self.detector.record(step, skipped=skip, loss=loss, grad_norm=grad_norm)
+        if skip:
+            self._log.warning("step_skipped", opt_global_step=step - 1, step=step, batch=batch,
+                              global_norm=_json_number(grad_norm), loss=_json_number(loss),
+                              skip_data_grad_norm_threshold=self.threshold, is_skip=True,
+                              consecutive=self.detector.consecutive, reasons=list(verdict.reasons),
+                              local=verdict.anomalous)
+            if self.detector.consecutive >= self.count_threshold:
+                self._abort(step, batch, grad_norm)
+        return not skip, grad_norm
+
+    def _inject(self, grads: list[Any], step: int) -> None:
+        kind = self._faults.gradient_fault(step)
+        if kind == "spike":
+            for g in grads:
+                g.grad.mul_(1000.0)
+        elif kind == "nan" and grads:
+            grads[0].grad.view(-1)[0] = float("nan")
+
+    def _agree(self, local: bool, grads: list[Any]) -> bool:
+        """True if any rank saw an anomaly (one all-reduce of one number; nothing when running alone)."""
+        import torch
+        import torch.distributed as dist
+
+        if self._world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return local
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def _abort(self, step: int, batch: int, grad_norm: float) -> None:
+        # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".
+        self._log.error("anomaly_abort", step=step, batch=batch, global_norm=_json_number(grad_norm),
+                        threshold=self.threshold, consecutive=self.detector.consecutive,
+                        count_threshold=self.count_threshold,
+                        first_anomaly_step=self.detector.first_anomaly_step,
+                        first_anomaly_batch=batch - self.detector.consecutive + 1)
+        raise SystemExit(EXIT_ANOMALY)
+
+
+def _json_number(value: float) -> float | str:
+    """JSON has no NaN or Infinity; keep them readable as strings."""
+    return value if math.isfinite(value) else str(value)
