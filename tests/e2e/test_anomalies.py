@@ -1,0 +1,94 @@
+"""Anomalies with real 2-rank gloo training: consistent skips, the streak abort, rollback past the bad data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.e2e.conftest import DEMO_STEPS, REPO, journal, run_supervisor, write_config
+
+pytestmark = pytest.mark.timeout(240)
+
+GUARDED = {
+    "save_checkpoint_steps": 10,
+    "use_skip_data_by_global_norm": True,
+    "monitor_config": {"global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 3},
+}
+
+
+def rank_events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == name]
+
+
+def final(run_dir: Path, rank: int) -> dict[str, Any]:
+    path = run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt"
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def test_spike_and_nan_on_one_rank_are_skipped_on_both_and_replicas_stay_identical(tmp_path: Path) -> None:
+    """Faults on rank 1 only: both ranks skip the same steps, and the two replicas end bitwise identical."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@15,1:nan@18"}, worker=GUARDED)
+    done = run_supervisor(config, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.status()["restarts"] == 0
+    skips = {rank: rank_events(run_dir, rank, "step_skipped") for rank in (0, 1)}
+    for rank in (0, 1):
+        assert [(e["step"], e["batch"], e["consecutive"], e["is_skip"]) for e in skips[rank]] == [
+            (15, 14, 1, True), (18, 18, 1, True)]
+    assert [(e["local"], e["reasons"]) for e in skips[1]] == [
+        (True, ["global_norm_above_threshold"]), (True, ["non_finite"])]
+    assert [e["local"] for e in skips[0]] == [False, False]  # rank 0 skipped because rank 1 had to
+    assert skips[1][0]["global_norm"] > 100 and skips[1][1]["global_norm"] == "nan"
+    assert skips[1][0]["skip_data_grad_norm_threshold"] == 3.0
+    ends = [final(run_dir, rank) for rank in (0, 1)]
+    assert all(torch.equal(ends[0]["model"][k], ends[1]["model"][k]) for k in ends[0]["model"])
+    assert [e["data_position"] for e in ends] == [DEMO_STEPS + 2, DEMO_STEPS + 2]  # two batches consumed unused
+    assert [e["scheduler"]["last_epoch"] for e in ends] == [DEMO_STEPS, DEMO_STEPS]  # the schedule did not move
+
+
+def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(tmp_path: Path) -> None:
+    """Three consecutive spikes exit 65; the relaunch resumes 10+ steps earlier, skips the window and finishes."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@35:5"}, worker=GUARDED,
+                          anomaly={"rollback_steps": 10, "skip_after_steps": 5})
+    done = run_supervisor(config, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    aborts = [rank_events(run_dir, rank, "anomaly_abort") for rank in (0, 1)]
+    for events in aborts:
+        assert [(e["step"], e["consecutive"], e["first_anomaly_step"], e["first_anomaly_batch"], e["batch"])
+                for e in events] == [(35, 3, 35, 34, 36)]
+    noticed = [e for e in journal(run_dir) if e["event"] == "anomaly_abort"]
+    assert [(e["first_step"], e["abort_step"], e["first_batch"], e["abort_batch"]) for e in noticed] == [
+        (35, 35, 34, 36)]
+    peer = [e["description"] for e in journal(run_dir) if e["event"] == "rank_stopped"]
+    assert peer in (["exited with code 65"], ["killed by SIGTERM"])  # the peer aborts too, or is stopped first
+    scheduled = [e for e in journal(run_dir) if e["event"] == "rollback_scheduled"]
+    assert [(e["resume_at_most"], e["skip_to_batch"], e["tries"]) for e in scheduled] == [(25, 42, 1)]
+    launches = [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"]
+    assert launches == [None, 20]
+    for rank in (0, 1):
+        skipped = rank_events(run_dir, rank, "data_window_skipped")
+        assert [(e["from_batch"], e["to_batch"]) for e in skipped] == [(20, 42)]
+        resumed_batches = [e["batch"] for e in rank_events(run_dir, rank, "step") if e["attempt"] == 1]
+        assert resumed_batches[0] == 42 and not any(34 <= b <= 41 for b in resumed_batches)
+    status = done.status()
+    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
+    assert status["rollback"]["skip_to_batch"] == 42 and status["rollback"]["abort"]["first_step"] == 35
+
+
+def test_demo_at_its_default_settings_skips_nothing(tmp_path: Path) -> None:
+    """configs/demo.yaml as shipped (threshold 3.0 and 6-sigma adaptive detection on) has zero false skips."""
+    done = run_supervisor(REPO / "configs" / "demo.yaml", tmp_path / "run", timeout=200)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert rank_events(tmp_path / "run", rank, "step_skipped") == []
+        assert len(rank_events(tmp_path / "run", rank, "step")) == 600
