@@ -1,0 +1,106 @@
+"""Reading a rank's newest events from the end of its JSON-lines log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from supervisor.rank_logs import TAIL_BYTES, last_event, last_step
+from worker.contract import RunLayout
+
+
+def write_log(layout: RunLayout, rank: int, events: list[dict], tail: str = "") -> None:
+    """Rank `rank`'s event log holding `events`, one JSON object a line, then `tail` verbatim."""
+    path = layout.rank_events(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + tail, encoding="utf-8")
+
+
+ABORT_0 = {"event": "anomaly_abort", "attempt": 0, "step": 9, "batch": 11, "first_anomaly_step": 9,
+           "first_anomaly_batch": 9}
+ABORT_1 = {"event": "anomaly_abort", "attempt": 1, "step": 30, "batch": 52, "first_anomaly_step": 30,
+           "first_anomaly_batch": 50}
+
+
+def test_last_event_finds_the_newest_event_of_its_name_and_attempt(tmp_path: Path):
+    """Of several events named alike in one attempt, the newest is returned whole."""
+    layout = RunLayout(tmp_path)
+    older = {**ABORT_0, "step": 5}
+    write_log(layout, 0, [older, {"event": "step", "attempt": 0, "step": 8}, ABORT_0,
+                          {"event": "rank_finished", "attempt": 0, "step": 9}])
+    assert last_event(layout, 0, 0, "anomaly_abort") == ABORT_0
+
+
+def test_last_event_skips_other_attempts(tmp_path: Path):
+    """An event of a later or earlier attempt is not taken for the asked attempt's."""
+    layout = RunLayout(tmp_path)
+    write_log(layout, 0, [ABORT_0, {"event": "step", "attempt": 1, "step": 1}, ABORT_1,
+                          {"event": "step", "attempt": 2, "step": 1}])
+    assert last_event(layout, 0, 0, "anomaly_abort") == ABORT_0
+    assert last_event(layout, 0, 1, "anomaly_abort") == ABORT_1
+    assert last_event(layout, 0, 2, "anomaly_abort") is None
+
+
+def test_last_event_skips_other_names(tmp_path: Path):
+    """Events with another name, or none, are passed over."""
+    layout = RunLayout(tmp_path)
+    write_log(layout, 0, [{"event": "step", "attempt": 0, "step": 3}, {"attempt": 0, "step": 4}])
+    assert last_event(layout, 0, 0, "anomaly_abort") is None
+    assert last_event(layout, 0, 0, "step") == {"event": "step", "attempt": 0, "step": 3}
+
+
+def test_last_event_skips_torn_and_non_object_lines(tmp_path: Path):
+    """A torn last line, a garbage line and a bare JSON value are skipped on the way to the newest event."""
+    layout = RunLayout(tmp_path)
+    write_log(layout, 0, [ABORT_0], tail='17\n[1, 2]\nnot json\n{"event": "anomaly_abort", "attempt": 0, "st')
+    assert last_event(layout, 0, 0, "anomaly_abort") == ABORT_0
+
+
+def test_last_event_reads_only_the_asked_rank(tmp_path: Path):
+    """Each rank's log is read on its own: rank 1's event is not rank 0's."""
+    layout = RunLayout(tmp_path)
+    write_log(layout, 1, [ABORT_0])
+    write_log(layout, 0, [{"event": "step", "attempt": 0, "step": 9}])
+    assert last_event(layout, 1, 0, "anomaly_abort") == ABORT_0
+    assert last_event(layout, 0, 0, "anomaly_abort") is None
+
+
+def test_last_event_of_a_missing_file_is_none(tmp_path: Path):
+    """A rank that never wrote an event log has no last event."""
+    assert last_event(RunLayout(tmp_path), 0, 0, "anomaly_abort") is None
+
+
+def test_last_event_of_an_empty_file_is_none(tmp_path: Path):
+    """An empty event log has no last event."""
+    layout = RunLayout(tmp_path)
+    write_log(layout, 0, [])
+    assert last_event(layout, 0, 0, "step") is None
+
+
+def test_last_event_in_a_log_longer_than_the_tail(tmp_path: Path):
+    """In a log longer than TAIL_BYTES the newest event is found past the torn line the tail starts in."""
+    layout = RunLayout(tmp_path)
+    steps = [{"event": "step", "attempt": 0, "step": s, "pad": "x" * 100} for s in range(1, 2 * TAIL_BYTES // 100)]
+    write_log(layout, 0, [*steps, ABORT_0])
+    assert layout.rank_events(0).stat().st_size > TAIL_BYTES
+    assert last_event(layout, 0, 0, "anomaly_abort") == ABORT_0
+    assert last_event(layout, 0, 0, "step") == steps[-1]
+
+
+def test_last_event_beyond_the_tail_is_not_found(tmp_path: Path):
+    """An event older than the log's last TAIL_BYTES is not looked for."""
+    layout = RunLayout(tmp_path)
+    steps = [{"event": "step", "attempt": 0, "step": s, "pad": "x" * 100} for s in range(1, 2 * TAIL_BYTES // 100)]
+    write_log(layout, 0, [ABORT_0, *steps])
+    assert last_event(layout, 0, 0, "anomaly_abort") is None
+
+
+def test_last_step_is_the_newest_step_event_of_the_attempt(tmp_path: Path):
+    """`last_step` is the `step` field of the attempt's newest `step` event, as an int."""
+    layout = RunLayout(tmp_path)
+    write_log(layout, 0, [{"event": "step", "attempt": 0, "step": 4}, {"event": "step", "attempt": 0, "step": 5},
+                          {"event": "checkpoint_saved", "attempt": 0, "step": 6},
+                          {"event": "step", "attempt": 1, "step": 2}])
+    assert last_step(layout, 0, 0) == 5
+    assert last_step(layout, 0, 1) == 2
+    assert last_step(layout, 0, 2) is None
