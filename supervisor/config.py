@@ -131,6 +131,10 @@ def parse_config(raw: Any, *, source: str = "<config>") -> JobConfig:
         raise ConfigError(f"{source}: give exactly one of 'script' (a Python file) or 'command' (a list)")
     if config.command is not None and not config.command:
         raise ConfigError(f"{source}: 'command' must not be empty")
+    adaptive = config.worker.adaptive_spike
+    if adaptive.enabled and adaptive.window < adaptive.min_samples:  # the rule could never fire
+        raise ConfigError(f"{source}: 'worker.adaptive_spike.window' ({adaptive.window}) must be at least "
+                          f"'worker.adaptive_spike.min_samples' ({adaptive.min_samples})")
     return config
 
 

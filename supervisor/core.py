@@ -424,15 +424,19 @@ def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: f
                      abort_batch=abort.abort_batch)
     if plan is None:
         tries = state.policy.anomaly.max_tries
-        state = replace(state, give_up=f"{failure}; the same region already rolled back {tries} times")
+        times = "once" if tries == 1 else f"{tries} times"
+        state = replace(state, give_up=f"{failure}; this region was already rolled back {times}")
         state, stop = _begin_stop(state, Then.FAIL, now)
         return state, [record, _record("rollbacks_exhausted", level="error", tries=tries), *stop]
     then = _failure_outcome(state)
-    state = replace(state, rollback=plan, rollback_pending=then is Then.RELAUNCH)
+    if then is Then.FAIL:  # no relaunch left to roll back with
+        state, stop = _begin_stop(state, then, now)
+        return state, [record, *_exhausted_records(state, then), *stop]
+    state = replace(state, rollback=plan, rollback_pending=True)
     decision = _record("rollback_scheduled", resume_at_most=plan.resume_at_most, skip_to_batch=plan.skip_to_batch,
                        tries=plan.tries, skip_after=plan.skip_after)
     state, stop = _begin_stop(state, then, now)
-    return state, [record, decision, *_exhausted_records(state, then), *stop]
+    return state, [record, decision, *stop]
 
 
 def _exhausted_records(state: State, then: Then) -> list[Action]:

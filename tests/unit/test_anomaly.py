@@ -16,7 +16,7 @@ def with_history(norms: list[float], *, threshold: float | None = None, adaptive
                  losses: list[float] | None = None) -> AnomalyDetector:
     """A detector that recorded one normal step per norm (losses default to 1.0), steps 1, 2, ..."""
     detector = AnomalyDetector(threshold, adaptive)
-    for step, (norm, loss) in enumerate(zip(norms, losses or [1.0] * len(norms)), start=1):
+    for step, (norm, loss) in enumerate(zip(norms, losses or [1.0] * len(norms), strict=True), start=1):
         detector.record(step, skipped=False, loss=loss, grad_norm=norm)
     return detector
 

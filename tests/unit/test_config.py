@@ -8,6 +8,8 @@ import pytest
 
 from supervisor.config import ConfigError, JobConfig, RestartConfig, StopConfig, load_config, parse_config
 from supervisor.core import Policy
+from supervisor.rollback import AnomalyPolicy
+from worker.anomaly import AdaptiveConfig
 from worker.contract import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +46,10 @@ def test_demo_config_loads():
     assert config.restart == RestartConfig(max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0,
                                            backoff_max_s=30.0)
     assert config.stop == StopConfig(kill_grace_s=5.0, sigkill_wait_s=5.0)
-    assert config.worker == WorkerConfig(save_checkpoint_steps=25, prefix="demo")
+    assert config.worker == WorkerConfig(save_checkpoint_steps=25, prefix="demo", use_skip_data_by_global_norm=True,
+                                         adaptive_spike=AdaptiveConfig(enabled=True))
+    assert config.anomaly == AnomalyPolicy(rollback_steps=50, skip_after_steps=100, max_tries=3)
+    assert config.hang.heartbeat == "required"
 
 
 def test_minimal_config_takes_defaults(tmp_path):

@@ -203,8 +203,6 @@ def test_parsed_seed_000_config_reaches_the_worker(monkeypatch):
     assert WorkerConfig.from_env() == worker
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: an adaptive window smaller than min_samples is accepted, and "
-                                       "the adaptive rule then never fires")
 def test_adaptive_window_smaller_than_min_samples_refused():
     """An enabled adaptive rule whose window (32) cannot hold min_samples (default 64) is refused by name."""
     message = refusal({"worker": {"adaptive_spike": {"enabled": True, "window": 32}}})
