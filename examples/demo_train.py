@@ -91,7 +91,7 @@ def main() -> None:
     torch.manual_seed(args.seed + 1 + rank)  # distinct dropout masks per rank
     random.seed(args.seed + rank)
 
-    warden = Warden(ddp, optimizer, scheduler)
+    warden = Warden(ddp, optimizer, scheduler, global_batch_size=args.batch_size * dist.get_world_size())
     start = warden.resume()
     while warden.step < args.steps:
         x, y = batch_for(data, index=warden.batches, rank=rank, seed=args.seed, batch=args.batch_size,

@@ -65,6 +65,8 @@ class WorkerConfig:
     save_checkpoint_steps: int = 0  # seed 001; 0 means never save
     prefix: str = "ckpt"  # seed 001's checkpoint file prefix
     resume_training: bool = True  # seed 001; without a supervisor, resume from the newest complete checkpoint
+    ignore_data_skip: bool = False  # seed 001: after resuming, read the (new) dataset from its beginning
+    data_skip_steps: int | None = None  # seed 001: after resuming, start the (new) dataset at this batch
     heartbeat_interval_s: float = 0.5
     use_skip_data_by_global_norm: bool = False  # seed 000: skip steps whose global norm exceeds the threshold
     monitor_config: MonitorConfig = field(default_factory=MonitorConfig)  # seed 000

@@ -49,6 +49,7 @@ class Warden:
         *,
         config: WorkerConfig | None = None,
         data_state: Callable[[], dict[str, Any]] | None = None,
+        global_batch_size: int | None = None,
     ) -> None:
         env = os.environ
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -60,6 +61,7 @@ class Warden:
         self.layout = RunLayout(Path(env.get(ENV_RUN_DIR, DEFAULT_RUN_DIR)))
         self.data_state: dict[str, Any] = {}
         self._data_state_fn = data_state
+        self.global_batch_size = global_batch_size  # samples per step over all ranks; scales the data position
         self._faults = FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired)
         self._heartbeat = Heartbeat(
             self.layout.heartbeat(self.rank),
@@ -106,9 +108,21 @@ class Warden:
             self.scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"])
         self.data_state = state["data_state"]
-        self.step, self.batches = step, state["data_position"]
-        self.log.info("resumed", step=step, data_position=self.batches)
+        self.step = step
+        self.batches = self._resumed_position(state["data_position"], state.get("global_batch_size"))
+        self.log.info("resumed", step=step, data_position=self.batches, saved_data_position=state["data_position"])
         return step
+
+    def _resumed_position(self, saved: int, saved_batch_size: int | None) -> int:
+        """Seed 001: continue the data where the checkpoint left it, unless the dataset or batch size changed."""
+        if self.config.ignore_data_skip:  # a new dataset, read from its beginning
+            return 0
+        if self.config.data_skip_steps is not None:  # a new dataset, this many steps of it already trained
+            return self.config.data_skip_steps
+        if saved_batch_size and self.global_batch_size and saved_batch_size != self.global_batch_size:
+            # The same samples seen, counted in batches of the new size (rounded down, as the seed says).
+            return saved * saved_batch_size // self.global_batch_size
+        return saved
 
     def guard_step(self, loss: Any, *, max_norm: float = math.inf) -> bool:
         """Between `backward()` and `optimizer.step()`: clip gradients to `max_norm` and say whether to step.
@@ -178,6 +192,7 @@ class Warden:
             "data_position": self.batches,
             "data_state": self._data_state_fn() if self._data_state_fn else {},
             "world_size": self.world_size,
+            "global_batch_size": self.global_batch_size,
         }
         path = save_checkpoint(
             self.layout,

@@ -2,87 +2,20 @@
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.worker.conftest import MAX_NORM
 from worker.anomaly import MonitorConfig
 from worker.contract import (
-    ENV_ATTEMPT,
-    ENV_RESUME_STEP,
-    ENV_RUN_DIR,
-    ENV_SKIP_TO_BATCH,
-    ENV_WORKER_CONFIG,
     EXIT_ANOMALY,
     RunLayout,
     WorkerConfig,
 )
-from worker.faults import ENV_FAULTS
-from worker.warden import Warden
-
-GUARDED = WorkerConfig(use_skip_data_by_global_norm=True,
-                       monitor_config=MonitorConfig(global_norm_spike_count_threshold=3))
-MAX_NORM = 1.0
-
-
-class Loop:
-    """A tiny Linear model with AdamW and StepLR, trained one batch at a time under a Warden."""
-
-    def __init__(self, config: WorkerConfig) -> None:
-        torch.manual_seed(0)
-        self.model = torch.nn.Linear(4, 2)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
-        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
-        self.warden = Warden(self.model, self.optimizer, self.scheduler, config=config)
-
-    def backward(self) -> float:
-        """Forward and backward on batch `warden.batches` (fixed data per index); returns the loss."""
-        data = torch.Generator().manual_seed(self.warden.batches)
-        x, y = torch.randn(8, 4, generator=data), torch.randn(8, 2, generator=data)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(self.model(x), y)
-        loss.backward()
-        return loss.item()
-
-    def train_batch(self) -> bool:
-        """One iteration as a training script writes it; returns whether the optimizer stepped."""
-        loss = self.backward()
-        applied = self.warden.guard_step(loss, max_norm=MAX_NORM)
-        if applied:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.warden.step_done(loss=loss)
-        return applied
-
-    def snapshot(self) -> dict[str, Any]:
-        """Deep copies of the model's, the optimizer's and the scheduler's state."""
-        return copy.deepcopy({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                              "scheduler": self.scheduler.state_dict()})
-
-
-@pytest.fixture
-def loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A factory of `Loop`s running as rank 0 of attempt 0 in `tmp_path` with the given faults armed."""
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", ENV_ATTEMPT, ENV_RESUME_STEP, ENV_SKIP_TO_BATCH,
-                 ENV_WORKER_CONFIG):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(ENV_RUN_DIR, str(tmp_path))
-    made: list[Loop] = []
-
-    def make(faults: str = "", config: WorkerConfig = GUARDED) -> Loop:
-        monkeypatch.setenv(ENV_FAULTS, faults)
-        made.append(Loop(config))
-        return made[-1]
-
-    yield make
-    for each in made:
-        if not each.warden._log_stream.closed:
-            each.warden.finish()
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
