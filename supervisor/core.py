@@ -108,6 +108,7 @@ class RanksLaunched:
     attempt: int
     pids: tuple[int, ...]
     resume_step: int | None
+    passed_over: tuple[tuple[int, str], ...] = ()  # newer checkpoints not resumed from, and why
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,7 @@ class State:
     rollback_pending: bool = False  # the next launch is that rollback
     give_up: str | None = None  # why a failing stop fails, when it is not exhausted restarts
     resume_step: int | None = None
+    resume_passed_over: tuple[tuple[int, str], ...] = ()
     last_failure: str | None = None
     reason: str | None = None
 
@@ -367,7 +369,7 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
         return state, []
     ranks = tuple(RankState(rank, pid=pid) for rank, pid in enumerate(event.pids))
     state = replace(state, phase=Phase.RUNNING, ranks=ranks, resume_step=event.resume_step, deadline=None,
-                    launched_at=now)
+                    launched_at=now, resume_passed_over=event.passed_over)
     record = _record("ranks_launched", attempt=event.attempt, pids=list(event.pids), resume_step=event.resume_step)
     return state, [record]
 

@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import psutil
 
+from supervisor.checkpoints import Choice, choose_resume, health_entries, write_health_file
 from supervisor.config import JobConfig
 from supervisor.core import (
     Action,
@@ -104,6 +105,7 @@ class Supervisor:
         self._unreadable: set[int] = set()
         self._started_at = time.time()
         self._recorded_pids: set[int] = set()
+        self._health_steps: list[int] | None = None
 
     def run(self) -> int:
         """Supervise until the run finishes, fails or is stopped."""
@@ -266,7 +268,8 @@ class Supervisor:
 
     def _launch(self, action: LaunchRanks) -> Event:
         attempt = action.attempt
-        resume_step = self._resume_step(attempt, action.resume_at_most)
+        choice = self._choose_resume(attempt, action.resume_at_most)
+        resume_step = choice.step
         for rank in range(self.config.nproc_per_node):  # a beat from an earlier run must not pass for this one
             unlink_quietly(self.layout.heartbeat(rank))
         try:
@@ -274,15 +277,20 @@ class Supervisor:
                                        skip_to_batch=action.skip_to_batch, on_exit=self._on_child_exit)
         except OSError as exc:
             return LaunchFailed(attempt, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
-        return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step)
+        return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step, choice.passed_over)
 
-    def _resume_step(self, attempt: int, at_most: int | None) -> int | None:
-        """Newest checkpoint complete on every rank (at or before `at_most`); attempt 0 honours resume_training."""
+    def _choose_resume(self, attempt: int, at_most: int | None) -> Choice:
+        """Newest checkpoint complete, intact and healthy on every rank (at or before `at_most`), saying why
+        newer ones were passed over; attempt 0 honours `worker.resume_training`."""
         if attempt == 0 and not self.config.worker.resume_training:
-            return None
-        steps = complete_checkpoint_steps(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
-        eligible = [s for s in steps if at_most is None or s <= at_most]
-        return eligible[-1] if eligible else None
+            return Choice(None, ())
+        choice = choose_resume(self.layout, self.config.nproc_per_node, self.config.worker.prefix, at_most=at_most,
+                               require_healthy=self.config.worker.use_checkpoint_health_monitor)
+        for step, reason in choice.passed_over:
+            self.log.warning("checkpoint_passed_over", step=step, reason=reason, attempt=attempt)
+        if choice.step is None and choice.passed_over:
+            self.log.error("no_usable_checkpoint", attempt=attempt, candidates=len(choice.passed_over))
+        return choice
 
     def _kill_leftovers(self) -> None:
         """On any way out, no process of the run outlives the supervisor."""
@@ -290,8 +298,20 @@ class Supervisor:
             self._ranks.signal(signal.SIGKILL, only=lambda rank: self._ranks.procs[rank].poll() is None)
         sigkill(descendants())
 
+    def _record_health(self, steps: list[int]) -> None:
+        """Keep health_ckpts.json (seed 000) listing every complete checkpoint, when that set changes."""
+        if steps == self._health_steps:
+            return
+        self._health_steps = steps
+        prefix, world = self.config.worker.prefix, self.config.nproc_per_node
+        try:
+            write_health_file(self.layout, health_entries(self.layout, world, prefix, steps))
+        except OSError as exc:
+            self.log.error("health_file_write_failed", error=str(exc))
+
     def _write_status(self, *, durable: bool) -> None:
         steps = complete_checkpoint_steps(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
+        self._record_health(steps)
         extra = {
             "run_dir": str(self.layout.root),
             "config": self._config_path,

@@ -33,6 +33,7 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "ranks": ranks,
         "heartbeats": "on" if any(r.heartbeat_seq is not None for r in state.ranks) else "off",
         "resumed_from": None if state.resume_step is None else {"step": state.resume_step},
+        "passed_over": [{"step": step, "reason": reason} for step, reason in state.resume_passed_over],
         "hang": None if state.hang is None else {**asdict(state.hang), "silent_s": round(state.hang.silent_s, 3)},
         "rollback": None if state.rollback is None else asdict(state.rollback),
         "calibration": {
@@ -81,6 +82,8 @@ def render(status: dict[str, Any]) -> str:
     ckpt = status.get("last_checkpoint")
     lines.append(f"  last checkpoint: {'step ' + str(ckpt['step']) if ckpt else 'none'}"
                  + (f"; resumed from step {status['resumed_from']['step']}" if status.get("resumed_from") else ""))
+    for skipped in status.get("passed_over") or []:
+        lines.append(f"  passed over step {skipped['step']}: {skipped['reason']}")
     if status.get("heartbeats") == "off":
         lines.append("  heartbeats: none seen (script does not use the worker library?): hang detection is off")
     for rank in status["ranks"]:

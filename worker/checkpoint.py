@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 
 from worker.contract import RunLayout, atomic_write_json, fsync_dir, unlink_quietly
 
-__all__ = ["capture_rng", "load_checkpoint", "restore_rng", "save_checkpoint"]
+__all__ = ["HashingWriter", "capture_rng", "checkpoint_health", "load_checkpoint", "restore_rng", "save_checkpoint"]
 
 FORMAT_VERSION = 1
 
@@ -43,6 +44,60 @@ def restore_rng(state: dict[str, Any]) -> None:
         numpy.random.set_state(state["numpy"])
 
 
+class HashingWriter:
+    """A write-only file wrapper that checksums and counts what passes through it."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._hash = hashlib.blake2b()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self._hash.update(data)
+        self.size += len(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def checkpoint_health(model: Any, optimizer: Any, *, threshold: float, embedding_param: str | None) -> dict[str, Any]:
+    """This rank's part of a checkpoint judged as seed 000 does; `is_health` 0 means healthy.
+
+    Unhealthy: the embedding's local gradient norm above `threshold`, or any NaN/Inf in parameters or
+    optimizer state. The embedding is `embedding_param` or else the first `nn.Embedding`'s weight.
+    """
+    import torch
+
+    reasons = []
+    embedding = _embedding_weight(model, embedding_param)
+    norm = None
+    if embedding is not None and embedding.grad is not None:
+        norm = float(embedding.grad.detach().norm())
+        if not norm <= threshold:  # NaN counts too
+            reasons.append(f"embedding_local_norm {norm:.6g} above {threshold:g}")
+    if any(not bool(torch.isfinite(p.detach()).all()) for p in model.parameters()):
+        reasons.append("non-finite parameter")
+    state_tensors = (t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in state_tensors):
+        reasons.append("non-finite optimizer state")
+    return {"is_health": int(bool(reasons)), "health_reasons": reasons, "embedding_local_norm": norm}
+
+
+def _embedding_weight(model: Any, name: str | None) -> Any:
+    import torch
+
+    if name is not None:
+        return dict(model.named_parameters()).get(name)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            return module.weight
+    return None
+
+
 def save_checkpoint(
     layout: RunLayout,
     *,
@@ -50,9 +105,13 @@ def save_checkpoint(
     step: int,
     prefix: str,
     payload: dict[str, Any],
+    health: dict[str, Any],
     before_rename: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write this rank's checkpoint of `step` atomically, then its `meta.json` (seed 001)."""
+    """Write this rank's checkpoint of `step` atomically, then its completion record, then `meta.json`.
+
+    The completion record (size, checksum, health) is written last: without it the file does not count.
+    """
     import torch
 
     path = layout.checkpoint_file(rank, step, prefix)
@@ -60,7 +119,8 @@ def save_checkpoint(
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, f)
+            hashing = HashingWriter(f)  # checksummed while written: a big save is never read back
+            torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, hashing)
             f.flush()
             os.fsync(f.fileno())
         if before_rename is not None:
@@ -70,7 +130,9 @@ def save_checkpoint(
         unlink_quietly(tmp)
         raise
     fsync_dir(path.parent)
-    meta = {"last_epoch": payload.get("epoch", 0), "last_step": step, "last_ckpt_file": path.name}
+    record = {"step": step, "file": path.name, "size": hashing.size, "blake2b": hashing.hexdigest(), **health}
+    atomic_write_json(layout.checkpoint_record(rank, step, prefix), record)
+    meta = {"last_epoch": 0, "last_step": step, "last_ckpt_file": path.name}  # seed 001; epochs are not tracked
     atomic_write_json(layout.meta_file(rank), meta)
     return path
 

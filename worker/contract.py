@@ -55,7 +55,7 @@ EXIT_FAILED = 1  # supervisor: restarts exhausted or a rank could not be stopped
 EXIT_ANOMALY = 65  # worker: training aborted on anomalies (relaunch past the bad data)
 EXIT_CONFIG = 78  # supervisor: the job config is invalid; nothing was launched
 
-_CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)-(?P<step>\d+)\.ckpt$")
+_CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)-(?P<step>\d+)\.(?P<kind>ckpt|json)$")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class WorkerConfig:
     resume_training: bool = True  # seed 001; without a supervisor, resume from the newest complete checkpoint
     ignore_data_skip: bool = False  # seed 001: after resuming, read the (new) dataset from its beginning
     data_skip_steps: int | None = None  # seed 001: after resuming, start the (new) dataset at this batch
+    use_checkpoint_health_monitor: bool = False  # seed 000: tag each checkpoint healthy or not
+    embedding_local_norm_threshold: float = 1.0  # seed 000's default
+    embedding_param: str | None = None  # which parameter is "the embedding"; default: the first nn.Embedding
     heartbeat_interval_s: float = 0.5
     use_skip_data_by_global_norm: bool = False  # seed 000: skip steps whose global norm exceeds the threshold
     monitor_config: MonitorConfig = field(default_factory=MonitorConfig)  # seed 000
@@ -144,26 +147,31 @@ class RunLayout:
     def checkpoint_file(self, rank: int, step: int, prefix: str) -> Path:
         return self.rank_checkpoint_dir(rank) / f"{prefix}_rank_{rank}-{step}.ckpt"
 
+    def checkpoint_record(self, rank: int, step: int, prefix: str) -> Path:
+        """The completion record of a rank's checkpoint: size, checksum, health; written after the file."""
+        return self.rank_checkpoint_dir(rank) / f"{prefix}_rank_{rank}-{step}.json"
+
     def meta_file(self, rank: int) -> Path:
         return self.rank_checkpoint_dir(rank) / "meta.json"
 
 
-def checkpoint_steps(layout: RunLayout, rank: int, prefix: str) -> set[int]:
-    """Steps for which `rank` has a finished checkpoint file (files are renamed into place whole)."""
+def checkpoint_steps(layout: RunLayout, rank: int, prefix: str, kind: str = "complete") -> set[int]:
+    """Steps for which `rank` has a checkpoint file and its completion record (`kind="complete"`),
+    or either of them (`kind="any"`); stray files and other prefixes are ignored."""
     try:
         names = os.listdir(layout.rank_checkpoint_dir(rank))
     except FileNotFoundError:
         return set()
-    steps = set()
+    found: dict[int, set[str]] = {}
     for name in names:
         match = _CKPT_NAME.match(name)
         if match and match["prefix"] == prefix and int(match["rank"]) == rank:
-            steps.add(int(match["step"]))
-    return steps
+            found.setdefault(int(match["step"]), set()).add(match["kind"])
+    return {step for step, kinds in found.items() if kind == "any" or kinds == {"ckpt", "json"}}
 
 
 def complete_checkpoint_steps(layout: RunLayout, world_size: int, prefix: str) -> list[int]:
-    """Steps, oldest first, whose checkpoint exists on every rank."""
+    """Steps, oldest first, whose checkpoint file and completion record exist on every rank."""
     common = checkpoint_steps(layout, 0, prefix)
     for rank in range(1, world_size):
         common &= checkpoint_steps(layout, rank, prefix)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from worker.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from worker.checkpoint import capture_rng, checkpoint_health, load_checkpoint, restore_rng, save_checkpoint
 from worker.contract import (
     ENV_ATTEMPT,
     ENV_RESUME_STEP,
@@ -200,6 +200,7 @@ class Warden:
             step=step,
             prefix=self.config.prefix,
             payload=payload,
+            health=self._health(),
             before_rename=self._torn_save if self._faults.due("sigkill_in_save", step) else None,
         )
         self.log.info("checkpoint_saved", step=step, path=str(path), duration_s=round(time.perf_counter() - started, 4))
@@ -235,6 +236,15 @@ class Warden:
             return None
         steps = complete_checkpoint_steps(self.layout, self.world_size, self.config.prefix)
         return steps[-1] if steps else None
+
+    def _health(self) -> dict[str, Any]:
+        if not self.config.use_checkpoint_health_monitor:
+            return {"is_health": 0, "health_reasons": [], "health_monitored": False}
+        health = checkpoint_health(self.model, self.optimizer, threshold=self.config.embedding_local_norm_threshold,
+                                   embedding_param=self.config.embedding_param)
+        if health["embedding_local_norm"] is not None:
+            self.log.info("embedding_local_norm", step=self.step, embedding_local_norm=health["embedding_local_norm"])
+        return {**health, "health_monitored": True}
 
     def _fault_fired(self, fault: Any) -> None:
         self.log.warning("fault_injected", kind=fault.kind, step=fault.step)

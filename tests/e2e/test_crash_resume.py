@@ -95,6 +95,7 @@ def test_sigkill_while_writing_a_checkpoint_falls_back_and_ends_bitwise_equal(
     assert (status["state"], status["restarts"]) == ("finished", 1)
     launches = [e for e in journal(run_dir) if e["event"] == "ranks_launched"]
     assert [e["resume_step"] for e in launches] == [None, 20]
+    assert status["passed_over"] == [{"step": 30, "reason": "incomplete: rank 1 has no completion record"}]
     torn = list((run_dir / "checkpoint" / "rank_1").glob(".demo_rank_1-30.ckpt.*.tmp"))
     assert len(torn) == 1, "the half-written temporary file of the killed save is left as it was"
     assert_same_training_state(run_dir, reference_run)

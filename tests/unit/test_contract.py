@@ -26,8 +26,19 @@ def touch(path: Path) -> None:
 
 
 def save(layout: RunLayout, rank: int, *steps: int, prefix: str = "ckpt") -> None:
+    """A finished save: the checkpoint file and, written after it, its completion record."""
     for step in steps:
         touch(layout.checkpoint_file(rank, step, prefix))
+        touch(layout.checkpoint_record(rank, step, prefix))
+
+
+def test_a_checkpoint_without_its_completion_record_does_not_count(tmp_path):
+    """A rank file whose completion record is missing (killed between the two) leaves the step incomplete."""
+    layout = RunLayout(tmp_path)
+    save(layout, 0, 10, 20)
+    save(layout, 1, 10)
+    touch(layout.checkpoint_file(1, 20, "ckpt"))
+    assert complete_checkpoint_steps(layout, 2, "ckpt") == [10]
 
 
 # ---- layout -----------------------------------------------------------------------------------

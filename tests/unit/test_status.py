@@ -49,6 +49,7 @@ def test_snapshot_of_running_state_with_heartbeat():
         ],
         "heartbeats": "on",
         "resumed_from": {"step": 25},
+        "passed_over": [],
         "hang": None,
         "rollback": None,
         "calibration": {"enabled": False, "train_timeout_s": 300.0, "samples": 0, "step_gaps": []},

@@ -1,0 +1,92 @@
+"""Where to resume: the newest checkpoint that is complete, intact and healthy on every rank.
+
+Each rank writes its checkpoint file, then a completion record (size, blake2b checksum, health) next to
+it. A candidate is passed over, with the reason logged, when a rank lacks either, when a file's size or
+checksum differs from its record (truncated, corrupted), or when a rank tagged its part unhealthy.
+`health_ckpts.json` (seed 000's format, `is_health` 0 = healthy) lists every complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from worker.contract import RunLayout, atomic_write_json, checkpoint_steps, read_json
+
+__all__ = ["Choice", "choose_resume", "health_entries", "write_health_file"]
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The step to resume from (None: start from scratch) and the newer candidates passed over, with why."""
+
+    step: int | None
+    passed_over: tuple[tuple[int, str], ...]
+
+
+def choose_resume(layout: RunLayout, world_size: int, prefix: str, *, at_most: int | None = None,
+                  require_healthy: bool = True) -> Choice:
+    """Check candidates newest first; the first with no problem wins."""
+    candidates = set().union(*(checkpoint_steps(layout, r, prefix, kind="any") for r in range(world_size)))
+    passed = []
+    for step in sorted(candidates, reverse=True):
+        if at_most is not None and step > at_most:
+            passed.append((step, f"after the rollback point (step {at_most})"))
+            continue
+        problem = _problem(layout, world_size, prefix, step, require_healthy)
+        if problem is None:
+            return Choice(step, tuple(passed))
+        passed.append((step, problem))
+    return Choice(None, tuple(passed))
+
+
+def _problem(layout: RunLayout, world_size: int, prefix: str, step: int, require_healthy: bool) -> str | None:
+    for rank in range(world_size):
+        path = layout.checkpoint_file(rank, step, prefix)
+        try:
+            record = read_json(layout.checkpoint_record(rank, step, prefix))
+        except FileNotFoundError:
+            return f"incomplete: rank {rank} has no completion record"
+        except (OSError, ValueError) as exc:
+            return f"unreadable completion record on rank {rank}: {exc}"
+        if not path.exists():
+            return f"incomplete: rank {rank} has no checkpoint file"
+        size = path.stat().st_size
+        if size != record.get("size"):
+            return f"truncated on rank {rank}: {size} bytes, {record.get('size')} written"
+        if _blake2b(path) != record.get("blake2b"):
+            return f"corrupted on rank {rank}: checksum differs from the one written"
+        if require_healthy and record.get("is_health", 0) != 0:
+            return f"unhealthy on rank {rank}: {', '.join(record.get('health_reasons') or ['tagged unhealthy'])}"
+    return None
+
+
+def _blake2b(path: Any) -> str:
+    digest = hashlib.blake2b()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def health_entries(layout: RunLayout, world_size: int, prefix: str, steps: list[int]) -> list[dict[str, Any]]:
+    """Seed 000 entries for complete checkpoints: healthy (0) only if every rank's part is."""
+    entries = []
+    for step in steps:
+        unhealthy = []
+        for rank in range(world_size):
+            try:
+                if read_json(layout.checkpoint_record(rank, step, prefix)).get("is_health", 0) != 0:
+                    unhealthy.append(rank)
+            except (OSError, ValueError):
+                unhealthy.append(rank)
+        entries.append({"is_health": int(bool(unhealthy)), "ckpt_name": layout.checkpoint_file(0, step, prefix).name,
+                        "step": step, "unhealthy_ranks": unhealthy})
+    return entries
+
+
+def write_health_file(layout: RunLayout, entries: list[dict[str, Any]]) -> None:
+    atomic_write_json(layout.root / "health_ckpts.json", entries)

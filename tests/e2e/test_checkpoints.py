@@ -1,0 +1,48 @@
+"""The supervisor resumes a real run from its newest intact checkpoint and says why it passed newer ones over."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import journal, run_supervisor, write_config
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_corrupted_truncated_and_incomplete_checkpoints_are_passed_over_with_reasons(tmp_path: Path) -> None:
+    """Flip a byte in 60, truncate 50, drop a completion record of 40: the rerun resumes from 30 and finishes."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", worker={"save_checkpoint_steps": 10,
+                                                         "use_checkpoint_health_monitor": True,
+                                                         "embedding_local_norm_threshold": 1000.0})
+    first = run_supervisor(config, run_dir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    health = json.loads((run_dir / "health_ckpts.json").read_text())
+    assert [(h["step"], h["is_health"], h["ckpt_name"]) for h in health] == [
+        (s, 0, f"demo_rank_0-{s}.ckpt") for s in range(10, 61, 10)]
+
+    ckpt = run_dir / "checkpoint"
+    flipped = bytearray((ckpt / "rank_1" / "demo_rank_1-60.ckpt").read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    (ckpt / "rank_1" / "demo_rank_1-60.ckpt").write_bytes(bytes(flipped))
+    truncated = ckpt / "rank_0" / "demo_rank_0-50.ckpt"
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    (ckpt / "rank_1" / "demo_rank_1-40.json").unlink()
+    (ckpt / "rank_0" / "stray.txt").write_text("junk a person left here")
+
+    second = run_supervisor(config, run_dir)
+    assert second.returncode == 0, second.stderr[-3000:]
+    status = second.status()
+    assert status["resumed_from"] == {"step": 30}
+    assert [p["step"] for p in status["passed_over"]] == [60, 50, 40]
+    reasons = [p["reason"] for p in status["passed_over"]]
+    assert reasons[0] == "corrupted on rank 1: checksum differs from the one written"
+    assert reasons[1].startswith("truncated on rank 0: 1000 bytes, ")
+    assert reasons[2] == "incomplete: rank 1 has no completion record"
+    logged = [(e["step"], e["reason"]) for e in journal(run_dir) if e["event"] == "checkpoint_passed_over"]
+    assert logged == [(p["step"], p["reason"]) for p in status["passed_over"]]
+    assert status["last_checkpoint"] == {"step": 60}  # rewritten whole by the resumed run
+    assert (ckpt / "rank_0" / "stray.txt").exists()  # junk is ignored, never deleted
