@@ -14,7 +14,7 @@ from typing import Any
 
 from worker.contract import RunLayout, atomic_write_json, checkpoint_steps, read_json
 
-__all__ = ["Choice", "choose_resume", "health_entries", "write_health_file"]
+__all__ = ["Choice", "choose_resume", "health_entries", "rotation", "write_health_file"]
 
 _CHUNK = 1 << 20
 
@@ -90,3 +90,18 @@ def health_entries(layout: RunLayout, world_size: int, prefix: str, steps: list[
 
 def write_health_file(layout: RunLayout, entries: list[dict[str, Any]]) -> None:
     atomic_write_json(layout.root / "health_ckpts.json", entries)
+
+
+def rotation(complete: list[int], healthy: set[int], *, keep_max: int, protected: set[int]) -> list[int]:
+    """Complete checkpoints to delete so at most `keep_max` remain besides the ones that must stay.
+
+    Never deleted: the newest `keep_max`, the newest healthy one, and `protected` (being resumed from).
+    Incomplete checkpoints (possibly being written) are not in `complete` and never touched.
+    """
+    if keep_max <= 0:
+        return []
+    keep = set(sorted(complete)[-keep_max:]) | protected
+    healthy_complete = [s for s in complete if s in healthy]
+    if healthy_complete:
+        keep.add(max(healthy_complete))
+    return sorted(s for s in complete if s not in keep)

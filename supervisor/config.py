@@ -103,6 +103,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.adaptive_spike.window": (lambda v: v >= 2, "at least 2"),
     "worker.adaptive_spike.min_samples": (lambda v: v >= 2, "at least 2"),
     "worker.data_skip_steps": (lambda v: v >= 0, "0 or more"),
+    "worker.keep_checkpoint_max": (lambda v: v >= 0, "0 or more"),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
     "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import psutil
 
-from supervisor.checkpoints import Choice, choose_resume, health_entries, write_health_file
+from supervisor.checkpoints import Choice, choose_resume, health_entries, rotation, write_health_file
 from supervisor.config import JobConfig
 from supervisor.core import (
     Action,
@@ -304,10 +304,22 @@ class Supervisor:
             return
         self._health_steps = steps
         prefix, world = self.config.worker.prefix, self.config.nproc_per_node
+        entries = health_entries(self.layout, world, prefix, steps)
         try:
-            write_health_file(self.layout, health_entries(self.layout, world, prefix, steps))
+            write_health_file(self.layout, entries)
         except OSError as exc:
             self.log.error("health_file_write_failed", error=str(exc))
+        self._rotate(steps, {e["step"] for e in entries if e["is_health"] == 0})
+
+    def _rotate(self, steps: list[int], healthy: set[int]) -> None:
+        """keep_checkpoint_max: delete the oldest complete checkpoints, record first so a kill leaves junk, not lies."""
+        protected = {self.state.resume_step} if self.state.resume_step is not None else set()
+        doomed = rotation(steps, healthy, keep_max=self.config.worker.keep_checkpoint_max, protected=protected)
+        for step in doomed:
+            for rank in range(self.config.nproc_per_node):
+                unlink_quietly(self.layout.checkpoint_record(rank, step, self.config.worker.prefix))
+                unlink_quietly(self.layout.checkpoint_file(rank, step, self.config.worker.prefix))
+            self.log.info("checkpoint_rotated", step=step)
 
     def _write_status(self, *, durable: bool) -> None:
         steps = complete_checkpoint_steps(self.layout, self.config.nproc_per_node, self.config.worker.prefix)

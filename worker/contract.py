@@ -64,6 +64,7 @@ class WorkerConfig:
 
     save_checkpoint_steps: int = 0  # seed 001; 0 means never save
     prefix: str = "ckpt"  # seed 001's checkpoint file prefix
+    keep_checkpoint_max: int = 0  # seed 001; the supervisor deletes older complete checkpoints; 0 keeps all
     resume_training: bool = True  # seed 001; without a supervisor, resume from the newest complete checkpoint
     ignore_data_skip: bool = False  # seed 001: after resuming, read the (new) dataset from its beginning
     data_skip_steps: int | None = None  # seed 001: after resuming, start the (new) dataset at this batch

@@ -46,3 +46,19 @@ def test_corrupted_truncated_and_incomplete_checkpoints_are_passed_over_with_rea
     assert logged == [(p["step"], p["reason"]) for p in status["passed_over"]]
     assert status["last_checkpoint"] == {"step": 60}  # rewritten whole by the resumed run
     assert (ckpt / "rank_0" / "stray.txt").exists()  # junk is ignored, never deleted
+
+
+def test_keep_checkpoint_max_rotates_old_checkpoints_of_a_real_run(tmp_path: Path) -> None:
+    """With keep_checkpoint_max 2 the supervisor deletes older complete checkpoints, records first, as they come."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", worker={"save_checkpoint_steps": 10, "keep_checkpoint_max": 2})
+    done = run_supervisor(config, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        names = sorted(p.name for p in (run_dir / "checkpoint" / f"rank_{rank}").iterdir() if p.name != "meta.json")
+        assert names == sorted(f"demo_rank_{rank}-{s}.{kind}" for s in (50, 60) for kind in ("ckpt", "json"))
+    rotated = [e["step"] for e in journal(run_dir) if e["event"] == "checkpoint_rotated"]
+    assert sorted(rotated) == [10, 20, 30, 40]
+    health = json.loads((run_dir / "health_ckpts.json").read_text())
+    assert [h["step"] for h in health] == [50, 60]
