@@ -14,7 +14,7 @@ from typing import Any
 
 from worker.contract import RunLayout, atomic_write_json, checkpoint_steps, read_json
 
-__all__ = ["Choice", "choose_resume", "health_entries", "rotation", "write_health_file"]
+__all__ = ["Choice", "choose_explicit", "choose_resume", "health_entries", "rotation", "write_health_file"]
 
 _CHUNK = 1 << 20
 
@@ -25,6 +25,12 @@ class Choice:
 
     step: int | None
     passed_over: tuple[tuple[int, str], ...]
+
+
+def choose_explicit(layout: RunLayout, world_size: int, prefix: str, step: int) -> Choice:
+    """The checkpoint a person named: used if complete and intact, healthy or not (as in seed 001)."""
+    problem = _problem(layout, world_size, prefix, step, require_healthy=False)
+    return Choice(step, ()) if problem is None else Choice(None, ((step, problem),))
 
 
 def choose_resume(layout: RunLayout, world_size: int, prefix: str, *, at_most: int | None = None,

@@ -16,7 +16,7 @@ import yaml
 from supervisor.core import Policy
 from supervisor.hangs import HEARTBEAT_MODES, HangPolicy
 from supervisor.rollback import AnomalyPolicy
-from worker.contract import WorkerConfig
+from worker.contract import WorkerConfig, parse_checkpoint_name
 
 __all__ = ["ConfigError", "JobConfig", "RestartConfig", "StopConfig", "load_config", "parse_config"]
 
@@ -104,6 +104,9 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.adaptive_spike.min_samples": (lambda v: v >= 2, "at least 2"),
     "worker.data_skip_steps": (lambda v: v >= 0, "0 or more"),
     "worker.keep_checkpoint_max": (lambda v: v >= 0, "0 or more"),
+    "worker.no_usable_checkpoint": (lambda v: v in ("scratch", "refuse"), "scratch or refuse"),
+    "worker.resume_training": (lambda v: isinstance(v, bool) or parse_checkpoint_name(v) is not None,
+                               "true, false, or a checkpoint name such as demo_rank_0-40.ckpt or 40"),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
     "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),
@@ -163,8 +166,13 @@ def _check(hint: Any, value: Any, source: str, name: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in params:
             return None
-        (inner,) = [p for p in params if p is not type(None)]
-        return _check(inner, value, source, name)
+        options = [p for p in params if p is not type(None)]
+        for inner in options[:-1]:  # `bool | str`: the first type that fits wins
+            try:
+                return _check(inner, value, source, name)
+            except ConfigError:
+                continue
+        return _check(options[-1], value, source, name)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, source, prefix=f"{name}.")
     if origin is list:

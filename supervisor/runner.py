@@ -15,7 +15,14 @@ from typing import IO, Any
 
 import psutil
 
-from supervisor.checkpoints import Choice, choose_resume, health_entries, rotation, write_health_file
+from supervisor.checkpoints import (
+    Choice,
+    choose_explicit,
+    choose_resume,
+    health_entries,
+    rotation,
+    write_health_file,
+)
 from supervisor.config import JobConfig
 from supervisor.core import (
     Action,
@@ -52,7 +59,13 @@ from supervisor.trees import (
     sigkill,
 )
 from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
-from worker.contract import EXIT_ANOMALY, RunLayout, complete_checkpoint_steps, unlink_quietly
+from worker.contract import (
+    EXIT_ANOMALY,
+    RunLayout,
+    complete_checkpoint_steps,
+    parse_checkpoint_name,
+    unlink_quietly,
+)
 
 __all__ = ["LeftoversSurvived", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
@@ -270,6 +283,15 @@ class Supervisor:
         attempt = action.attempt
         choice = self._choose_resume(attempt, action.resume_at_most)
         resume_step = choice.step
+        if resume_step is None and choice.passed_over and attempt == 0 and isinstance(
+                self.config.worker.resume_training, str):
+            named, why = choice.passed_over[0]
+            return LaunchFailed(attempt, f"the checkpoint named by worker.resume_training (step {named}) "
+                                         f"is not usable: {why}")
+        if resume_step is None and choice.passed_over and self.config.worker.no_usable_checkpoint == "refuse":
+            newest, why = choice.passed_over[0]
+            return LaunchFailed(attempt, f"no usable checkpoint (newest, step {newest}: {why}); "
+                                         "refusing to start from scratch (worker.no_usable_checkpoint: refuse)")
         for rank in range(self.config.nproc_per_node):  # a beat from an earlier run must not pass for this one
             unlink_quietly(self.layout.heartbeat(rank))
         try:
@@ -282,14 +304,21 @@ class Supervisor:
     def _choose_resume(self, attempt: int, at_most: int | None) -> Choice:
         """Newest checkpoint complete, intact and healthy on every rank (at or before `at_most`), saying why
         newer ones were passed over; attempt 0 honours `worker.resume_training`."""
-        if attempt == 0 and not self.config.worker.resume_training:
+        worker, world = self.config.worker, self.config.nproc_per_node
+        if attempt == 0 and worker.resume_training is False:
             return Choice(None, ())
-        choice = choose_resume(self.layout, self.config.nproc_per_node, self.config.worker.prefix, at_most=at_most,
-                               require_healthy=self.config.worker.use_checkpoint_health_monitor)
+        if attempt == 0 and isinstance(worker.resume_training, str):
+            named = parse_checkpoint_name(worker.resume_training)
+            assert named is not None  # the config was validated
+            choice = choose_explicit(self.layout, world, worker.prefix, named)
+        else:
+            choice = choose_resume(self.layout, world, worker.prefix, at_most=at_most,
+                                   require_healthy=worker.use_checkpoint_health_monitor)
         for step, reason in choice.passed_over:
             self.log.warning("checkpoint_passed_over", step=step, reason=reason, attempt=attempt)
         if choice.step is None and choice.passed_over:
-            self.log.error("no_usable_checkpoint", attempt=attempt, candidates=len(choice.passed_over))
+            self.log.error("no_usable_checkpoint", attempt=attempt, candidates=len(choice.passed_over),
+                           then=worker.no_usable_checkpoint)
         return choice
 
     def _kill_leftovers(self) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "atomic_write_json",
     "complete_checkpoint_steps",
     "fsync_dir",
+    "parse_checkpoint_name",
     "read_json",
     "unlink_quietly",
 ]
@@ -65,7 +66,10 @@ class WorkerConfig:
     save_checkpoint_steps: int = 0  # seed 001; 0 means never save
     prefix: str = "ckpt"  # seed 001's checkpoint file prefix
     keep_checkpoint_max: int = 0  # seed 001; the supervisor deletes older complete checkpoints; 0 keeps all
-    resume_training: bool = True  # seed 001; without a supervisor, resume from the newest complete checkpoint
+    # seed 001: true resumes from the newest usable checkpoint; a checkpoint name (or step) resumes from that one,
+    # healthy or not; without a supervisor the worker itself resumes from the newest complete checkpoint
+    resume_training: bool | str = True
+    no_usable_checkpoint: str = "scratch"  # when checkpoints exist but none is usable: "scratch" or "refuse"
     ignore_data_skip: bool = False  # seed 001: after resuming, read the (new) dataset from its beginning
     data_skip_steps: int | None = None  # seed 001: after resuming, start the (new) dataset at this batch
     use_checkpoint_health_monitor: bool = False  # seed 000: tag each checkpoint healthy or not
@@ -169,6 +173,14 @@ def checkpoint_steps(layout: RunLayout, rank: int, prefix: str, kind: str = "com
         if match and match["prefix"] == prefix and int(match["rank"]) == rank:
             found.setdefault(int(match["step"]), set()).add(match["kind"])
     return {step for step, kinds in found.items() if kind == "any" or kinds == {"ckpt", "json"}}
+
+
+def parse_checkpoint_name(name: str) -> int | None:
+    """The step a checkpoint name means: a rank's file name (`demo_rank_0-40.ckpt`) or the step itself."""
+    match = _CKPT_NAME.match(name.strip())
+    if match:
+        return int(match["step"])
+    return int(name) if name.strip().isdigit() else None
 
 
 def complete_checkpoint_steps(layout: RunLayout, world_size: int, prefix: str) -> list[int]:

@@ -23,6 +23,7 @@ from worker.contract import (
     RunLayout,
     WorkerConfig,
     complete_checkpoint_steps,
+    parse_checkpoint_name,
 )
 from worker.events import open_event_log
 from worker.faults import FaultPlan
@@ -232,8 +233,10 @@ class Warden:
         named = os.environ.get(ENV_RESUME_STEP)
         if named is not None:  # the supervisor decided
             return int(named) if named else None
-        if not self.config.resume_training:
+        if self.config.resume_training is False:
             return None
+        if isinstance(self.config.resume_training, str):
+            return parse_checkpoint_name(self.config.resume_training)
         steps = complete_checkpoint_steps(self.layout, self.world_size, self.config.prefix)
         return steps[-1] if steps else None
 

@@ -62,3 +62,31 @@ def test_keep_checkpoint_max_rotates_old_checkpoints_of_a_real_run(tmp_path: Pat
     assert sorted(rotated) == [10, 20, 30, 40]
     health = json.loads((run_dir / "health_ckpts.json").read_text())
     assert [h["step"] for h in health] == [50, 60]
+
+
+def test_a_named_checkpoint_wins_and_an_unusable_one_refuses_to_start(tmp_path: Path) -> None:
+    """`resume_training: <name>` resumes from that checkpoint although newer ones are fine; a corrupted one
+    named, or nothing usable with `no_usable_checkpoint: refuse`, fails the run with the reason and starts nothing."""
+    run_dir = tmp_path / "run"
+    worker = {"save_checkpoint_steps": 10}
+    assert run_supervisor(write_config(tmp_path / "a.yaml", worker=worker), run_dir).returncode == 0
+
+    by_name = {**worker, "resume_training": "demo_rank_1-30.ckpt"}
+    named = run_supervisor(write_config(tmp_path / "b.yaml", worker=by_name), run_dir)
+    assert named.returncode == 0, named.stderr[-3000:]
+    assert named.status()["resumed_from"] == {"step": 30}
+
+    for path in (run_dir / "checkpoint").glob("rank_1/demo_rank_1-*.ckpt"):
+        path.write_bytes(path.read_bytes()[:100])  # every checkpoint of rank 1 truncated
+    written = json.loads((run_dir / "checkpoint" / "rank_1" / "demo_rank_1-20.json").read_text())["size"]
+    broken = run_supervisor(write_config(tmp_path / "c.yaml", worker={**worker, "resume_training": "20"}), run_dir)
+    assert broken.returncode == 1
+    assert broken.status()["reason"] == ("could not launch ranks: the checkpoint named by worker.resume_training "
+                                         f"(step 20) is not usable: truncated on rank 1: 100 bytes, {written} written")
+
+    refused = run_supervisor(write_config(tmp_path / "d.yaml", worker={**worker, "no_usable_checkpoint": "refuse"}),
+                             run_dir)
+    assert refused.returncode == 1
+    assert refused.status()["reason"].startswith("could not launch ranks: no usable checkpoint (newest, step 60: "
+                                                 "truncated on rank 1: 100 bytes")
+    assert refused.status()["reason"].endswith("refusing to start from scratch (worker.no_usable_checkpoint: refuse)")

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from supervisor.config import ConfigError, parse_config
+from supervisor.config import ConfigError, load_config, parse_config
 from supervisor.rollback import AnomalyPolicy
 from worker.anomaly import AdaptiveConfig, MonitorConfig
-from worker.contract import ENV_WORKER_CONFIG, WorkerConfig
+from worker.contract import ENV_WORKER_CONFIG, WorkerConfig, parse_checkpoint_name
 
 SEED_000 = {
     "use_skip_data_by_global_norm": True,
@@ -207,3 +207,27 @@ def test_adaptive_window_smaller_than_min_samples_refused():
     """An enabled adaptive rule whose window (32) cannot hold min_samples (default 64) is refused by name."""
     message = refusal({"worker": {"adaptive_spike": {"enabled": True, "window": 32}}})
     assert "worker.adaptive_spike" in message
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("false", False),
+                                                  ("demo_rank_0-40.ckpt", "demo_rank_0-40.ckpt"), ("'40'", "40")])
+def test_resume_training_takes_a_flag_or_a_checkpoint_name(tmp_path, value, expected):
+    """Seed 001's `resume_training` is true, false, or the name (or step) of the checkpoint to resume from."""
+    path = tmp_path / "job.yaml"
+    path.write_text(f"script: t.py\nworker: {{resume_training: {value}}}\n")
+    assert load_config(path).worker.resume_training == expected
+
+
+def test_resume_training_with_a_name_that_is_no_checkpoint_is_refused(tmp_path):
+    """A `resume_training` string that names no checkpoint is refused by key, with what would do."""
+    path = tmp_path / "job.yaml"
+    path.write_text("script: t.py\nworker: {resume_training: latest}\n")
+    with pytest.raises(ConfigError, match=r"'worker.resume_training' must be true, false, or a checkpoint name"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("name", "step"), [("demo_rank_0-40.ckpt", 40), ("x_rank_3-7.json", 7), ("12", 12),
+                                             ("latest", None), ("demo-40.ckpt", None)])
+def test_parse_checkpoint_name(name, step):
+    """A rank's checkpoint file name or a bare step number give the step; anything else gives None."""
+    assert parse_checkpoint_name(name) == step
