@@ -1,6 +1,6 @@
 """Where to resume: the newest checkpoint that is complete, intact and healthy on every rank.
 
-Each rank writes its checkpoint file, then a completion record (size, blake2b checksum, health) next to
+Each rank writes its checkpoint file, then a completion record (size, CRC-32 checksum, health) next to
 it. A candidate is passed over, with the reason logged, when a rank lacks either, when a file's size or
 checksum differs from its record (truncated, corrupted), or when a rank tagged its part unhealthy.
 `health_ckpts.json` (seed 000's format, `is_health` 0 = healthy) lists every complete checkpoint.
@@ -8,13 +8,21 @@ checksum differs from its record (truncated, corrupted), or when a rank tagged i
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from worker.contract import RunLayout, atomic_write_json, checkpoint_steps, read_json
 
-__all__ = ["Choice", "choose_explicit", "choose_resume", "health_entries", "rotation", "write_health_file"]
+__all__ = [
+    "Choice",
+    "choose_explicit",
+    "choose_resume",
+    "file_crc32",
+    "health_entries",
+    "rotation",
+    "write_health_file",
+]
 
 _CHUNK = 1 << 20
 
@@ -63,19 +71,20 @@ def _problem(layout: RunLayout, world_size: int, prefix: str, step: int, require
         size = path.stat().st_size
         if size != record.get("size"):
             return f"truncated on rank {rank}: {size} bytes, {record.get('size')} written"
-        if _blake2b(path) != record.get("blake2b"):
+        if file_crc32(path) != record.get("crc32"):
             return f"corrupted on rank {rank}: checksum differs from the one written"
         if require_healthy and record.get("is_health", 0) != 0:
             return f"unhealthy on rank {rank}: {', '.join(record.get('health_reasons') or ['tagged unhealthy'])}"
     return None
 
 
-def _blake2b(path: Any) -> str:
-    digest = hashlib.blake2b()
+def file_crc32(path: Any) -> str:
+    """The CRC-32 of a file, as the worker's HashingWriter writes it."""
+    crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def health_entries(layout: RunLayout, world_size: int, prefix: str, steps: list[int]) -> list[dict[str, Any]]:

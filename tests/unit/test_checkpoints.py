@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
+import zlib
 from pathlib import Path
 
 from supervisor.checkpoints import Choice, choose_resume, health_entries
@@ -20,7 +20,7 @@ def save(layout: RunLayout, step: int, ranks: tuple[int, ...] = (0, 1), *, unhea
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         bad = rank in unhealthy
-        record = {"step": step, "file": path.name, "size": len(data), "blake2b": hashlib.blake2b(data).hexdigest(),
+        record = {"step": step, "file": path.name, "size": len(data), "crc32": f"{zlib.crc32(data):08x}",
                   "is_health": int(bad), "health_reasons": ["embedding_local_norm 9 above 1"] if bad else []}
         layout.checkpoint_record(rank, step, PREFIX).write_text(json.dumps(record))
 
