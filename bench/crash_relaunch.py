@@ -167,7 +167,7 @@ def verdict(returncode: int | None, events: list[dict[str, Any]], layout: RunLay
         return False, f"launcher exited {returncode}"
     if max((e.get("attempt", 0) for e in events), default=0) >= 2:
         return False, "relaunched more than once"
-    if not layout.checkpoint_file(0, job.steps, PREFIX).exists():
+    if not layout.checkpoints.file(0, job.steps, PREFIX).exists():
         return False, "no final checkpoint"
     return True, "ok"
 

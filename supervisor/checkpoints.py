@@ -8,60 +8,75 @@ checksum differs from its record (truncated, corrupted), or when a rank tagged i
 
 from __future__ import annotations
 
+import os
+import re
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from worker.contract import RunLayout, atomic_write_json, checkpoint_steps, read_json
+from worker.contract import SNAPSHOT_DIR, CheckpointStore, RunLayout, atomic_write_json, read_json
 
 __all__ = [
     "Choice",
+    "Junk",
     "choose_explicit",
     "choose_resume",
     "file_crc32",
+    "find_junk",
     "health_entries",
     "rotation",
     "write_health_file",
 ]
 
 _CHUNK = 1 << 20
+# What tempfile.mkstemp names our atomic writes: `.NAME.XXXXXXXX.tmp`.
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp$")
 
 
 @dataclass(frozen=True)
 class Choice:
-    """The step to resume from (None: start from scratch) and the newer candidates passed over, with why."""
+    """The step to resume from (None: start from scratch), where it is, and the newer candidates passed over."""
 
     step: int | None
     passed_over: tuple[tuple[int, str], ...]
+    store: CheckpointStore | None = None
 
 
-def choose_explicit(layout: RunLayout, world_size: int, prefix: str, step: int) -> Choice:
+def choose_explicit(store: CheckpointStore, world_size: int, prefix: str, step: int) -> Choice:
     """The checkpoint a person named: used if complete and intact, healthy or not (as in seed 001)."""
-    problem = _problem(layout, world_size, prefix, step, require_healthy=False)
-    return Choice(step, ()) if problem is None else Choice(None, ((step, problem),))
+    problem = _problem(store, world_size, prefix, step, require_healthy=False)
+    return Choice(step, (), store) if problem is None else Choice(None, ((step, problem),))
 
 
-def choose_resume(layout: RunLayout, world_size: int, prefix: str, *, at_most: int | None = None,
+def choose_resume(stores: list[CheckpointStore], world_size: int, prefix: str, *, at_most: int | None = None,
                   require_healthy: bool = True) -> Choice:
-    """Check candidates newest first; the first with no problem wins."""
-    candidates = set().union(*(checkpoint_steps(layout, r, prefix, kind="any") for r in range(world_size)))
+    """Check candidates of every store newest first (regular checkpoints first on equal steps); the first
+    with no problem wins. Reasons for candidates outside the first store name their store."""
+    candidates = sorted(((step, i) for i, store in enumerate(stores) for step in _any_steps(store, world_size, prefix)),
+                        key=lambda candidate: (-candidate[0], candidate[1]))
     passed = []
-    for step in sorted(candidates, reverse=True):
+    for step, i in candidates:
+        store = stores[i]
         if at_most is not None and step > at_most:
-            passed.append((step, f"after the rollback point (step {at_most})"))
-            continue
-        problem = _problem(layout, world_size, prefix, step, require_healthy)
+            problem: str | None = f"after the rollback point (step {at_most})"
+        else:
+            problem = _problem(store, world_size, prefix, step, require_healthy)
         if problem is None:
-            return Choice(step, tuple(passed))
-        passed.append((step, problem))
+            return Choice(step, tuple(passed), store)
+        passed.append((step, problem if i == 0 else f"{store.label}: {problem}"))
     return Choice(None, tuple(passed))
 
 
-def _problem(layout: RunLayout, world_size: int, prefix: str, step: int, require_healthy: bool) -> str | None:
+def _any_steps(store: CheckpointStore, world_size: int, prefix: str) -> set[int]:
+    return set().union(*(store.steps(rank, prefix, kind="any") for rank in range(world_size)))
+
+
+def _problem(store: CheckpointStore, world_size: int, prefix: str, step: int, require_healthy: bool) -> str | None:
     for rank in range(world_size):
-        path = layout.checkpoint_file(rank, step, prefix)
+        path = store.file(rank, step, prefix)
         try:
-            record = read_json(layout.checkpoint_record(rank, step, prefix))
+            record = read_json(store.record(rank, step, prefix))
         except FileNotFoundError:
             return f"incomplete: rank {rank} has no completion record"
         except (OSError, ValueError) as exc:
@@ -87,18 +102,18 @@ def file_crc32(path: Any) -> str:
     return f"{crc:08x}"
 
 
-def health_entries(layout: RunLayout, world_size: int, prefix: str, steps: list[int]) -> list[dict[str, Any]]:
+def health_entries(store: CheckpointStore, world_size: int, prefix: str, steps: list[int]) -> list[dict[str, Any]]:
     """Seed 000 entries for complete checkpoints: healthy (0) only if every rank's part is."""
     entries = []
     for step in steps:
         unhealthy = []
         for rank in range(world_size):
             try:
-                if read_json(layout.checkpoint_record(rank, step, prefix)).get("is_health", 0) != 0:
+                if read_json(store.record(rank, step, prefix)).get("is_health", 0) != 0:
                     unhealthy.append(rank)
             except (OSError, ValueError):
                 unhealthy.append(rank)
-        entries.append({"is_health": int(bool(unhealthy)), "ckpt_name": layout.checkpoint_file(0, step, prefix).name,
+        entries.append({"is_health": int(bool(unhealthy)), "ckpt_name": store.file(0, step, prefix).name,
                         "step": step, "unhealthy_ranks": unhealthy})
     return entries
 
@@ -120,3 +135,41 @@ def rotation(complete: list[int], healthy: set[int], *, keep_max: int, protected
     if healthy_complete:
         keep.add(max(healthy_complete))
     return sorted(s for s in complete if s not in keep)
+
+
+@dataclass(frozen=True)
+class Junk:
+    """What in the checkpoint directory is not a checkpoint of this run."""
+
+    torn: tuple[Path, ...]  # our own temporaries, left by a save that was killed: provably ours and incomplete
+    foreign: tuple[Path, ...]  # anything else: reported, never deleted
+
+
+def find_junk(layout: RunLayout, world_size: int, prefix: str) -> Junk:
+    """Sort out the checkpoint directory; call only while no rank runs (a temporary may be a save in flight)."""
+    torn: list[Path] = []
+    foreign: list[Path] = []
+    expected = {f"rank_{rank}" for rank in range(world_size)}
+    for store in layout.checkpoint_stores():
+        for entry in _entries(store.root):
+            if entry.name in expected and entry.is_dir():
+                _sort_rank_dir(store, int(entry.name.removeprefix("rank_")), prefix, torn, foreign)
+            elif not (store == layout.checkpoints and entry.name == SNAPSHOT_DIR):
+                foreign.append(entry)
+    return Junk(tuple(torn), tuple(foreign))
+
+
+def _sort_rank_dir(store: CheckpointStore, rank: int, prefix: str, torn: list[Path], foreign: list[Path]) -> None:
+    for entry in _entries(store.rank_dir(rank)):
+        temporary = _TEMPORARY.match(entry.name)
+        if temporary and store.owns(temporary["name"], rank, prefix):
+            torn.append(entry)
+        elif not store.owns(entry.name, rank, prefix):
+            foreign.append(entry)
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return sorted(directory / name for name in os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []

@@ -108,6 +108,8 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.resume_training": (lambda v: isinstance(v, bool) or parse_checkpoint_name(v) is not None,
                                "true, false, or a checkpoint name such as demo_rank_0-40.ckpt or 40"),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
+    "worker.snapshot_steps": (lambda v: v >= 0, "0 or more"),
+    "worker.load_checkpoint": (lambda v: Path(v).is_dir(), "an existing directory (another run's checkpoint/ folder)"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
     "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),
 }

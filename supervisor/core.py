@@ -10,7 +10,8 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang)
     RUNNING  --SignalReceived--> STOPPING (then stopped)
     STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED
-    STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL)
+    STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL);
+    TERM lasts the kill grace, or until every save in flight is past its save timeout, whichever is later
     STOPPING --deadline in KILL--> FAILED (a rank survived SIGKILL)
     STOPPING --second SIGINT of the run--> SIGKILL now; a stop request cancels a pending relaunch
     BACKOFF  --deadline--> STARTING (next attempt)
@@ -25,7 +26,7 @@ import signal
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from supervisor.hangs import TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
+from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
 from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
 from worker.contract import EXIT_ANOMALY
 
@@ -109,6 +110,7 @@ class RanksLaunched:
     pids: tuple[int, ...]
     resume_step: int | None
     passed_over: tuple[tuple[int, str], ...] = ()  # newer checkpoints not resumed from, and why
+    resume_source: str | None = None  # where the checkpoint is, when not the run's regular checkpoints
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,7 @@ class State:
     rollback_pending: bool = False  # the next launch is that rollback
     give_up: str | None = None  # why a failing stop fails, when it is not exhausted restarts
     resume_step: int | None = None
+    resume_source: str | None = None  # None: the run's regular checkpoints; else a snapshot slot or load_checkpoint
     resume_passed_over: tuple[tuple[int, str], ...] = ()
     last_failure: str | None = None
     reason: str | None = None
@@ -369,8 +372,9 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
         return state, []
     ranks = tuple(RankState(rank, pid=pid) for rank, pid in enumerate(event.pids))
     state = replace(state, phase=Phase.RUNNING, ranks=ranks, resume_step=event.resume_step, deadline=None,
-                    launched_at=now, resume_passed_over=event.passed_over)
-    record = _record("ranks_launched", attempt=event.attempt, pids=list(event.pids), resume_step=event.resume_step)
+                    launched_at=now, resume_passed_over=event.passed_over, resume_source=event.resume_source)
+    record = _record("ranks_launched", attempt=event.attempt, pids=list(event.pids), resume_step=event.resume_step,
+                     resume_source=event.resume_source)
     return state, [record]
 
 
@@ -465,8 +469,22 @@ def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = Fa
 
 
 def _terminate(state: State, now: float) -> tuple[State, list[Action]]:
-    state = replace(state, stop_stage=StopStage.TERM, deadline=now + state.policy.kill_grace_s)
-    return state, [SignalRanks(state.attempt, signal.SIGTERM)]
+    """SIGTERM every rank; SIGKILL follows after the grace, or once a rank's save in flight had its save timeout."""
+    grace_end = now + state.policy.kill_grace_s
+    state = replace(state, stop_stage=StopStage.TERM, deadline=max(grace_end, _saves_end(state, now)))
+    actions: list[Action] = [SignalRanks(state.attempt, signal.SIGTERM)]
+    savers = [r.rank for r in state.ranks if r.running and r.heartbeat_phase == SAVE_PHASE]
+    if state.deadline > grace_end:
+        actions.append(_record("stop_waits_for_save", ranks=savers, wait_s=round(state.deadline - now, 3)))
+    return state, actions
+
+
+def _saves_end(state: State, now: float) -> float:
+    """When the saves in flight are past their save timeout (a worker finishes its save before obeying SIGTERM)."""
+    timeout = phase_timeout(state.policy.hang, SAVE_PHASE, state.step_gaps)
+    started = [r.heartbeat_monotonic for r in state.ranks
+               if r.running and r.heartbeat_phase == SAVE_PHASE and r.heartbeat_monotonic is not None]
+    return max((t + timeout for t in started), default=now)
 
 
 def _kill(state: State, now: float) -> tuple[State, list[Action]]:
@@ -534,7 +552,10 @@ def _on_heartbeat(state: State, event: HeartbeatSeen, now: float) -> tuple[State
         state = replace(state, step_gaps=gaps)
     state = _update_rank(state, event.rank, step=event.step, heartbeat_seq=event.seq,
                          heartbeat_monotonic=now, heartbeat_phase=event.phase)
-    return replace(state, heartbeats_seen=True), []
+    state = replace(state, heartbeats_seen=True)
+    if state.stop_stage is StopStage.TERM and event.phase == SAVE_PHASE and state.deadline is not None:
+        state = replace(state, deadline=max(state.deadline, _saves_end(state, now)))  # a save seen late
+    return state, []
 
 
 def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tuple[State, list[Action]]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "HEARTBEAT_MODES",
+    "SAVE_PHASE",
     "TRAIN_PHASE",
     "Calibration",
     "HangPolicy",
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 TRAIN_PHASE = "train"
+SAVE_PHASE = "save"
 HEARTBEAT_MODES = ("auto", "required", "off")
 
 DEFAULT_PHASE_TIMEOUTS_S: Mapping[str, float] = {"startup": 900.0, "train": 300.0, "save": 1800.0, "eval": 1800.0}

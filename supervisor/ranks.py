@@ -10,11 +10,13 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from supervisor.config import JobConfig
 from supervisor.trees import die_with_parent
 from worker.contract import (
     ENV_ATTEMPT,
+    ENV_RESUME_DIR,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_SKIP_TO_BATCH,
@@ -70,7 +72,8 @@ def rank_argv(config: JobConfig) -> list[str]:
 
 
 def rank_env(config: JobConfig, layout: RunLayout, *, rank: int, attempt: int, port: int,
-             resume_step: int | None, skip_to_batch: int | None = None) -> dict[str, str]:
+             resume_step: int | None, resume_dir: Path | None = None,
+             skip_to_batch: int | None = None) -> dict[str, str]:
     """The environment torchrun would give this rank, plus trainwarden's contract variables."""
     env = {k: v for k, v in os.environ.items() if k not in _WITHHELD_ENV}
     env.update(config.env)
@@ -83,6 +86,7 @@ def rank_env(config: JobConfig, layout: RunLayout, *, rank: int, attempt: int, p
         "TORCHELASTIC_MAX_RESTARTS": str(config.restart.max_restarts),
         ENV_RUN_DIR: str(layout.root), ENV_ATTEMPT: str(attempt),
         ENV_RESUME_STEP: "" if resume_step is None else str(resume_step),
+        ENV_RESUME_DIR: "" if resume_dir is None else str(resume_dir),
         ENV_WORKER_CONFIG: config.worker.to_env(),
         ENV_SKIP_TO_BATCH: "" if skip_to_batch is None else str(skip_to_batch),
     })
@@ -90,7 +94,8 @@ def rank_env(config: JobConfig, layout: RunLayout, *, rank: int, attempt: int, p
 
 
 def launch_ranks(config: JobConfig, layout: RunLayout, *, attempt: int, resume_step: int | None,
-                 skip_to_batch: int | None, on_exit: Callable[[int, int, int], None]) -> Ranks:
+                 resume_dir: Path | None, skip_to_batch: int | None,
+                 on_exit: Callable[[int, int, int], None]) -> Ranks:
     """Start every rank in its own session; a waiter thread per rank reports `on_exit(attempt, rank, code)`.
 
     If any rank fails to start, the ones already started are killed and the error is raised.
@@ -101,7 +106,7 @@ def launch_ranks(config: JobConfig, layout: RunLayout, *, attempt: int, resume_s
     try:
         for rank in range(config.nproc_per_node):
             env = rank_env(config, layout, rank=rank, attempt=attempt, port=port, resume_step=resume_step,
-                           skip_to_batch=skip_to_batch)
+                           resume_dir=resume_dir, skip_to_batch=skip_to_batch)
             ranks.procs.append(_spawn(argv, env, layout, attempt, rank))
     except BaseException:
         ranks.signal(signal.SIGKILL, only=lambda _: True)

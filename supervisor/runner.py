@@ -19,6 +19,7 @@ from supervisor.checkpoints import (
     Choice,
     choose_explicit,
     choose_resume,
+    find_junk,
     health_entries,
     rotation,
     write_health_file,
@@ -62,8 +63,9 @@ from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWat
 from worker.contract import (
     EXIT_ANOMALY,
     RunLayout,
-    complete_checkpoint_steps,
+    named_store,
     parse_checkpoint_name,
+    resume_stores,
     unlink_quietly,
 )
 
@@ -119,6 +121,7 @@ class Supervisor:
         self._started_at = time.time()
         self._recorded_pids: set[int] = set()
         self._health_steps: list[int] | None = None
+        self._reported_junk: set[Any] = set()
 
     def run(self) -> int:
         """Supervise until the run finishes, fails or is stopped."""
@@ -294,12 +297,28 @@ class Supervisor:
                                          "refusing to start from scratch (worker.no_usable_checkpoint: refuse)")
         for rank in range(self.config.nproc_per_node):  # a beat from an earlier run must not pass for this one
             unlink_quietly(self.layout.heartbeat(rank))
+        self._sort_out_junk()
+        store = choice.store
         try:
             self._ranks = launch_ranks(self.config, self.layout, attempt=attempt, resume_step=resume_step,
+                                       resume_dir=None if store is None else store.root,
                                        skip_to_batch=action.skip_to_batch, on_exit=self._on_child_exit)
         except OSError as exc:
             return LaunchFailed(attempt, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
-        return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step, choice.passed_over)
+        source = None if store is None or store == self.layout.checkpoints else store.label
+        return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step, choice.passed_over,
+                             source)
+
+    def _sort_out_junk(self) -> None:
+        """Before a launch (no save can be in flight): delete our torn temporaries, report anything foreign once."""
+        junk = find_junk(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
+        for path in junk.torn:
+            unlink_quietly(path)
+            self.log.info("torn_temporary_removed", path=str(path))
+        unreported = [str(path) for path in junk.foreign if path not in self._reported_junk]
+        if unreported:
+            self.log.warning("checkpoint_dir_junk", paths=unreported, action="ignored, left in place")
+            self._reported_junk.update(junk.foreign)
 
     def _choose_resume(self, attempt: int, at_most: int | None) -> Choice:
         """Newest checkpoint complete, intact and healthy on every rank (at or before `at_most`), saying why
@@ -310,9 +329,9 @@ class Supervisor:
         if attempt == 0 and isinstance(worker.resume_training, str):
             named = parse_checkpoint_name(worker.resume_training)
             assert named is not None  # the config was validated
-            choice = choose_explicit(self.layout, world, worker.prefix, named)
+            choice = choose_explicit(named_store(self.layout, worker), world, worker.prefix, named)
         else:
-            choice = choose_resume(self.layout, world, worker.prefix, at_most=at_most,
+            choice = choose_resume(resume_stores(self.layout, worker), world, worker.prefix, at_most=at_most,
                                    require_healthy=worker.use_checkpoint_health_monitor)
         for step, reason in choice.passed_over:
             self.log.warning("checkpoint_passed_over", step=step, reason=reason, attempt=attempt)
@@ -333,7 +352,7 @@ class Supervisor:
             return
         self._health_steps = steps
         prefix, world = self.config.worker.prefix, self.config.nproc_per_node
-        entries = health_entries(self.layout, world, prefix, steps)
+        entries = health_entries(self.layout.checkpoints, world, prefix, steps)
         try:
             write_health_file(self.layout, entries)
         except OSError as exc:
@@ -342,16 +361,17 @@ class Supervisor:
 
     def _rotate(self, steps: list[int], healthy: set[int]) -> None:
         """keep_checkpoint_max: delete the oldest complete checkpoints, record first so a kill leaves junk, not lies."""
-        protected = {self.state.resume_step} if self.state.resume_step is not None else set()
+        resumed_here = self.state.resume_step is not None and self.state.resume_source is None
+        protected = {self.state.resume_step} if resumed_here else set()
         doomed = rotation(steps, healthy, keep_max=self.config.worker.keep_checkpoint_max, protected=protected)
         for step in doomed:
             for rank in range(self.config.nproc_per_node):
-                unlink_quietly(self.layout.checkpoint_record(rank, step, self.config.worker.prefix))
-                unlink_quietly(self.layout.checkpoint_file(rank, step, self.config.worker.prefix))
+                unlink_quietly(self.layout.checkpoints.record(rank, step, self.config.worker.prefix))
+                unlink_quietly(self.layout.checkpoints.file(rank, step, self.config.worker.prefix))
             self.log.info("checkpoint_rotated", step=step)
 
     def _write_status(self, *, durable: bool) -> None:
-        steps = complete_checkpoint_steps(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
+        steps = self.layout.checkpoints.complete_steps(self.config.nproc_per_node, self.config.worker.prefix)
         self._record_health(steps)
         extra = {
             "run_dir": str(self.layout.root),

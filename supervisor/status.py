@@ -18,6 +18,13 @@ class StatusError(Exception):
     """No readable state file in the run dir."""
 
 
+def _resumed_from(state: State) -> dict[str, Any] | None:
+    if state.resume_step is None:
+        return None
+    source = {} if state.resume_source is None else {"source": state.resume_source}
+    return {"step": state.resume_step, **source}
+
+
 def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, Any]:
     """The JSON-ready status of the run; `now` is monotonic, `extra` carries what the core does not know."""
     ranks = []
@@ -32,7 +39,7 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "max_restarts": state.policy.max_restarts,
         "ranks": ranks,
         "heartbeats": "on" if any(r.heartbeat_seq is not None for r in state.ranks) else "off",
-        "resumed_from": None if state.resume_step is None else {"step": state.resume_step},
+        "resumed_from": _resumed_from(state),
         "passed_over": [{"step": step, "reason": reason} for step, reason in state.resume_passed_over],
         "hang": None if state.hang is None else {**asdict(state.hang), "silent_s": round(state.hang.silent_s, 3)},
         "rollback": None if state.rollback is None else asdict(state.rollback),

@@ -11,9 +11,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker.contract import RunLayout, atomic_write_json, fsync_dir, unlink_quietly
+from worker.contract import CheckpointStore, atomic_write_json, fsync_dir, unlink_quietly
 
-__all__ = ["HashingWriter", "capture_rng", "checkpoint_health", "load_checkpoint", "restore_rng", "save_checkpoint"]
+__all__ = [
+    "HashingWriter",
+    "capture_rng",
+    "checkpoint_health",
+    "clear_slot",
+    "load_checkpoint",
+    "restore_rng",
+    "save_checkpoint",
+]
 
 FORMAT_VERSION = 1
 
@@ -102,7 +110,7 @@ def _embedding_weight(model: Any, name: str | None) -> Any:
 
 
 def save_checkpoint(
-    layout: RunLayout,
+    store: CheckpointStore,
     *,
     rank: int,
     step: int,
@@ -117,7 +125,7 @@ def save_checkpoint(
     """
     import torch
 
-    path = layout.checkpoint_file(rank, step, prefix)
+    path = store.file(rank, step, prefix)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -134,14 +142,24 @@ def save_checkpoint(
         raise
     fsync_dir(path.parent)
     record = {"step": step, "file": path.name, "size": hashing.size, "crc32": hashing.hexdigest(), **health}
-    atomic_write_json(layout.checkpoint_record(rank, step, prefix), record)
+    atomic_write_json(store.record(rank, step, prefix), record)
     meta = {"last_epoch": 0, "last_step": step, "last_ckpt_file": path.name}  # seed 001; epochs are not tracked
-    atomic_write_json(layout.meta_file(rank), meta)
+    atomic_write_json(store.meta(rank), meta)
     return path
 
 
-def load_checkpoint(layout: RunLayout, *, rank: int, step: int, prefix: str) -> dict[str, Any]:
-    """Load this rank's checkpoint of `step` (our own file, so full unpickling is allowed)."""
+def load_checkpoint(store: CheckpointStore, *, rank: int, step: int, prefix: str) -> dict[str, Any]:
+    """Load this rank's checkpoint of `step` (written by trainwarden, so full unpickling is allowed)."""
     import torch
 
-    return torch.load(layout.checkpoint_file(rank, step, prefix), map_location="cpu", weights_only=False)
+    return torch.load(store.file(rank, step, prefix), map_location="cpu", weights_only=False)
+
+
+def clear_slot(store: CheckpointStore, rank: int) -> None:
+    """Empty this rank's part of a snapshot slot before reuse: records first, so a kill leaves junk, not lies."""
+    try:
+        names = sorted(os.listdir(store.rank_dir(rank)), key=lambda name: not name.endswith(".json"))
+    except FileNotFoundError:
+        return
+    for name in names:
+        unlink_quietly(store.rank_dir(rank) / name)

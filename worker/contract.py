@@ -19,6 +19,7 @@ from worker.anomaly import AdaptiveConfig, MonitorConfig
 
 __all__ = [
     "ENV_ATTEMPT",
+    "ENV_RESUME_DIR",
     "ENV_RESUME_STEP",
     "ENV_RUN_DIR",
     "ENV_SKIP_TO_BATCH",
@@ -31,7 +32,10 @@ __all__ = [
     "atomic_write_bytes",
     "WorkerConfig",
     "atomic_write_json",
-    "complete_checkpoint_steps",
+    "CheckpointStore",
+    "named_store",
+    "newest_complete",
+    "resume_stores",
     "fsync_dir",
     "parse_checkpoint_name",
     "read_json",
@@ -43,6 +47,8 @@ ENV_RUN_DIR = "TRAINWARDEN_RUN_DIR"
 ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
 # Step of the checkpoint to resume from; empty means "start from scratch".
 ENV_RESUME_STEP = "TRAINWARDEN_RESUME_STEP"
+# The checkpoint store to resume from (this run's, a snapshot slot, or worker.load_checkpoint's directory).
+ENV_RESUME_DIR = "TRAINWARDEN_RESUME_DIR"
 # JSON object: the `worker:` section of the job config.
 ENV_WORKER_CONFIG = "TRAINWARDEN_WORKER_CONFIG"
 # After an anomaly abort: a resumed rank whose data position is below this batch index jumps to it.
@@ -56,6 +62,9 @@ EXIT_FAILED = 1  # supervisor: restarts exhausted or a rank could not be stopped
 EXIT_ANOMALY = 65  # worker: training aborted on anomalies (relaunch past the bad data)
 EXIT_CONFIG = 78  # supervisor: the job config is invalid; nothing was launched
 
+SNAPSHOT_DIR = "snapshot"  # checkpoint/snapshot/{0,1}/rank_R/...
+SNAPSHOT_SLOTS = (0, 1)
+
 _CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)-(?P<step>\d+)\.(?P<kind>ckpt|json)$")
 
 
@@ -66,6 +75,8 @@ class WorkerConfig:
     save_checkpoint_steps: int = 0  # seed 001; 0 means never save
     prefix: str = "ckpt"  # seed 001's checkpoint file prefix
     keep_checkpoint_max: int = 0  # seed 001; the supervisor deletes older complete checkpoints; 0 keeps all
+    snapshot_steps: int = 0  # seed 004's oss_snapshot_freq: also save into two alternating snapshot slots; 0: off
+    load_checkpoint: str | None = None  # seed 001: another run's checkpoint directory to resume from as well
     # seed 001: true resumes from the newest usable checkpoint; a checkpoint name (or step) resumes from that one,
     # healthy or not; without a supervisor the worker itself resumes from the newest complete checkpoint
     resume_training: bool | str = True
@@ -146,33 +157,66 @@ class RunLayout:
     def attempt_log(self, attempt: int, rank: int, stream: str) -> Path:
         return self.root / "logs" / f"attempt_{attempt}" / f"rank_{rank}.{stream}"
 
-    def rank_checkpoint_dir(self, rank: int) -> Path:
-        return self.checkpoint_dir / f"rank_{rank}"
+    @property
+    def checkpoints(self) -> CheckpointStore:
+        """The run's regular checkpoints (seed 001)."""
+        return CheckpointStore(self.checkpoint_dir)
 
-    def checkpoint_file(self, rank: int, step: int, prefix: str) -> Path:
-        return self.rank_checkpoint_dir(rank) / f"{prefix}_rank_{rank}-{step}.ckpt"
+    def snapshot_slot(self, slot: int) -> CheckpointStore:
+        """One of the two alternating snapshot slots (seed 004); the older one is overwritten next."""
+        return CheckpointStore(self.checkpoint_dir / SNAPSHOT_DIR / str(slot), label=f"snapshot slot {slot}")
 
-    def checkpoint_record(self, rank: int, step: int, prefix: str) -> Path:
+    def checkpoint_stores(self) -> list[CheckpointStore]:
+        """Every place of this run a resume may come from: regular checkpoints first, then the snapshot slots."""
+        return [self.checkpoints, *(self.snapshot_slot(slot) for slot in SNAPSHOT_SLOTS)]
+
+
+@dataclass(frozen=True)
+class CheckpointStore:
+    """A directory of per-rank checkpoints laid out as seed 001's: `rank_R/PREFIX_rank_R-STEP.ckpt`, its
+    completion record `PREFIX_rank_R-STEP.json` (written after the file) and `rank_R/meta.json`."""
+
+    root: Path
+    label: str = "checkpoint"  # how logs and status name checkpoints from here
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.root / f"rank_{rank}"
+
+    def file(self, rank: int, step: int, prefix: str) -> Path:
+        return self.rank_dir(rank) / f"{prefix}_rank_{rank}-{step}.ckpt"
+
+    def record(self, rank: int, step: int, prefix: str) -> Path:
         """The completion record of a rank's checkpoint: size, checksum, health; written after the file."""
-        return self.rank_checkpoint_dir(rank) / f"{prefix}_rank_{rank}-{step}.json"
+        return self.rank_dir(rank) / f"{prefix}_rank_{rank}-{step}.json"
 
-    def meta_file(self, rank: int) -> Path:
-        return self.rank_checkpoint_dir(rank) / "meta.json"
+    def meta(self, rank: int) -> Path:
+        return self.rank_dir(rank) / "meta.json"
 
-
-def checkpoint_steps(layout: RunLayout, rank: int, prefix: str, kind: str = "complete") -> set[int]:
-    """Steps for which `rank` has a checkpoint file and its completion record (`kind="complete"`),
-    or either of them (`kind="any"`); stray files and other prefixes are ignored."""
-    try:
-        names = os.listdir(layout.rank_checkpoint_dir(rank))
-    except FileNotFoundError:
-        return set()
-    found: dict[int, set[str]] = {}
-    for name in names:
+    def owns(self, name: str, rank: int, prefix: str) -> bool:
+        """Whether `name` in `rank_dir(rank)` is one of our files: a checkpoint, its record or meta.json."""
         match = _CKPT_NAME.match(name)
-        if match and match["prefix"] == prefix and int(match["rank"]) == rank:
-            found.setdefault(int(match["step"]), set()).add(match["kind"])
-    return {step for step, kinds in found.items() if kind == "any" or kinds == {"ckpt", "json"}}
+        return name == "meta.json" or bool(match and match["prefix"] == prefix and int(match["rank"]) == rank)
+
+    def steps(self, rank: int, prefix: str, kind: str = "complete") -> set[int]:
+        """Steps for which `rank` has a checkpoint file and its completion record (`kind="complete"`),
+        or either of them (`kind="any"`); stray files and other prefixes are ignored."""
+        try:
+            names = os.listdir(self.rank_dir(rank))
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        found: dict[int, set[str]] = {}
+        for name in names:
+            match = _CKPT_NAME.match(name)
+            if match and self.owns(name, rank, prefix):
+                found.setdefault(int(match["step"]), set()).add(match["kind"])
+        return {step for step, kinds in found.items() if kind == "any" or kinds == {"ckpt", "json"}}
+
+    def complete_steps(self, world_size: int, prefix: str) -> list[int]:
+        """Steps, oldest first, whose checkpoint file and completion record exist on every rank."""
+        common = self.steps(0, prefix)
+        for rank in range(1, world_size):
+            common &= self.steps(rank, prefix)
+        return sorted(common)
 
 
 def parse_checkpoint_name(name: str) -> int | None:
@@ -183,12 +227,28 @@ def parse_checkpoint_name(name: str) -> int | None:
     return int(name) if name.strip().isdigit() else None
 
 
-def complete_checkpoint_steps(layout: RunLayout, world_size: int, prefix: str) -> list[int]:
-    """Steps, oldest first, whose checkpoint file and completion record exist on every rank."""
-    common = checkpoint_steps(layout, 0, prefix)
-    for rank in range(1, world_size):
-        common &= checkpoint_steps(layout, rank, prefix)
-    return sorted(common)
+def resume_stores(layout: RunLayout, config: WorkerConfig) -> list[CheckpointStore]:
+    """Where a resume may come from: this run's checkpoints and snapshots, then `load_checkpoint`'s directory."""
+    own = layout.checkpoint_stores()
+    return own if not config.load_checkpoint else [*own, load_checkpoint_store(config.load_checkpoint)]
+
+
+def named_store(layout: RunLayout, config: WorkerConfig) -> CheckpointStore:
+    """Where `resume_training: <name>` looks: `load_checkpoint`'s directory if given, else this run's."""
+    return load_checkpoint_store(config.load_checkpoint) if config.load_checkpoint else layout.checkpoints
+
+
+def load_checkpoint_store(directory: str) -> CheckpointStore:
+    return CheckpointStore(Path(directory), label=f"load_checkpoint {directory}")
+
+
+def newest_complete(stores: list[CheckpointStore], world_size: int, prefix: str) -> tuple[CheckpointStore, int] | None:
+    """The newest checkpoint complete on every rank (unverified), regular ones first on equal steps."""
+    found = [(step, -i, store) for i, store in enumerate(stores) for step in store.complete_steps(world_size, prefix)]
+    if not found:
+        return None
+    step, _, store = max(found, key=lambda f: f[:2])
+    return store, step
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:

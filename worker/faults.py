@@ -5,6 +5,7 @@ A fault fires only in the first attempt of a run, so the relaunched run can pass
 Kinds:
 - `sigkill`: the rank SIGKILLs itself right after finishing step STEP.
 - `sigkill_in_save`: the rank SIGKILLs itself halfway through writing its checkpoint of step STEP.
+- `sigkill_after_save`: the rank SIGKILLs itself right after its checkpoint of step STEP is complete.
 - `hang`: after step STEP the rank sleeps forever, so its peers block in the next step's all-reduce.
 - `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
 - `sigstop`: the rank freezes itself with SIGSTOP after step STEP (as `kill -STOP` from outside would).
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 __all__ = ["ENV_FAULTS", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_faults"]
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
-KINDS = ("sigkill", "sigkill_in_save", "hang", "hang_in_save", "sigstop", "slow_save", "spike", "nan")
+KINDS = ("sigkill", "sigkill_in_save", "sigkill_after_save", "hang", "hang_in_save", "sigstop", "slow_save",
+         "spike", "nan")
 GRADIENT_KINDS = ("spike", "nan")
 
 
@@ -98,6 +100,10 @@ class FaultPlan:
         if self.due("hang_in_save", step):
             hang_forever()
 
+    def after_save(self, step: int) -> None:
+        """Fire the faults that strike once a checkpoint is complete."""
+        if self._due and self.due("sigkill_after_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def gradient_fault(self, step: int) -> str | None:
         """`spike` or `nan` while such a fault at `step` has repetitions left (each call uses one)."""

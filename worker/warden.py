@@ -13,17 +13,29 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from worker.checkpoint import capture_rng, checkpoint_health, load_checkpoint, restore_rng, save_checkpoint
+from worker.checkpoint import (
+    capture_rng,
+    checkpoint_health,
+    clear_slot,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from worker.contract import (
     ENV_ATTEMPT,
+    ENV_RESUME_DIR,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_SKIP_TO_BATCH,
+    SNAPSHOT_SLOTS,
     STACK_DUMP_SIGNAL,
+    CheckpointStore,
     RunLayout,
     WorkerConfig,
-    complete_checkpoint_steps,
+    named_store,
+    newest_complete,
     parse_checkpoint_name,
+    resume_stores,
 )
 from worker.events import open_event_log
 from worker.faults import FaultPlan
@@ -33,6 +45,7 @@ from worker.heartbeat import Heartbeat
 __all__ = ["Warden"]
 
 DEFAULT_RUN_DIR = "runs/local"
+SAVE_PHASE = "save"
 
 
 class Warden:
@@ -80,6 +93,8 @@ class Warden:
         self._phase = "startup"
         self._last_step_end = time.perf_counter()
         self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt))
+        self._term_pending = False  # a SIGTERM arrived during a save; it takes effect when the save is done
+        self._previous_term = _install_handler(signal.SIGTERM, self._on_sigterm)
         self._heartbeat.beat(0, self._phase, force=True)
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
 
@@ -98,11 +113,12 @@ class Warden:
         return step
 
     def _load_resume_checkpoint(self) -> int:
-        step = self._resume_step()
-        if step is None:
+        found = self._resume_point()
+        if found is None:
             self.log.info("fresh_start")
             return 0
-        state = load_checkpoint(self.layout, rank=self.rank, step=step, prefix=self.config.prefix)
+        store, step = found
+        state = load_checkpoint(store, rank=self.rank, step=step, prefix=self.config.prefix)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
@@ -111,7 +127,8 @@ class Warden:
         self.data_state = state["data_state"]
         self.step = step
         self.batches = self._resumed_position(state["data_position"], state.get("global_batch_size"))
-        self.log.info("resumed", step=step, data_position=self.batches, saved_data_position=state["data_position"])
+        self.log.info("resumed", step=step, data_position=self.batches, saved_data_position=state["data_position"],
+                      source=store.label, directory=str(store.root))
         return step
 
     def _resumed_position(self, saved: int, saved_batch_size: int | None) -> int:
@@ -158,9 +175,10 @@ class Warden:
         if not applied:
             return
         self._faults.after_step(self.step)
-        every = self.config.save_checkpoint_steps
-        if every and self.step % every == 0:
+        if _due(self.step, self.config.save_checkpoint_steps):
             self.save(self.step)
+        elif _due(self.step, self.config.snapshot_steps):
+            self.snapshot(self.step)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -172,6 +190,9 @@ class Warden:
         finally:
             self._phase = previous
             self._heartbeat.beat(self.step, previous, force=True)
+            if name == SAVE_PHASE and self._term_pending:
+                self.log.warning("stopped_after_save", step=self.step)
+                self._obey_sigterm()
 
     def beat(self) -> None:
         """Show progress inside a long phase (an eval loop, a slow data fetch); throttled, never raises."""
@@ -179,10 +200,17 @@ class Warden:
 
     def save(self, step: int) -> Path:
         """Save this rank's checkpoint of `step` atomically (all ranks must save the same steps)."""
-        with self.phase("save"):
-            return self._save(step)
+        with self.phase(SAVE_PHASE):
+            return self._save(step, self.layout.checkpoints)
 
-    def _save(self, step: int) -> Path:
+    def snapshot(self, step: int) -> Path:
+        """Save a snapshot of `step` into the slot not holding the previous one (seed 004): at most two exist."""
+        store = self.layout.snapshot_slot(SNAPSHOT_SLOTS[step // self.config.snapshot_steps % len(SNAPSHOT_SLOTS)])
+        with self.phase(SAVE_PHASE):
+            clear_slot(store, self.rank)
+            return self._save(step, store)
+
+    def _save(self, step: int, store: CheckpointStore) -> Path:
         started = time.perf_counter()
         self._faults.in_save(step)
         payload = {
@@ -196,7 +224,7 @@ class Warden:
             "global_batch_size": self.global_batch_size,
         }
         path = save_checkpoint(
-            self.layout,
+            store,
             rank=self.rank,
             step=step,
             prefix=self.config.prefix,
@@ -205,6 +233,7 @@ class Warden:
             before_rename=self._torn_save if self._faults.due("sigkill_in_save", step) else None,
         )
         self.log.info("checkpoint_saved", step=step, path=str(path), duration_s=round(time.perf_counter() - started, 4))
+        self._faults.after_save(step)
         return path
 
     def finish(self) -> None:
@@ -225,20 +254,24 @@ class Warden:
 
     def _close(self) -> None:
         self._log_stream.close()
+        if self._previous_term is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            _install_handler(signal.SIGTERM, self._previous_term)
         if self._stacks is not None:
             faulthandler.unregister(STACK_DUMP_SIGNAL)
             self._stacks.close()
 
-    def _resume_step(self) -> int | None:
+    def _resume_point(self) -> tuple[CheckpointStore, int] | None:
+        """Where to resume: the supervisor's choice, else (plain torchrun) the config's, else the newest complete."""
         named = os.environ.get(ENV_RESUME_STEP)
         if named is not None:  # the supervisor decided
-            return int(named) if named else None
+            where = os.environ.get(ENV_RESUME_DIR)
+            return (CheckpointStore(Path(where)) if where else self.layout.checkpoints, int(named)) if named else None
         if self.config.resume_training is False:
             return None
         if isinstance(self.config.resume_training, str):
-            return parse_checkpoint_name(self.config.resume_training)
-        steps = complete_checkpoint_steps(self.layout, self.world_size, self.config.prefix)
-        return steps[-1] if steps else None
+            step = parse_checkpoint_name(self.config.resume_training)
+            return None if step is None else (named_store(self.layout, self.config), step)
+        return newest_complete(resume_stores(self.layout, self.config), self.world_size, self.config.prefix)
 
     def _health(self) -> dict[str, Any]:
         if not self.config.use_checkpoint_health_monitor:
@@ -249,6 +282,23 @@ class Warden:
             self.log.info("embedding_local_norm", step=self.step, embedding_local_norm=health["embedding_local_norm"])
         return {**health, "health_monitored": True}
 
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # A peer crashed or the job is stopping: a save in flight finishes first (the supervisor waits for it).
+        if self._phase == SAVE_PHASE:
+            self._term_pending = True  # no logging here: the handler may interrupt a write to the same log
+        else:
+            self._obey_sigterm(frame)
+
+    def _obey_sigterm(self, frame: Any = None) -> None:
+        """Act on SIGTERM as the script would have without us: its own handler, or death by the signal."""
+        previous = self._previous_term
+        if callable(previous):
+            previous(signal.SIGTERM, frame)
+        elif previous != signal.SIG_IGN:
+            self._close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
     def _fault_fired(self, fault: Any) -> None:
         self.log.warning("fault_injected", kind=fault.kind, step=fault.step)
 
@@ -256,6 +306,18 @@ class Warden:
         # Leave the half-written temporary file a kill mid-write would leave, then die by SIGKILL.
         os.truncate(tmp, tmp.stat().st_size // 2)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def _install_handler(signum: int, handler: Any) -> Any:
+    """Install a signal handler, returning the previous one; None outside the main thread (nothing installed)."""
+    try:
+        return signal.signal(signum, handler)
+    except ValueError:  # signal handlers can only be set from the main thread
+        return None
 
 
 def _register_stack_dump(path: Path) -> Any:

@@ -46,6 +46,8 @@ def test_corrupted_truncated_and_incomplete_checkpoints_are_passed_over_with_rea
     assert logged == [(p["step"], p["reason"]) for p in status["passed_over"]]
     assert status["last_checkpoint"] == {"step": 60}  # rewritten whole by the resumed run
     assert (ckpt / "rank_0" / "stray.txt").exists()  # junk is ignored, never deleted
+    reported = [e["paths"] for e in journal(run_dir) if e["event"] == "checkpoint_dir_junk"]
+    assert reported == [[str(ckpt / "rank_0" / "stray.txt")]]
 
 
 def test_keep_checkpoint_max_rotates_old_checkpoints_of_a_real_run(tmp_path: Path) -> None:
@@ -90,3 +92,23 @@ def test_a_named_checkpoint_wins_and_an_unusable_one_refuses_to_start(tmp_path: 
     assert refused.status()["reason"].startswith("could not launch ranks: no usable checkpoint (newest, step 60: "
                                                  "truncated on rank 1: 100 bytes")
     assert refused.status()["reason"].endswith("refusing to start from scratch (worker.no_usable_checkpoint: refuse)")
+
+
+def test_a_peer_crash_does_not_cost_the_save_in_flight(tmp_path: Path) -> None:
+    """Rank 1 dies right after saving step 20 while rank 0 is 4 s into its save of 20, with a 1 s kill grace:
+    the supervisor waits for the save, rank 0 finishes it and then obeys SIGTERM, and the relaunch resumes from 20."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "0:slow_save@20:4,1:sigkill_after_save@20"},
+                          stop={"kill_grace_s": 1.0})
+    done = run_supervisor(config, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
+    events = journal(run_dir)
+    waits = [e for e in events if e["event"] == "stop_waits_for_save"]
+    assert [w["ranks"] for w in waits] == [[0]] and waits[0]["wait_s"] > 100  # the save phase's 120 s timeout
+    stopped = [e for e in events if e["event"] == "rank_stopped" and e["attempt"] == 0]
+    assert [(e["rank"], e["description"]) for e in stopped] == [(0, "killed by SIGTERM")]
+    rank0 = [json.loads(line) for line in (run_dir / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in rank0 if e["attempt"] == 0][-2:] == ["checkpoint_saved", "stopped_after_save"]

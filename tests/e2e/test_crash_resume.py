@@ -96,6 +96,25 @@ def test_sigkill_while_writing_a_checkpoint_falls_back_and_ends_bitwise_equal(
     launches = [e for e in journal(run_dir) if e["event"] == "ranks_launched"]
     assert [e["resume_step"] for e in launches] == [None, 20]
     assert status["passed_over"] == [{"step": 30, "reason": "incomplete: rank 1 has no completion record"}]
-    torn = list((run_dir / "checkpoint" / "rank_1").glob(".demo_rank_1-30.ckpt.*.tmp"))
-    assert len(torn) == 1, "the half-written temporary file of the killed save is left as it was"
+    removed = [e["path"] for e in journal(run_dir) if e["event"] == "torn_temporary_removed"]
+    assert len(removed) == 1 and Path(removed[0]).name.startswith(".demo_rank_1-30.ckpt."), removed
+    assert not list((run_dir / "checkpoint").rglob("*.tmp")), "the killed save's temporary is ours: removed"
+    assert_same_training_state(run_dir, reference_run)
+
+
+def test_crash_after_a_snapshot_resumes_from_it_and_ends_bitwise_equal(tmp_path: Path, reference_run: Path) -> None:
+    """Snapshots every 4 steps besides checkpoints every 10: rank 1 killed after step 26 → resume from the
+    snapshot of 24 (slot 0), newer than checkpoint 20, and end exactly like the uninterrupted run."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:sigkill@26"},
+                          worker={"snapshot_steps": 4})
+    done = run_supervisor(config, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert status["resumed_from"] == {"step": 24, "source": "snapshot slot 0"}
+    assert status["passed_over"] == []
+    snapshots = run_dir / "checkpoint" / "snapshot"
+    assert sorted(p.name for p in (snapshots / "0" / "rank_1").glob("*.ckpt")) == ["demo_rank_1-56.ckpt"]
+    assert sorted(p.name for p in (snapshots / "1" / "rank_1").glob("*.ckpt")) == ["demo_rank_1-52.ckpt"]
     assert_same_training_state(run_dir, reference_run)

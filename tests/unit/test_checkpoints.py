@@ -6,27 +6,29 @@ import json
 import zlib
 from pathlib import Path
 
-from supervisor.checkpoints import Choice, choose_resume, health_entries
-from worker.contract import RunLayout
+from supervisor.checkpoints import Choice, choose_resume, find_junk, health_entries
+from worker.contract import CheckpointStore, RunLayout, WorkerConfig, named_store, resume_stores
 
 PREFIX = "demo"
 
 
-def save(layout: RunLayout, step: int, ranks: tuple[int, ...] = (0, 1), *, unhealthy: tuple[int, ...] = ()) -> None:
-    """What a finished save leaves: each rank's file, then its completion record."""
+def save(layout: RunLayout | CheckpointStore, step: int, ranks: tuple[int, ...] = (0, 1), *,
+         unhealthy: tuple[int, ...] = ()) -> None:
+    """What a finished save leaves in a store (a run's regular one by default): each rank's file, then its record."""
+    store = layout.checkpoints if isinstance(layout, RunLayout) else layout
     for rank in ranks:
         data = f"rank {rank} step {step} ".encode() * 100
-        path = layout.checkpoint_file(rank, step, PREFIX)
+        path = store.file(rank, step, PREFIX)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         bad = rank in unhealthy
         record = {"step": step, "file": path.name, "size": len(data), "crc32": f"{zlib.crc32(data):08x}",
                   "is_health": int(bad), "health_reasons": ["embedding_local_norm 9 above 1"] if bad else []}
-        layout.checkpoint_record(rank, step, PREFIX).write_text(json.dumps(record))
+        store.record(rank, step, PREFIX).write_text(json.dumps(record))
 
 
 def choose(layout: RunLayout, **options: object) -> Choice:
-    return choose_resume(layout, 2, PREFIX, **options)
+    return choose_resume(layout.checkpoint_stores(), 2, PREFIX, **options)
 
 
 def test_newest_good_checkpoint_is_chosen(tmp_path: Path) -> None:
@@ -34,7 +36,7 @@ def test_newest_good_checkpoint_is_chosen(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     for step in (10, 20, 30):
         save(layout, step)
-    assert choose(layout) == Choice(30, ())
+    assert choose(layout) == Choice(30, (), layout.checkpoints)
 
 
 def test_seed_001_deleted_newest_file_of_one_rank_falls_back(tmp_path: Path) -> None:
@@ -42,8 +44,8 @@ def test_seed_001_deleted_newest_file_of_one_rank_falls_back(tmp_path: Path) -> 
     layout = RunLayout(tmp_path)
     for step in (10, 20, 30):
         save(layout, step)
-    layout.checkpoint_file(1, 30, PREFIX).unlink()
-    assert choose(layout) == Choice(20, ((30, "incomplete: rank 1 has no checkpoint file"),))
+    layout.checkpoints.file(1, 30, PREFIX).unlink()
+    assert choose(layout) == Choice(20, ((30, "incomplete: rank 1 has no checkpoint file"),), layout.checkpoints)
 
 
 def test_truncated_file_is_passed_over(tmp_path: Path) -> None:
@@ -51,9 +53,9 @@ def test_truncated_file_is_passed_over(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     save(layout, 10)
     save(layout, 20)
-    path = layout.checkpoint_file(0, 20, PREFIX)
+    path = layout.checkpoints.file(0, 20, PREFIX)
     path.write_bytes(path.read_bytes()[:-7])
-    assert choose(layout) == Choice(10, ((20, "truncated on rank 0: 1493 bytes, 1500 written"),))
+    assert choose(layout) == Choice(10, ((20, "truncated on rank 0: 1493 bytes, 1500 written"),), layout.checkpoints)
 
 
 def test_flipped_byte_is_passed_over_as_corrupted(tmp_path: Path) -> None:
@@ -61,11 +63,12 @@ def test_flipped_byte_is_passed_over_as_corrupted(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     save(layout, 10)
     save(layout, 20)
-    path = layout.checkpoint_file(1, 20, PREFIX)
+    path = layout.checkpoints.file(1, 20, PREFIX)
     data = bytearray(path.read_bytes())
     data[100] ^= 0x01
     path.write_bytes(bytes(data))
-    assert choose(layout) == Choice(10, ((20, "corrupted on rank 1: checksum differs from the one written"),))
+    assert choose(layout) == Choice(10, ((20, "corrupted on rank 1: checksum differs from the one written"),),
+            layout.checkpoints)
 
 
 def test_save_killed_before_its_completion_record_is_never_chosen(tmp_path: Path) -> None:
@@ -73,8 +76,8 @@ def test_save_killed_before_its_completion_record_is_never_chosen(tmp_path: Path
     layout = RunLayout(tmp_path)
     save(layout, 10)
     save(layout, 20)
-    layout.checkpoint_record(1, 20, PREFIX).unlink()
-    assert choose(layout) == Choice(10, ((20, "incomplete: rank 1 has no completion record"),))
+    layout.checkpoints.record(1, 20, PREFIX).unlink()
+    assert choose(layout) == Choice(10, ((20, "incomplete: rank 1 has no completion record"),), layout.checkpoints)
 
 
 def test_unhealthy_newest_falls_back_to_older_healthy(tmp_path: Path) -> None:
@@ -82,8 +85,9 @@ def test_unhealthy_newest_falls_back_to_older_healthy(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     save(layout, 10)
     save(layout, 20, unhealthy=(1,))
-    assert choose(layout) == Choice(10, ((20, "unhealthy on rank 1: embedding_local_norm 9 above 1"),))
-    assert choose(layout, require_healthy=False) == Choice(20, ())
+    assert choose(layout) == Choice(10, ((20, "unhealthy on rank 1: embedding_local_norm 9 above 1"),),
+            layout.checkpoints)
+    assert choose(layout, require_healthy=False) == Choice(20, (), layout.checkpoints)
 
 
 def test_rollback_point_limits_the_choice(tmp_path: Path) -> None:
@@ -91,7 +95,7 @@ def test_rollback_point_limits_the_choice(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     for step in (10, 20, 30):
         save(layout, step)
-    assert choose(layout, at_most=25) == Choice(20, ((30, "after the rollback point (step 25)"),))
+    assert choose(layout, at_most=25) == Choice(20, ((30, "after the rollback point (step 25)"),), layout.checkpoints)
 
 
 def test_junk_in_the_checkpoint_dir_is_ignored(tmp_path: Path) -> None:
@@ -99,8 +103,8 @@ def test_junk_in_the_checkpoint_dir_is_ignored(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     save(layout, 10)
     for junk in ("notes.txt", ".demo_rank_0-20.ckpt.abc.tmp", "other_rank_0-40.ckpt", "demo_rank_0-x.ckpt"):
-        (layout.rank_checkpoint_dir(0) / junk).write_text("junk")
-    assert choose(layout) == Choice(10, ())
+        (layout.checkpoints.rank_dir(0) / junk).write_text("junk")
+    assert choose(layout) == Choice(10, (), layout.checkpoints)
 
 
 def test_nothing_usable_means_start_from_scratch_with_reasons(tmp_path: Path) -> None:
@@ -116,7 +120,68 @@ def test_health_entries_follow_seed_000_format(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     save(layout, 10)
     save(layout, 20, unhealthy=(0,))
-    assert health_entries(layout, 2, PREFIX, [10, 20]) == [
+    assert health_entries(layout.checkpoints, 2, PREFIX, [10, 20]) == [
         {"is_health": 0, "ckpt_name": "demo_rank_0-10.ckpt", "step": 10, "unhealthy_ranks": []},
         {"is_health": 1, "ckpt_name": "demo_rank_0-20.ckpt", "step": 20, "unhealthy_ranks": [0]},
     ]
+
+
+def test_snapshot_newer_than_the_last_regular_checkpoint_is_chosen(tmp_path: Path) -> None:
+    """Seed 004: snapshots are candidates like regular checkpoints; the newest usable one wins."""
+    layout = RunLayout(tmp_path)
+    save(layout, 20)
+    save(layout.snapshot_slot(0), 24)
+    save(layout.snapshot_slot(1), 26)
+    assert choose(layout) == Choice(26, (), layout.snapshot_slot(1))
+
+
+def test_broken_snapshot_is_passed_over_with_its_slot_named(tmp_path: Path) -> None:
+    """A snapshot missing a rank's record falls back to the other slot, the reason naming the slot."""
+    layout = RunLayout(tmp_path)
+    save(layout, 20)
+    save(layout.snapshot_slot(0), 24)
+    save(layout.snapshot_slot(1), 26, ranks=(0,))
+    assert choose(layout) == Choice(
+        24, ((26, "snapshot slot 1: incomplete: rank 1 has no completion record"),), layout.snapshot_slot(0))
+
+
+def test_unhealthy_snapshot_falls_back_to_an_older_healthy_regular_checkpoint(tmp_path: Path) -> None:
+    """The same health rule holds for snapshots; on equal steps the regular checkpoint comes first."""
+    layout = RunLayout(tmp_path)
+    save(layout, 20)
+    save(layout.snapshot_slot(1), 20)
+    save(layout.snapshot_slot(0), 30, unhealthy=(1,))
+    assert choose(layout) == Choice(
+        20, ((30, "snapshot slot 0: unhealthy on rank 1: embedding_local_norm 9 above 1"),), layout.checkpoints)
+
+
+def test_load_checkpoint_directory_is_a_candidate_and_where_names_are_looked_up(tmp_path: Path) -> None:
+    """Seed 001's load_checkpoint: another run's checkpoints compete with this run's; a name is looked up there."""
+    layout, other = RunLayout(tmp_path / "run"), RunLayout(tmp_path / "other")
+    save(other, 40)
+    config = WorkerConfig(load_checkpoint=str(other.checkpoint_dir))
+    stores = resume_stores(layout, config)
+    assert choose_resume(stores, 2, PREFIX) == Choice(40, (), stores[-1])
+    assert stores[-1].root == other.checkpoint_dir
+    save(layout, 50)  # this run went on from there: its own newer checkpoint wins
+    assert choose_resume(stores, 2, PREFIX) == Choice(50, (), layout.checkpoints)
+    assert named_store(layout, config).root == other.checkpoint_dir
+    assert named_store(layout, WorkerConfig()) == layout.checkpoints
+
+
+def test_find_junk_tells_our_torn_temporaries_from_foreign_files(tmp_path: Path) -> None:
+    """Temporaries of our own files are torn saves (deletable); everything else not ours is foreign."""
+    layout = RunLayout(tmp_path)
+    save(layout, 10)
+    save(layout.snapshot_slot(0), 12)
+    rank0, slot0 = layout.checkpoints.rank_dir(0), layout.snapshot_slot(0).rank_dir(1)
+    torn = [rank0 / ".demo_rank_0-20.ckpt.ab_d1234.tmp", rank0 / ".meta.json.x1y2z3w4.tmp",
+            slot0 / ".demo_rank_1-14.json.q1w2e3r4.tmp"]
+    foreign = [rank0 / "notes.txt", rank0 / "other_rank_0-40.ckpt", rank0 / ".other_rank_0-40.ckpt.ab_d1234.tmp",
+               rank0 / "demo_rank_1-10.ckpt", layout.checkpoint_dir / "rank_7", layout.checkpoint_dir / "old_run"]
+    for path in torn + foreign:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir() if path.name in ("rank_7", "old_run") else path.write_text("x")
+    junk = find_junk(layout, 2, PREFIX)
+    assert sorted(junk.torn) == sorted(torn)
+    assert sorted(junk.foreign) == sorted(foreign)

@@ -14,7 +14,6 @@ from worker.contract import (
     WorkerConfig,
     atomic_write_bytes,
     atomic_write_json,
-    complete_checkpoint_steps,
     read_json,
 )
 from worker.faults import ENV_FAULTS, Fault, FaultPlan, parse_faults
@@ -28,8 +27,8 @@ def touch(path: Path) -> None:
 def save(layout: RunLayout, rank: int, *steps: int, prefix: str = "ckpt") -> None:
     """A finished save: the checkpoint file and, written after it, its completion record."""
     for step in steps:
-        touch(layout.checkpoint_file(rank, step, prefix))
-        touch(layout.checkpoint_record(rank, step, prefix))
+        touch(layout.checkpoints.file(rank, step, prefix))
+        touch(layout.checkpoints.record(rank, step, prefix))
 
 
 def test_a_checkpoint_without_its_completion_record_does_not_count(tmp_path):
@@ -37,8 +36,8 @@ def test_a_checkpoint_without_its_completion_record_does_not_count(tmp_path):
     layout = RunLayout(tmp_path)
     save(layout, 0, 10, 20)
     save(layout, 1, 10)
-    touch(layout.checkpoint_file(1, 20, "ckpt"))
-    assert complete_checkpoint_steps(layout, 2, "ckpt") == [10]
+    touch(layout.checkpoints.file(1, 20, "ckpt"))
+    assert layout.checkpoints.complete_steps(2, "ckpt") == [10]
 
 
 # ---- layout -----------------------------------------------------------------------------------
@@ -54,13 +53,13 @@ def test_run_layout_paths(tmp_path):
     assert layout.heartbeat(3) == tmp_path / "ranks" / "rank_3" / "heartbeat.json"
     assert layout.rank_events(3) == tmp_path / "ranks" / "rank_3" / "events.jsonl"
     assert layout.attempt_log(2, 1, "err") == tmp_path / "logs" / "attempt_2" / "rank_1.err"
-    assert layout.rank_checkpoint_dir(1) == tmp_path / "checkpoint" / "rank_1"
-    assert layout.meta_file(1) == tmp_path / "checkpoint" / "rank_1" / "meta.json"
+    assert layout.checkpoints.rank_dir(1) == tmp_path / "checkpoint" / "rank_1"
+    assert layout.checkpoints.meta(1) == tmp_path / "checkpoint" / "rank_1" / "meta.json"
 
 
 def test_checkpoint_file_name_follows_seed_format(tmp_path):
     """A checkpoint file is named PREFIX_rank_RANK-STEP.ckpt in its rank's directory (seed 001)."""
-    path = RunLayout(tmp_path).checkpoint_file(1, 25, "demo")
+    path = RunLayout(tmp_path).checkpoints.file(1, 25, "demo")
     assert path == tmp_path / "checkpoint" / "rank_1" / "demo_rank_1-25.ckpt"
 
 
@@ -73,8 +72,8 @@ def test_complete_checkpoint_steps_only_steps_on_every_rank(tmp_path):
     save(layout, 0, 25, 50, 75)
     save(layout, 1, 25, 50)
     save(layout, 2, 25, 75)
-    assert complete_checkpoint_steps(layout, 3, "ckpt") == [25]
-    assert complete_checkpoint_steps(layout, 2, "ckpt") == [25, 50]
+    assert layout.checkpoints.complete_steps(3, "ckpt") == [25]
+    assert layout.checkpoints.complete_steps(2, "ckpt") == [25, 50]
 
 
 def test_complete_checkpoint_steps_sorted_numerically(tmp_path):
@@ -82,7 +81,7 @@ def test_complete_checkpoint_steps_sorted_numerically(tmp_path):
     layout = RunLayout(tmp_path)
     for rank in (0, 1):
         save(layout, rank, 100, 9, 10, 1000)
-    assert complete_checkpoint_steps(layout, 2, "ckpt") == [9, 10, 100, 1000]
+    assert layout.checkpoints.complete_steps(2, "ckpt") == [9, 10, 100, 1000]
 
 
 def test_complete_checkpoint_steps_ignores_junk(tmp_path):
@@ -90,7 +89,7 @@ def test_complete_checkpoint_steps_ignores_junk(tmp_path):
     layout = RunLayout(tmp_path)
     save(layout, 0, 25)
     save(layout, 1, 25)
-    d0, d1 = layout.rank_checkpoint_dir(0), layout.rank_checkpoint_dir(1)
+    d0, d1 = layout.checkpoints.rank_dir(0), layout.checkpoints.rank_dir(1)
     junk = [
         d0 / "notes.txt",
         d0 / "meta.json",
@@ -112,19 +111,19 @@ def test_complete_checkpoint_steps_ignores_junk(tmp_path):
     ]
     for path in junk:
         touch(path)
-    assert complete_checkpoint_steps(layout, 2, "ckpt") == [25]
+    assert layout.checkpoints.complete_steps(2, "ckpt") == [25]
 
 
 def test_complete_checkpoint_steps_without_checkpoint_dir_is_empty(tmp_path):
     """A run dir with no checkpoint directory has no complete checkpoint."""
-    assert complete_checkpoint_steps(RunLayout(tmp_path / "fresh"), 2, "ckpt") == []
+    assert RunLayout(tmp_path / "fresh").checkpoints.complete_steps(2, "ckpt") == []
 
 
 def test_complete_checkpoint_steps_missing_rank_dir_means_none(tmp_path):
     """If one rank has never saved, no step is complete."""
     layout = RunLayout(tmp_path)
     save(layout, 0, 25, 50)
-    assert complete_checkpoint_steps(layout, 2, "ckpt") == []
+    assert layout.checkpoints.complete_steps(2, "ckpt") == []
 
 
 def test_complete_checkpoint_steps_matches_prefix_exactly(tmp_path):
@@ -133,8 +132,8 @@ def test_complete_checkpoint_steps_matches_prefix_exactly(tmp_path):
     for rank in (0, 1):
         save(layout, rank, 10, prefix="demo")
         save(layout, rank, 20, prefix="my_demo")
-    assert complete_checkpoint_steps(layout, 2, "demo") == [10]
-    assert complete_checkpoint_steps(layout, 2, "my_demo") == [20]
+    assert layout.checkpoints.complete_steps(2, "demo") == [10]
+    assert layout.checkpoints.complete_steps(2, "my_demo") == [20]
 
 
 # ---- atomic files -----------------------------------------------------------------------------

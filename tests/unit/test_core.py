@@ -157,7 +157,8 @@ def test_ranks_launched_enters_running():
     assert state.resume_step == 25
     assert state.deadline is None
     assert shape(actions) == ["ranks_launched"]
-    assert dict(actions[0].fields) == {"attempt": 0, "pids": [100, 101], "resume_step": 25}
+    assert dict(actions[0].fields) == {"attempt": 0, "pids": [100, 101], "resume_step": 25,
+                                          "resume_source": None}
 
 
 def test_ranks_launched_of_other_attempt_ignored():
@@ -1012,3 +1013,37 @@ def test_only_finished_stopped_failed_are_terminal():
 def test_describe_exit(returncode, text):
     """Exit codes read as 'exited with code N', negative codes as the killing signal's name or number."""
     assert describe_exit(returncode) == text
+
+
+# ---- a save in flight when ranks are stopped (issue 5) ----
+
+
+def test_peer_crash_during_save_waits_for_the_save_timeout_before_sigkill():
+    """Rank 0 began saving 100 s ago (save timeout 1800 s) when rank 1 crashed: SIGTERM now, SIGKILL only after
+    the save had its whole timeout, and the wait is journaled."""
+    state = beat(running(), 0, 1, NOW - 100, phase="save")
+    state, actions = decide(state, ChildExited(0, 1, 3), NOW)
+    assert (state.stop_stage, state.deadline) == (StopStage.TERM, NOW - 100 + 1800)
+    assert shape(actions) == ["rank_crashed", SignalRanks(0, signal.SIGTERM), "stop_waits_for_save"]
+    assert dict(record(actions, "stop_waits_for_save").fields) == {"ranks": [0], "wait_s": 1700.0}
+    assert decide(state, Tick(), NOW + 1699.999) == (state, [])
+    state, actions = decide(state, Tick(), NOW + 1700)
+    assert actions[-1] == SignalRanks(0, signal.SIGKILL)
+
+
+def test_save_past_its_timeout_gets_only_the_kill_grace():
+    """A save already past its timeout (it hung) is not waited for: the usual grace applies."""
+    state = beat(running(), 0, 1, NOW - 1900, phase="save")
+    state, actions = decide(state, ChildExited(0, 1, 3), NOW)
+    assert state.deadline == NOW + 10.0
+    assert shape(actions) == ["rank_crashed", SignalRanks(0, signal.SIGTERM)]
+
+
+def test_save_heartbeat_seen_after_sigterm_extends_the_grace():
+    """The save began just before the crash but its heartbeat is read after the SIGTERM: the deadline moves."""
+    state, _ = decide(running(), ChildExited(0, 1, 3), NOW)
+    assert state.deadline == NOW + 10.0
+    state = beat(state, 0, 1, NOW + 1, phase="save")
+    assert state.deadline == NOW + 1 + 1800
+    state = beat(state, 0, 2, NOW + 5, phase="train")  # the save ended: the deadline stays (the rank exits now)
+    assert state.deadline == NOW + 1 + 1800

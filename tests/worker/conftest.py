@@ -13,6 +13,7 @@ import torch
 from worker.anomaly import MonitorConfig
 from worker.contract import (
     ENV_ATTEMPT,
+    ENV_RESUME_DIR,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_SKIP_TO_BATCH,
@@ -65,7 +66,8 @@ class Loop:
 @pytest.fixture
 def loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A factory of `Loop`s running as rank 0 of attempt 0 in `tmp_path` with the given faults armed."""
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", ENV_ATTEMPT, ENV_RESUME_STEP, ENV_SKIP_TO_BATCH,
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", ENV_ATTEMPT, ENV_RESUME_STEP, ENV_RESUME_DIR,
+                 ENV_SKIP_TO_BATCH,
                  ENV_WORKER_CONFIG):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(ENV_RUN_DIR, str(tmp_path))

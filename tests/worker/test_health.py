@@ -45,13 +45,13 @@ def save_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: WorkerCon
     warden.save(1)
     warden.finish()
     layout = RunLayout(tmp_path)
-    return json.loads(layout.checkpoint_record(0, 1, config.prefix).read_text())
+    return json.loads(layout.checkpoints.record(0, 1, config.prefix).read_text())
 
 
 def test_completion_record_checksum_and_size_match_the_file(tmp_path, monkeypatch):
     """The checksum streamed while writing equals the CRC-32 of the file on disk, and so does the size."""
     record = save_once(tmp_path, monkeypatch, WorkerConfig())
-    data = RunLayout(tmp_path).checkpoint_file(0, 1, "ckpt").read_bytes()
+    data = RunLayout(tmp_path).checkpoints.file(0, 1, "ckpt").read_bytes()
     assert (record["size"], record["crc32"]) == (len(data), f"{zlib.crc32(data):08x}")
     assert (record["is_health"], record["health_monitored"]) == (0, False)
 
