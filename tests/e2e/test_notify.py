@@ -138,10 +138,11 @@ def test_finished_run_sends_stopping_and_no_watchdog_unless_asked(
 
 CRASH_ONCE = """
 import os, sys, time
-if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+if first and os.environ["RANK"] == "1":
     time.sleep(0.5)
     sys.exit(3)
-time.sleep(1.0)
+time.sleep(30 if first else 0.5)
 """
 
 
