@@ -51,6 +51,7 @@ __all__ = [
     "Started",
     "State",
     "StopStage",
+    "saves_end",
     "Then",
     "Tick",
     "decide",
@@ -471,7 +472,7 @@ def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = Fa
 def _terminate(state: State, now: float) -> tuple[State, list[Action]]:
     """SIGTERM every rank; SIGKILL follows after the grace, or once a rank's save in flight had its save timeout."""
     grace_end = now + state.policy.kill_grace_s
-    state = replace(state, stop_stage=StopStage.TERM, deadline=max(grace_end, _saves_end(state, now)))
+    state = replace(state, stop_stage=StopStage.TERM, deadline=max(grace_end, saves_end(state, now)))
     actions: list[Action] = [SignalRanks(state.attempt, signal.SIGTERM)]
     savers = [r.rank for r in state.ranks if r.running and r.heartbeat_phase == SAVE_PHASE]
     if state.deadline > grace_end:
@@ -479,7 +480,7 @@ def _terminate(state: State, now: float) -> tuple[State, list[Action]]:
     return state, actions
 
 
-def _saves_end(state: State, now: float) -> float:
+def saves_end(state: State, now: float) -> float:
     """When the saves in flight are past their save timeout (a worker finishes its save before obeying SIGTERM)."""
     timeout = phase_timeout(state.policy.hang, SAVE_PHASE, state.step_gaps)
     started = [r.heartbeat_monotonic for r in state.ranks
@@ -554,7 +555,7 @@ def _on_heartbeat(state: State, event: HeartbeatSeen, now: float) -> tuple[State
                          heartbeat_monotonic=now, heartbeat_phase=event.phase)
     state = replace(state, heartbeats_seen=True)
     if state.stop_stage is StopStage.TERM and event.phase == SAVE_PHASE and state.deadline is not None:
-        state = replace(state, deadline=max(state.deadline, _saves_end(state, now)))  # a save seen late
+        state = replace(state, deadline=max(state.deadline, saves_end(state, now)))  # a save seen late
     return state, []
 
 

@@ -46,6 +46,7 @@ from supervisor.core import (
     next_deadline,
 )
 from supervisor.journal import Journal
+from supervisor.notify import Notifier, ServiceReporter
 from supervisor.rank_logs import last_event
 from supervisor.ranks import Ranks, launch_ranks
 from supervisor.rollback import AbortInfo
@@ -122,6 +123,7 @@ class Supervisor:
         self._recorded_pids: set[int] = set()
         self._health_steps: list[int] | None = None
         self._reported_junk: set[Any] = set()
+        self._systemd = ServiceReporter(Notifier.from_environ(log=self.log))  # a no-op outside systemd
 
     def run(self) -> int:
         """Supervise until the run finishes, fails or is stopped."""
@@ -168,6 +170,7 @@ class Supervisor:
         now = time.monotonic()
         deadline = next_deadline(self.state)
         wake = self._next_poll if deadline is None else min(self._next_poll, deadline)
+        wake = min(wake, self._systemd.next_ping())
         if now >= wake:
             return Tick()
         try:
@@ -185,6 +188,7 @@ class Supervisor:
         changed = (self.state.phase, self.state.attempt) != before
         if changed or isinstance(item, Tick):
             self._write_status(durable=changed)
+            self._systemd.observe(self.state, time.monotonic(), launched=self._ranks is not None)
 
     def _translate(self, item: Any) -> list[Event]:
         """Turn adapter hints into core events; a Tick also re-reads every heartbeat (hints can be lost)."""
