@@ -228,6 +228,10 @@ def test_top_level_list_refused(tmp_path):
         ("worker: {save_checkpoint_steps: -5}", "'worker.save_checkpoint_steps' must be 0 or more, got -5"),
         ("worker: {prefix: a/b}", "'worker.prefix' must be a non-empty name without '/', got 'a/b'"),
         ("worker: {prefix: ''}", "'worker.prefix' must be a non-empty name without '/', got ''"),
+        ("worker: {snapshot_steps: -1}", "'worker.snapshot_steps' must be 0 or more, got -1"),
+        ("worker: {load_checkpoint: /no/such/run/checkpoint}",
+         "'worker.load_checkpoint' must be an existing directory (another run's checkpoint/ folder), "
+         "got '/no/such/run/checkpoint'"),
     ],
 )
 def test_out_of_bounds_value_refused(tmp_path, text, expected):
