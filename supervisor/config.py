@@ -16,7 +16,7 @@ import yaml
 from supervisor.core import Policy
 from supervisor.hangs import HEARTBEAT_MODES, HangPolicy
 from supervisor.rollback import AnomalyPolicy
-from worker.contract import WorkerConfig, parse_checkpoint_name
+from worker.contract import RunLayout, WorkerConfig, parse_checkpoint_name
 
 __all__ = ["ConfigError", "JobConfig", "RestartConfig", "StopConfig", "load_config", "parse_config"]
 
@@ -37,9 +37,11 @@ class RestartConfig:
 
 @dataclass(frozen=True)
 class StopConfig:
-    """How ranks are stopped: SIGTERM to each process group, then SIGKILL after the grace."""
+    """Graceful stops (a checkpoint at an agreed step, then exit) and how ranks are killed when that fails."""
 
-    kill_grace_s: float = 10.0
+    stop_file_path: str | None = None  # seed 004; default RUN_DIR/stop
+    timeout_s: float = 300.0  # a graceful stop (SIGTERM, SIGINT, an empty stop file) may take this long
+    kill_grace_s: float = 10.0  # then SIGTERM to each rank's process group, and SIGKILL after this grace
     sigkill_wait_s: float = 5.0
 
 
@@ -60,6 +62,11 @@ class JobConfig:
     anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
+    def stop_file(self, layout: RunLayout) -> Path:
+        """Where stop requests are written: `stop.stop_file_path` (relative to the working dir) or RUN_DIR/stop."""
+        path = self.stop.stop_file_path
+        return layout.default_stop_file if path is None else Path(path).resolve()
+
     def policy(self) -> Policy:
         return Policy(
             nproc=self.nproc_per_node,
@@ -69,6 +76,7 @@ class JobConfig:
             backoff_max_s=self.restart.backoff_max_s,
             kill_grace_s=self.stop.kill_grace_s,
             sigkill_wait_s=self.stop.sigkill_wait_s,
+            stop_timeout_s=self.stop.timeout_s,
             hang=self.hang,
             anomaly=self.anomaly,
         )
@@ -83,6 +91,8 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "restart.backoff_max_s": (lambda v: v >= 0, "0 or more"),
     "stop.kill_grace_s": (lambda v: v >= 0, "0 or more"),
     "stop.sigkill_wait_s": (lambda v: v > 0, "more than 0"),
+    "stop.timeout_s": (lambda v: v > 0, "more than 0"),
+    "stop.stop_file_path": (lambda v: v != "", "a path"),
     "hang.heartbeat": (lambda v: v in HEARTBEAT_MODES, f"one of {', '.join(HEARTBEAT_MODES)}"),
     "hang.first_heartbeat_s": (lambda v: v > 0, "more than 0"),
     "hang.phase_timeouts_s": (lambda v: all(t > 0 for t in v.values()), "a mapping of phases to seconds > 0"),

@@ -8,7 +8,9 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     RUNNING  --ChildExited(!=0)--> STOPPING (then relaunch, or fail when restarts are exhausted)
     RUNNING  --ChildExited(EXIT_ANOMALY, abort info)--> STOPPING (then roll back past the bad data, or fail)
     RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang)
-    RUNNING  --SignalReceived--> STOPPING (then stopped)
+    RUNNING  --SignalReceived or StopRequested--> RUNNING with a stop order: every rank saves at the agreed
+             step, then exits (--all exited 0--> STOPPED) or goes on; no rank reporting steps: STOPPING
+    RUNNING  --stop order's timeout (Tick), or a second SIGINT--> STOPPING (then stopped)
     STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED
     STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL);
     TERM lasts the kill grace, or until every save in flight is past its save timeout, whichever is later
@@ -28,7 +30,8 @@ from enum import Enum
 
 from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
 from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
-from worker.contract import EXIT_ANOMALY
+from supervisor.stop_requests import StopRequest, agreed_step
+from worker.contract import EXIT_ANOMALY, EXIT_FAILED, StopOrder
 
 __all__ = [
     "Action",
@@ -42,6 +45,7 @@ __all__ = [
     "LaunchRanks",
     "Phase",
     "Policy",
+    "PublishStopOrder",
     "RankState",
     "RanksLaunched",
     "Record",
@@ -50,8 +54,10 @@ __all__ = [
     "StacksCollected",
     "Started",
     "State",
+    "StopRequested",
     "StopStage",
     "saves_end",
+    "stopping_on_request",
     "Then",
     "Tick",
     "decide",
@@ -133,6 +139,7 @@ class ChildExited:
     rank: int
     returncode: int
     abort: AbortInfo | None = None
+    stopped_at: int | None = None  # the step of the stop order the rank carried out before exiting 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,14 @@ class HeartbeatSeen:
     seq: int
     step: int
     phase: str
+    step_time_s: float | None = None  # the rank's smoothed step duration
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    """Someone asked for a checkpoint at a step, then an exit or not (stop file); signals arrive as SignalReceived."""
+
+    request: StopRequest
 
 
 @dataclass(frozen=True)
@@ -172,7 +187,8 @@ class Tick:
     """Time passed; deadlines are checked."""
 
 
-Event = Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | StacksCollected | SignalReceived | Tick
+Event = (Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | StacksCollected | SignalReceived
+         | StopRequested | Tick)
 
 # ---- actions: imperatives ------------------------------------------------------------------
 
@@ -207,6 +223,13 @@ class DumpStacks:
 
 
 @dataclass(frozen=True)
+class PublishStopOrder:
+    """Write the stop order every rank polls (None: remove it)."""
+
+    order: StopOrder | None
+
+
+@dataclass(frozen=True)
 class KillLeftovers:
     """SIGKILL whatever is left of `attempt`'s process trees (grandchildren outliving their rank)."""
 
@@ -222,7 +245,7 @@ class Record:
     fields: tuple[tuple[str, object], ...] = ()
 
 
-Action = LaunchRanks | SignalRanks | DumpStacks | KillLeftovers | Record
+Action = LaunchRanks | SignalRanks | DumpStacks | KillLeftovers | PublishStopOrder | Record
 
 # ---- state ---------------------------------------------------------------------------------
 
@@ -238,6 +261,7 @@ class Policy:
     backoff_max_s: float
     kill_grace_s: float
     sigkill_wait_s: float = 5.0
+    stop_timeout_s: float = 300.0  # a graceful stop (save at the next agreed step) may take this long
     hang: HangPolicy = field(default_factory=HangPolicy)
     anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
 
@@ -259,6 +283,7 @@ class RankState:
     heartbeat_seq: int | None = None
     heartbeat_monotonic: float | None = None  # when the supervisor last saw a new beat
     heartbeat_phase: str | None = None
+    step_time_s: float | None = None
 
     @property
     def running(self) -> bool:
@@ -299,6 +324,11 @@ class State:
     rollback: Rollback | None = None  # the newest rollback; its skip window holds for every later attempt
     rollback_pending: bool = False  # the next launch is that rollback
     give_up: str | None = None  # why a failing stop fails, when it is not exhausted restarts
+    stop_order: StopOrder | None = None  # the order ranks are carrying out
+    stop_source: str | None = None  # who asked for it
+    stopped_at: int | None = None  # the step a stop-and-exit order saved at, once the ranks exited
+    orders: int = 0  # stop orders issued so far (their ids)
+    failure_code: int = EXIT_FAILED  # the exit code when FAILED
     resume_step: int | None = None
     resume_source: str | None = None  # None: the run's regular checkpoints; else a snapshot slot or load_checkpoint
     resume_passed_over: tuple[tuple[int, str], ...] = ()
@@ -307,7 +337,7 @@ class State:
 
     @property
     def exit_code(self) -> int | None:
-        return {Phase.FINISHED: 0, Phase.STOPPED: 0, Phase.FAILED: 1}.get(self.phase)
+        return {Phase.FINISHED: 0, Phase.STOPPED: 0, Phase.FAILED: self.failure_code}.get(self.phase)
 
 
 def initial_state(policy: Policy, step_gaps: tuple[float, ...] = ()) -> State:
@@ -402,16 +432,22 @@ def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[Stat
 
 
 def _on_clean_exit(state: State, event: ChildExited) -> tuple[State, list[Action]]:
-    actions: list[Action] = [_record("rank_finished", rank=event.rank, attempt=event.attempt)]
-    if all(r.returncode == 0 for r in state.ranks):
-        state = replace(state, phase=Phase.FINISHED, reason=None)
-        actions.append(_record("run_finished", attempt=state.attempt, restarts=state.restarts))
-    return state, actions
+    actions: list[Action] = [_record("rank_finished", rank=event.rank, attempt=event.attempt,
+                                     stopped_at=event.stopped_at)]
+    if not all(r.returncode == 0 for r in state.ranks):
+        return state, actions
+    if event.stopped_at is None:
+        state = replace(state, phase=Phase.FINISHED, deadline=None, reason=None)
+        return state, [*actions, _record("run_finished", attempt=state.attempt, restarts=state.restarts)]
+    step = event.stopped_at
+    state = replace(state, phase=Phase.STOPPED, deadline=None, stopped_at=step,
+                    reason=f"stopped on request ({state.stop_source}) at step {step}, checkpoint {step} saved")
+    return state, [*actions, _record("run_stopped", attempt=state.attempt, step=step, source=state.stop_source)]
 
 
 def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
     failure = f"rank {event.rank} {describe_exit(event.returncode)} in attempt {event.attempt}"
-    then = _failure_outcome(state)
+    then = Then.STOP if stopping_on_request(state) else _failure_outcome(state)
     state = replace(state, last_failure=failure)
     actions: list[Action] = [
         _record("rank_crashed", level="error", rank=event.rank, attempt=event.attempt, returncode=event.returncode,
@@ -432,7 +468,8 @@ def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: f
     if plan is None:
         tries = state.policy.anomaly.max_tries
         times = "once" if tries == 1 else f"{tries} times"
-        state = replace(state, give_up=f"{failure}; this region was already rolled back {times}")
+        state = replace(state, give_up=f"{failure}; this region was already rolled back {times}",
+                        failure_code=EXIT_ANOMALY)
         state, stop = _begin_stop(state, Then.FAIL, now)
         return state, [record, _record("rollbacks_exhausted", level="error", tries=tries), *stop]
     then = _failure_outcome(state)
@@ -444,6 +481,54 @@ def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: f
                        tries=plan.tries, skip_after=plan.skip_after)
     state, stop = _begin_stop(state, then, now)
     return state, [record, decision, *stop]
+
+
+def stopping_on_request(state: State) -> bool:
+    """An exit order is being carried out now: graceful (with a timeout), or some rank already obeyed it."""
+    order = state.stop_order
+    obeyed = any(r.returncode == 0 for r in state.ranks)
+    return order is not None and order.exit and (state.deadline is not None or obeyed)
+
+
+def _on_stop_requested(state: State, event: StopRequested, now: float) -> tuple[State, list[Action]]:
+    return _request_stop(state, event.request, now)
+
+
+def _request_stop(state: State, request: StopRequest, now: float) -> tuple[State, list[Action]]:
+    """Order every rank to save at an agreed step, then exit or go on; without ranks, stop or say why not."""
+    source = request.source
+    if state.phase is Phase.RUNNING:
+        earliest = agreed_step(state.ranks, now)
+        if earliest is not None:
+            return _order_stop(state, request, earliest, now)
+        if request.exit:  # no rank reports its steps (no worker library): stop the old way
+            state, stop = _begin_stop(state, Then.STOP, now)
+            return state, [_record("stop_requested", source=source, how="SIGTERM: no rank reports its steps"), *stop]
+    if not request.exit:
+        why = "no rank reports its steps" if state.phase is Phase.RUNNING else f"no ranks running ({state.phase.value})"
+        return state, [_record("stop_request_dropped", level="warning", source=source, step=request.step, reason=why)]
+    if state.phase is Phase.STOPPING:  # cancels a pending relaunch; a run already failing still fails
+        state = replace(state, then=Then.FAIL if state.then is Then.FAIL else Then.STOP)
+        return state, [_record("stop_requested", source=source, how="ranks already stopping")]
+    reason = f"stopped on request ({source}) with no ranks running"
+    state = replace(state, phase=Phase.STOPPED, deadline=None, reason=reason)
+    return state, [_record("run_stopped", attempt=state.attempt, source=source)]
+
+
+def _order_stop(state: State, request: StopRequest, earliest: int, now: float) -> tuple[State, list[Action]]:
+    actions: list[Action] = []
+    step = earliest if request.step is None else request.step
+    if step < earliest:
+        actions.append(_record("stop_step_too_early", level="warning", requested=step, step=earliest,
+                               source=request.source, reason="passed, or too close for every rank to act together"))
+        step = earliest
+    order = StopOrder(id=state.orders + 1, step=step, exit=request.exit)
+    graceful = request.exit and request.step is None  # "now": bounded by the stop timeout
+    state = replace(state, stop_order=order, stop_source=request.source, orders=order.id,
+                    deadline=now + state.policy.stop_timeout_s if graceful else state.deadline)
+    actions += [_record("stop_ordered", order=order.id, step=step, exit=order.exit, source=request.source),
+                PublishStopOrder(order)]
+    return state, actions
 
 
 def _exhausted_records(state: State, then: Then) -> list[Action]:
@@ -551,12 +636,24 @@ def _on_heartbeat(state: State, event: HeartbeatSeen, now: float) -> tuple[State
     if before.heartbeat_phase == TRAIN_PHASE == event.phase and before.heartbeat_monotonic is not None:
         gaps = with_gap(state.step_gaps, now - before.heartbeat_monotonic, state.policy.hang.calibration.window)
         state = replace(state, step_gaps=gaps)
-    state = _update_rank(state, event.rank, step=event.step, heartbeat_seq=event.seq,
-                         heartbeat_monotonic=now, heartbeat_phase=event.phase)
+    state = _update_rank(state, event.rank, step=event.step, heartbeat_seq=event.seq, heartbeat_monotonic=now,
+                         heartbeat_phase=event.phase, step_time_s=event.step_time_s or before.step_time_s)
     state = replace(state, heartbeats_seen=True)
     if state.stop_stage is StopStage.TERM and event.phase == SAVE_PHASE and state.deadline is not None:
         state = replace(state, deadline=max(state.deadline, saves_end(state, now)))  # a save seen late
-    return state, []
+    return _continue_order_done(state)
+
+
+def _continue_order_done(state: State) -> tuple[State, list[Action]]:
+    """A save-and-continue order is done once every running rank is past its step."""
+    order = state.stop_order
+    if order is None or order.exit or state.phase is not Phase.RUNNING:
+        return state, []
+    if not all(r.step is not None and r.step > order.step for r in state.ranks if r.running):
+        return state, []
+    state = replace(state, stop_order=None)
+    return state, [_record("stop_order_done", order=order.id, step=order.step, source=state.stop_source),
+                   PublishStopOrder(None)]
 
 
 def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tuple[State, list[Action]]:
@@ -587,6 +684,15 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
     interrupts = state.interrupts + (event.signum == signal.SIGINT)
     state = replace(state, interrupts=interrupts)
     actions: list[Action] = [_record("signal_received", signal=_signal_name(event.signum), phase=state.phase.value)]
+    if state.phase is Phase.RUNNING:
+        if interrupts >= 2:  # a second Ctrl-C means now
+            state, stop = _begin_stop(state, Then.STOP, now)
+            state, kill = _kill(state, now) if state.phase is Phase.STOPPING else (state, [])
+            return state, actions + stop + kill
+        if stopping_on_request(state):
+            return state, actions
+        state, stop = _request_stop(state, StopRequest(None, True, _signal_name(event.signum)), now)
+        return state, actions + stop
     if state.phase is Phase.STOPPING:
         # A stop request cancels a pending relaunch, but a run already failing still fails.
         state = replace(state, then=Then.FAIL if state.then is Then.FAIL else Then.STOP)
@@ -610,6 +716,9 @@ def _signal_name(signum: int) -> str:
 
 def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]]:
     if state.phase is Phase.RUNNING:
+        if state.deadline is not None and now >= state.deadline:  # the graceful stop took too long
+            state, stop = _begin_stop(state, Then.STOP, now)
+            return state, [_record("stop_timed_out", level="warning", timeout_s=state.policy.stop_timeout_s), *stop]
         return _check_heartbeats(state, now)
     if state.deadline is None or now < state.deadline:
         return state, []
@@ -679,5 +788,6 @@ _HANDLERS = {
     HeartbeatSeen: _on_heartbeat,
     StacksCollected: _on_stacks_collected,
     SignalReceived: _on_signal,
+    StopRequested: _on_stop_requested,
     Tick: _on_tick,
 }

@@ -20,10 +20,10 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor.core import Phase, State, StopStage, Then, saves_end
+from supervisor.core import Phase, State, StopStage, Then, stopping_on_request
 from supervisor.hangs import SAVE_PHASE
 
-__all__ = ["SEND_TIMEOUT_S", "Notifier", "ServiceReporter", "save_extension_s", "status_line"]
+__all__ = ["SEND_TIMEOUT_S", "Notifier", "ServiceReporter", "status_line", "stop_extension_s"]
 
 SEND_TIMEOUT_S = 1.0  # a full socket queue (PID 1 busy) may delay the loop this long, never longer
 
@@ -145,7 +145,7 @@ class ServiceReporter:
         if not self.notifier.enabled:
             return
         self._report_status(state, launched)
-        self._extend_for_saves(state, now)
+        self._extend_stop(state, now)
         self._ping(now)
 
     def _report_status(self, state: State, launched: bool) -> None:
@@ -162,11 +162,11 @@ class ServiceReporter:
             self._last_status = line
             self.notifier.send(*flags, *_status_field(line))
 
-    def _extend_for_saves(self, state: State, now: float) -> None:
+    def _extend_stop(self, state: State, now: float) -> None:
         """While the final stop waits on a save, keep systemd waiting until that save would count as hung."""
         if not self._stopping:
             return
-        extension = save_extension_s(state, now)
+        extension = stop_extension_s(state, now)
         if extension is not None:
             self.notifier.extend_timeout(extension)
 
@@ -180,15 +180,18 @@ class ServiceReporter:
 
 def _final_stop(state: State) -> bool:
     """The supervisor is on its way out: stopping without a relaunch to follow, or already done."""
-    return state.phase.terminal or (state.phase is Phase.STOPPING and state.then is not Then.RELAUNCH)
+    return (state.phase.terminal or (state.phase is Phase.STOPPING and state.then is not Then.RELAUNCH)
+            or stopping_on_request(state))
 
 
-def save_extension_s(state: State, now: float) -> float | None:
-    """Seconds until the newest saving rank's save would time out, plus the teardown after it; None if none saves."""
-    end = saves_end(state, now)
-    if end <= now:
+def stop_extension_s(state: State, now: float) -> float | None:
+    """Seconds the final stop may still take while ranks save on the way down (the agreed checkpoint of a
+    graceful stop, or a save in flight the supervisor waits for); None when nobody saves or time is up."""
+    saving = any(r.running and r.heartbeat_phase == SAVE_PHASE for r in state.ranks)
+    graceful = state.phase is Phase.RUNNING  # every rank is on its way to the agreed checkpoint
+    if not (saving or graceful) or state.deadline is None or state.deadline <= now:
         return None
-    return end - now + state.policy.kill_grace_s + state.policy.sigkill_wait_s
+    return state.deadline - now + state.policy.kill_grace_s + state.policy.sigkill_wait_s
 
 
 def status_line(state: State) -> str:
@@ -209,7 +212,19 @@ def _starting(state: State) -> str:
 
 def _running(state: State) -> str:
     steps = [r.step for r in state.ranks if r.step is not None]
-    return "running" + _attempt(state) + (f", step {max(steps)}" if steps else "")
+    line = "running" + _attempt(state) + (f", step {max(steps)}" if steps else "")
+    order = state.stop_order
+    if order is None:
+        return line
+    then = "exit" if order.exit else "continue"
+    if stopping_on_request(state):
+        return f"stopping on request ({state.stop_source}): checkpoint at step {order.step}, then exit" + _saving(state)
+    return f"{line}, checkpoint ordered at step {order.step}, then {then}"
+
+
+def _saving(state: State) -> str:
+    saving = [str(r.rank) for r in state.ranks if r.running and r.heartbeat_phase == SAVE_PHASE]
+    return f", rank {', '.join(saving)} saving" if saving else ""
 
 
 def _stopping(state: State) -> str:
@@ -219,10 +234,7 @@ def _stopping(state: State) -> str:
     parts = ["stopping" + _attempt(state) + (f" {why[state.then]}" if state.then else "")]
     if state.stop_stage in stages:
         parts.append(stages[state.stop_stage])
-    saving = [str(r.rank) for r in state.ranks if r.running and r.heartbeat_phase == SAVE_PHASE]
-    if saving:
-        parts.append(f"rank {', '.join(saving)} saving")
-    return ", ".join(parts)
+    return ", ".join(parts) + _saving(state)
 
 
 def _backoff(state: State) -> str:
@@ -235,7 +247,7 @@ def _finished(state: State) -> str:
 
 
 def _stopped(state: State) -> str:
-    return "stopped on request"
+    return "stopped on request" + ("" if state.stopped_at is None else f" at step {state.stopped_at}")
 
 
 def _failed(state: State) -> str:

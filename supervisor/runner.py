@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import queue
 import signal
 import threading
 import time
+import zlib
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import IO, Any
 
 import psutil
@@ -33,6 +36,8 @@ from supervisor.core import (
     KillLeftovers,
     LaunchFailed,
     LaunchRanks,
+    Phase,
+    PublishStopOrder,
     RanksLaunched,
     Record,
     SignalRanks,
@@ -40,6 +45,7 @@ from supervisor.core import (
     StacksCollected,
     Started,
     State,
+    StopRequested,
     Tick,
     decide,
     initial_state,
@@ -52,6 +58,7 @@ from supervisor.ranks import Ranks, launch_ranks
 from supervisor.rollback import AbortInfo
 from supervisor.stacks import start_stack_collection
 from supervisor.status import StatusError, read_status, snapshot, write_status
+from supervisor.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
 from supervisor.trees import (
     become_subreaper,
     descendants,
@@ -60,10 +67,12 @@ from supervisor.trees import (
     record_pids,
     sigkill,
 )
-from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
+from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, StopFileChanged, read_heartbeat
 from worker.contract import (
     EXIT_ANOMALY,
     RunLayout,
+    StopOrder,
+    atomic_write_json,
     named_store,
     parse_checkpoint_name,
     resume_stores,
@@ -72,7 +81,8 @@ from worker.contract import (
 
 __all__ = ["LeftoversSurvived", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
-POLL_INTERVAL_S = 1.0  # re-read heartbeats and refresh the state file this often, events or not
+POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the state file, this often
+STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -108,15 +118,19 @@ def lock_run_dir(layout: RunLayout) -> IO[str]:
 class Supervisor:
     """Runs one job to its end and returns the exit code."""
 
-    def __init__(self, config: JobConfig, layout: RunLayout, journal: Journal, *, config_path: str) -> None:
+    def __init__(self, config: JobConfig, layout: RunLayout, journal: Journal, *, config_path: str,
+                 ignore_stop_file: bool = False) -> None:
         self.config = config
         self.layout = layout
+        self.stop_file = config.stop_file(layout)
+        self._ignore_stop_file = ignore_stop_file
+        self._stop_file_seen: tuple[int, ...] | None = None  # the write of the stop file acted on last
         self.log = journal.log
         self.state: State = initial_state(config.policy(), step_gaps=_previous_step_gaps(layout))
         self._config_path = config_path
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ranks: Ranks | None = None
-        self._watcher = HeartbeatWatcher(layout, config.nproc_per_node, self._inbox.put_nowait)
+        self._watcher = HeartbeatWatcher(layout, config.nproc_per_node, self._inbox.put_nowait, self.stop_file)
         self._next_poll = 0.0
         self._unreadable: set[int] = set()
         self._started_at = time.time()
@@ -133,8 +147,10 @@ class Supervisor:
                       nproc=self.config.nproc_per_node, subreaper=become_subreaper())
         for leftover in kill_predecessor_leftovers(self.layout):
             self.log.warning("predecessor_leftover_killed", **leftover)
+        unlink_quietly(self.layout.stop_order)  # a predecessor's order is not ours to carry out
         try:
-            self._handle(Started())
+            if not self._stop_file_blocks_start():
+                self._handle(Started())
             while not self.state.phase.terminal:
                 self._handle(self._next_event())
         finally:
@@ -145,6 +161,45 @@ class Supervisor:
         self.log.info("supervisor_exiting", state=self.state.phase.value, exit_code=self.state.exit_code,
                       reason=self.state.reason)
         return self.state.exit_code or 0
+
+    def _stop_file_blocks_start(self) -> bool:
+        """A stop file present at start means the run was stopped on purpose: an automatic restart must not undo
+        that. `--ignore-stop-file` launches anyway, treating the file's present content as already handled."""
+        present = _stop_file_signature(self.stop_file)
+        if present is None:
+            return False
+        if self._ignore_stop_file:
+            self._stop_file_seen = present[0]
+            self.log.warning("stop_file_ignored", path=str(self.stop_file))
+            return False
+        self.log.error("stop_file_present", path=str(self.stop_file),
+                       action="not launching; remove the file or pass --ignore-stop-file")
+        self.state = replace(self.state, phase=Phase.STOPPED,
+                             reason=f"not started: stop file {self.stop_file} is present")
+        self._write_status(durable=True)
+        return True
+
+    def _read_stop_file(self) -> list[Event]:
+        """A StopRequested for each new, settled write of the stop file; a warning for garbage."""
+        present = _stop_file_signature(self.stop_file)
+        if present is None:
+            self._stop_file_seen = None  # removed: the next write counts as new, whatever it holds
+            return []
+        signature, data, age_s = present
+        if signature == self._stop_file_seen:  # acted on already
+            return []
+        if age_s < STOP_FILE_SETTLE_S:  # maybe mid-write: look again once it has settled
+            self._next_poll = min(self._next_poll, time.monotonic() + STOP_FILE_SETTLE_S - age_s)
+            return []
+        self._stop_file_seen = signature
+        source = f"stop file {self.stop_file}"
+        try:
+            if isinstance(data, OSError):
+                raise StopFileUnparsable(f"cannot read it: {data.strerror or data}")
+            return [StopRequested(parse_stop_file(data, source))]
+        except StopFileUnparsable as exc:
+            self.log.warning("stop_file_unparsable", path=str(self.stop_file), error=str(exc), action="ignored")
+            return []
 
     # ---- events in ----
 
@@ -165,6 +220,15 @@ class Supervisor:
         abort = AbortInfo(first_step=int(logged["first_anomaly_step"]), abort_step=int(logged["step"]),
                           first_batch=int(logged["first_anomaly_batch"]), abort_batch=int(logged["batch"]))
         return replace(event, abort=abort)
+
+    def _with_stop_info(self, event: ChildExited) -> ChildExited:
+        """A clean exit after carrying out a stop-and-exit order carries its step (read from the rank's log)."""
+        if event.returncode != 0 or self.state.stop_order is None or not self.state.stop_order.exit:
+            return event
+        done = last_event(self.layout, event.rank, event.attempt, "stop_order_done")
+        if done is None or not done.get("exit"):
+            return event
+        return replace(event, stopped_at=int(done["step"]))
 
     def _next_event(self) -> Any:
         now = time.monotonic()
@@ -194,12 +258,14 @@ class Supervisor:
         """Turn adapter hints into core events; a Tick also re-reads every heartbeat (hints can be lost)."""
         if isinstance(item, HeartbeatChanged):
             return self._read_heartbeats([item.rank])
+        if isinstance(item, StopFileChanged):
+            return self._read_stop_file()
         if isinstance(item, Tick):
             self._next_poll = time.monotonic() + POLL_INTERVAL_S
             self._track_processes()
-            return [*self._read_heartbeats(range(self.config.nproc_per_node)), item]
+            return [*self._read_heartbeats(range(self.config.nproc_per_node)), *self._read_stop_file(), item]
         if isinstance(item, ChildExited):
-            return [self._with_abort_info(item)]
+            return [self._with_stop_info(self._with_abort_info(item))]
         if isinstance(item, LeftoversSurvived):
             self.log.error("process_unkillable", attempt=item.attempt, processes=item.processes)
             return []
@@ -247,7 +313,19 @@ class Supervisor:
             return self._dump_stacks(action)
         if isinstance(action, KillLeftovers):
             return self._kill_tree_leftovers(action.attempt)
+        if isinstance(action, PublishStopOrder):
+            self._publish(action.order)
+            return []
         raise TypeError(f"unknown action {action!r}")
+
+    def _publish(self, order: StopOrder | None) -> None:
+        if order is None:
+            unlink_quietly(self.layout.stop_order)
+            return
+        try:
+            atomic_write_json(self.layout.stop_order, asdict(order))
+        except OSError as exc:  # the ranks never hear of it: the stop timeout escalates
+            self.log.error("stop_order_write_failed", error=str(exc))
 
     def _dump_stacks(self, action: DumpStacks) -> list[Event]:
         if self._ranks is None or self._ranks.attempt != action.attempt:
@@ -380,6 +458,7 @@ class Supervisor:
         extra = {
             "run_dir": str(self.layout.root),
             "config": self._config_path,
+            "stop_file": str(self.stop_file),
             "supervisor_pid": os.getpid(),
             "started_at": self._started_at,
             "last_checkpoint": {"step": steps[-1]} if steps else None,
@@ -398,3 +477,18 @@ def _previous_step_gaps(layout: RunLayout) -> tuple[float, ...]:
         return tuple(float(g) for g in gaps)
     except (StatusError, AttributeError, TypeError, ValueError):
         return ()
+
+
+def _stop_file_signature(path: Path) -> tuple[tuple[int, ...], bytes | OSError, float] | None:
+    """(what identifies this write, the content or why it cannot be read, seconds since it was written),
+    or None when there is no file."""
+    try:
+        with open(path, "rb") as f:
+            stat = os.fstat(f.fileno())
+            data = f.read(MAX_STOP_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # present but unreadable (a directory, no permission): the operator must hear of it
+        return (-1, exc.errno or 0), exc, math.inf
+    signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size, zlib.crc32(data))
+    return signature, data, time.time() - stat.st_mtime

@@ -43,6 +43,8 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "passed_over": [{"step": step, "reason": reason} for step, reason in state.resume_passed_over],
         "hang": None if state.hang is None else {**asdict(state.hang), "silent_s": round(state.hang.silent_s, 3)},
         "rollback": None if state.rollback is None else asdict(state.rollback),
+        "stop_order": None if state.stop_order is None else {**asdict(state.stop_order), "source": state.stop_source},
+        "stopped_at": None if state.stopped_at is None else {"step": state.stopped_at, "source": state.stop_source},
         "calibration": {
             "enabled": state.policy.hang.calibration.enabled,
             "train_timeout_s": phase_timeout(state.policy.hang, TRAIN_PHASE, state.step_gaps),
@@ -110,6 +112,9 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  rollback {rollback['tries']} of this region: anomalies in steps {abort['first_step']}-"
                      f"{abort['abort_step']}; resumed at or before step {rollback['resume_at_most']}, "
                      f"skipping data up to batch {rollback['skip_to_batch']}")
+    if order := status.get("stop_order"):
+        then = "exit" if order["exit"] else "continue"
+        lines.append(f"  stop order ({order['source']}): checkpoint at step {order['step']}, then {then}")
     if status.get("last_failure"):
         lines.append(f"  last failure: {status['last_failure']}")
     if status.get("reason"):

@@ -1,4 +1,5 @@
-"""Heartbeat files: a watchdog observer turns file-system events into hints; reading them is the truth."""
+"""Heartbeat files and the stop file: a watchdog observer turns file-system events into hints; reading the
+files is the truth."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from watchdog.events import (
     EVENT_TYPE_CLOSED,
     EVENT_TYPE_CREATED,
+    EVENT_TYPE_DELETED,
     EVENT_TYPE_MODIFIED,
     EVENT_TYPE_MOVED,
     FileSystemEvent,
@@ -19,7 +21,7 @@ from watchdog.observers import Observer
 from supervisor.core import HeartbeatSeen
 from worker.contract import RunLayout, read_json
 
-__all__ = ["HeartbeatChanged", "HeartbeatUnreadable", "HeartbeatWatcher", "read_heartbeat"]
+__all__ = ["HeartbeatChanged", "HeartbeatUnreadable", "HeartbeatWatcher", "StopFileChanged", "read_heartbeat"]
 
 
 @dataclass(frozen=True)
@@ -29,33 +31,43 @@ class HeartbeatChanged:
     rank: int
 
 
-_WRITE_EVENTS = {EVENT_TYPE_MOVED, EVENT_TYPE_CREATED, EVENT_TYPE_MODIFIED, EVENT_TYPE_CLOSED}
+@dataclass(frozen=True)
+class StopFileChanged:
+    """A hint that the stop file was written, replaced or removed."""
+
+
+_WRITE_EVENTS = {EVENT_TYPE_MOVED, EVENT_TYPE_CREATED, EVENT_TYPE_MODIFIED, EVENT_TYPE_CLOSED, EVENT_TYPE_DELETED}
 
 
 class _Handler(FileSystemEventHandler):
-    def __init__(self, layout: RunLayout, nproc: int, post: Callable[[object], None]) -> None:
-        self._paths = {str(layout.heartbeat(rank)): rank for rank in range(nproc)}
+    def __init__(self, hints: dict[str, object], post: Callable[[object], None]) -> None:
+        self._hints = hints  # path -> the hint to post when it is written
         self._post = post
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         # Only writes count: our own reads raise open/close events, which would feed back forever.
         if event.event_type not in _WRITE_EVENTS:
             return
-        # The worker renames a temporary file onto heartbeat.json, so the destination path matters.
-        rank = self._paths.get(str(event.dest_path or event.src_path))
-        if rank is not None:
-            self._post(HeartbeatChanged(rank))
+        # Writers rename a temporary file onto the watched name, so the destination path matters.
+        hint = self._hints.get(str(event.dest_path or event.src_path))
+        if hint is not None:
+            self._post(hint)
 
 
 class HeartbeatWatcher:
-    """Watches `ranks/` under the run dir and posts HeartbeatChanged hints from the observer thread."""
+    """Watches `ranks/` under the run dir, and the stop file's directory when it exists, posting
+    HeartbeatChanged and StopFileChanged hints from the observer thread."""
 
-    def __init__(self, layout: RunLayout, nproc: int, post: Callable[[object], None]) -> None:
+    def __init__(self, layout: RunLayout, nproc: int, post: Callable[[object], None], stop_file: Path) -> None:
         for rank in range(nproc):
             layout.rank_dir(rank).mkdir(parents=True, exist_ok=True)
         self._observer = Observer()
         self._observer.daemon = True
-        self._observer.schedule(_Handler(layout, nproc, post), str(layout.root / "ranks"), recursive=True)
+        beats = {str(layout.heartbeat(rank)): HeartbeatChanged(rank) for rank in range(nproc)}
+        self._observer.schedule(_Handler(beats, post), str(layout.root / "ranks"), recursive=True)
+        if stop_file.parent.is_dir():  # elsewhere the main loop's once-a-second look is all there is
+            stop = {str(stop_file): StopFileChanged()}
+            self._observer.schedule(_Handler(stop, post), str(stop_file.parent), recursive=False)
 
     def start(self) -> None:
         self._observer.start()
@@ -84,6 +96,11 @@ def read_heartbeat(path: Path) -> HeartbeatSeen | None:
             seq=int(record["seq"]),
             step=int(record["step"]),
             phase=str(record["phase"]),
+            step_time_s=_positive_or_none(record.get("step_time_s")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise HeartbeatUnreadable(f"{path}: missing or bad field {exc}") from None
+
+
+def _positive_or_none(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None

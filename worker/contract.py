@@ -29,6 +29,7 @@ __all__ = [
     "EXIT_FAILED",
     "STACK_DUMP_SIGNAL",
     "RunLayout",
+    "StopOrder",
     "atomic_write_bytes",
     "WorkerConfig",
     "atomic_write_json",
@@ -111,6 +112,20 @@ def _from_dict(cls: Any, raw: dict[str, Any]) -> Any:
 
 
 @dataclass(frozen=True)
+class StopOrder:
+    """Save a checkpoint at `step` on every rank, then exit (`exit`) or go on; `id` tells orders apart."""
+
+    id: int
+    step: int
+    exit: bool
+
+    @classmethod
+    def from_json(cls, raw: Any) -> StopOrder:
+        """Raises KeyError, TypeError or ValueError for anything but a whole order."""
+        return cls(id=int(raw["id"]), step=int(raw["step"]), exit=bool(raw["exit"]))
+
+
+@dataclass(frozen=True)
 class RunLayout:
     """Where every file of one run lives; the only place that knows the run-dir layout."""
 
@@ -132,6 +147,16 @@ class RunLayout:
     @property
     def journal(self) -> Path:
         return self.root / "supervisor" / "events.jsonl"
+
+    @property
+    def stop_order(self) -> Path:
+        """The supervisor's order to every rank: save at a step, then exit or continue (ranks poll it)."""
+        return self.root / "supervisor" / "stop_order.json"
+
+    @property
+    def default_stop_file(self) -> Path:
+        """Where people write stop requests unless the config says otherwise (seed 004's stop file)."""
+        return self.root / "stop"
 
     @property
     def checkpoint_dir(self) -> Path:

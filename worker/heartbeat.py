@@ -23,16 +23,24 @@ class Heartbeat:
         self._last_write = float("-inf")
         self._phase = ""
         self._failures = 0
+        self._step_time_s: float | None = None
 
-    def beat(self, step: int, phase: str, *, force: bool = False) -> None:
-        """Record progress; writes only when the interval has passed, the phase changed, or forced."""
+    def beat(self, step: int, phase: str, *, force: bool = False, step_time_s: float | None = None) -> None:
+        """Record progress; writes only when the interval has passed, the phase changed, or forced.
+
+        `step_time_s` (the last step's duration) is smoothed, so the supervisor can tell how far ranks get
+        in a given time (it picks the step a stop order names from it)."""
+        if step_time_s is not None:
+            smoothed = self._step_time_s
+            self._step_time_s = step_time_s if smoothed is None else 0.8 * smoothed + 0.2 * step_time_s
         now = time.monotonic()
         if not force and phase == self._phase and now - self._last_write < self.interval_s:
             return
         self._seq += 1
         self._phase = phase
         self._last_write = now
-        record = {**self._static, "seq": self._seq, "step": step, "phase": phase, "time": time.time()}
+        record = {**self._static, "seq": self._seq, "step": step, "phase": phase, "time": time.time(),
+                  "step_time_s": self._step_time_s}
         try:
             # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.
             atomic_write_json(self.path, record, durable=False)

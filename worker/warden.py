@@ -41,6 +41,7 @@ from worker.events import open_event_log
 from worker.faults import FaultPlan
 from worker.guard import StepGuard
 from worker.heartbeat import Heartbeat
+from worker.orders import StopOrders
 
 __all__ = ["Warden"]
 
@@ -94,6 +95,8 @@ class Warden:
         self._last_step_end = time.perf_counter()
         self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt))
         self._term_pending = False  # a SIGTERM arrived during a save; it takes effect when the save is done
+        self._orders = StopOrders(self.layout.stop_order)
+        self._obeyed: int | None = None  # id of the last stop order carried out
         self._previous_term = _install_handler(signal.SIGTERM, self._on_sigterm)
         self._heartbeat.beat(0, self._phase, force=True)
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
@@ -171,14 +174,30 @@ class Warden:
             **fields,
         )
         self._phase = "train"
-        self._heartbeat.beat(self.step, "train")
+        self._heartbeat.beat(self.step, "train", step_time_s=step_time_s)
         if not applied:
             return
         self._faults.after_step(self.step)
-        if _due(self.step, self.config.save_checkpoint_steps):
+        saved = _due(self.step, self.config.save_checkpoint_steps)
+        if saved:
             self.save(self.step)
         elif _due(self.step, self.config.snapshot_steps):
             self.snapshot(self.step)
+        self._obey_stop_order(saved)
+        self._last_step_end = time.perf_counter()  # a save is not part of the next step's time
+
+    def _obey_stop_order(self, saved: bool) -> None:
+        """At the step the supervisor agreed with every rank: save (unless just saved), then exit or go on."""
+        order = self._orders.poll()
+        if order is None or order.step != self.step or order.id == self._obeyed:
+            return
+        self._obeyed = order.id
+        if not saved:
+            self.save(self.step)
+        self.log.info("stop_order_done", step=self.step, order=order.id, exit=order.exit)
+        if order.exit:
+            self.finish()
+            raise SystemExit(0)  # stopped on request: a success, nothing to retry
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

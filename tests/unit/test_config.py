@@ -133,7 +133,7 @@ def test_unknown_nested_key_refused_with_dotted_name_and_suggestion(tmp_path):
 def test_unknown_key_without_close_match_lists_known_keys(tmp_path):
     """An unknown key resembling nothing is refused with the list of known keys of its section."""
     message = refusal(tmp_path, "script: t.py\nstop:\n  zzz: 1\n")
-    assert "unknown key 'stop.zzz' (known keys: kill_grace_s, sigkill_wait_s)" in message
+    assert "unknown key 'stop.zzz' (known keys: kill_grace_s, sigkill_wait_s, stop_file_path, timeout_s)" in message
 
 
 def test_unknown_worker_key_refused(tmp_path):

@@ -455,12 +455,12 @@ def test_stopping_second_deadline_fails_unkillable():
 
 
 def test_signal_while_running_stops_ranks():
-    """A signal while RUNNING SIGTERMs every rank and starts the grace deadline."""
+    """A signal while RUNNING, no rank reporting steps (no worker library): SIGTERM every rank, start the grace."""
     state, actions = decide(running(), SignalReceived(signal.SIGTERM), NOW)
     assert state.phase is Phase.STOPPING
     assert state.deadline == NOW + 10.0
     assert state.stop_stage is StopStage.TERM
-    assert shape(actions) == ["signal_received", SignalRanks(0, signal.SIGTERM)]
+    assert shape(actions) == ["signal_received", "stop_requested", SignalRanks(0, signal.SIGTERM)]
     assert dict(actions[0].fields) == {"signal": "SIGTERM", "phase": "running"}
 
 

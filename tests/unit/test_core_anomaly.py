@@ -158,7 +158,7 @@ def test_rollbacks_exhausted_for_region_fails():
     assert (exhausted.level, dict(exhausted.fields)) == ("error", {"tries": 3})
     state, actions = decide(state, ChildExited(3, 1, -signal.SIGTERM), NOW + 4)
     assert state.phase is Phase.FAILED
-    assert state.exit_code == 1
+    assert state.exit_code == 65  # retrying the same data cannot help: not a retryable failure
     assert state.reason == ("rank 0 aborted on anomalies in steps 1500-1509 (batches 2400-2409) in attempt 3; "
                             "this region was already rolled back 3 times")
     assert shape(actions) == ["rank_stopped", KillLeftovers(3)]

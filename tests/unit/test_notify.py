@@ -25,10 +25,11 @@ from supervisor.core import (
     State,
     StopStage,
     Then,
+    Tick,
     decide,
     initial_state,
 )
-from supervisor.notify import Notifier, ServiceReporter, save_extension_s, status_line
+from supervisor.notify import Notifier, ServiceReporter, status_line, stop_extension_s
 
 NOW = 1000.0
 POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,
@@ -214,10 +215,14 @@ def test_status_lines_name_phase_attempt_step_and_reason() -> None:
 
 
 def test_status_line_of_a_final_stop_names_saving_ranks_and_stage() -> None:
-    """Stopping on request says so, which ranks are saving, and when SIGKILL went out."""
+    """Stopping on request says so, at which step ranks save, which ranks are saving, and when SIGKILL went out."""
     saving = beat(launched(), 0, 40, phase="save")
-    stopping, _ = decide(saving, SignalReceived(signal.SIGTERM), NOW)
+    graceful, _ = decide(saving, SignalReceived(signal.SIGTERM), NOW)
+    step = graceful.stop_order.step
+    assert status_line(graceful) == (
+        f"stopping on request (SIGTERM): checkpoint at step {step}, then exit, rank 0 saving")
 
+    stopping, _ = decide(graceful, Tick(), graceful.deadline)  # the stop timeout: SIGTERM to the ranks
     assert status_line(stopping) == "stopping on request, rank 0 saving"
     killing = replace(stopping, stop_stage=StopStage.KILL)
     assert status_line(killing) == "stopping on request, SIGKILL sent, rank 0 saving"
@@ -246,7 +251,7 @@ def test_reporter_sends_stopping_once_on_final_stop_not_on_relaunch(path_listene
 
     relaunching = replace(running, phase=Phase.STOPPING, then=Then.RELAUNCH, last_failure="rank 1 crashed")
     reporter.observe(relaunching, NOW, launched=True)
-    stopping, _ = decide(running, SignalReceived(signal.SIGTERM), NOW)
+    stopping, _ = decide(running, SignalReceived(signal.SIGTERM), NOW)  # no heartbeats: SIGTERM at once
     reporter.observe(stopping, NOW, launched=True)
     reporter.observe(replace(stopping, phase=Phase.STOPPED), NOW, launched=True)
 
@@ -279,17 +284,22 @@ def test_reporter_without_watchdog_never_pings(path_listener: Listener) -> None:
     assert "WATCHDOG=1" not in path_listener.messages()
 
 
-def test_reporter_extends_stop_timeout_while_a_rank_saves(path_listener: Listener) -> None:
-    """During the final stop, a rank in phase save extends systemd's timeout to its save timeout plus teardown."""
+def test_reporter_extends_stop_timeout_while_ranks_save_on_the_way_down(path_listener: Listener) -> None:
+    """A graceful stop extends systemd's timeout to the stop timeout plus teardown; once escalated, a rank in
+    phase save extends it to its save timeout (the supervisor waits for it) plus teardown, and nothing else does."""
     reporter = ServiceReporter(notifier_for(path_listener))
-    saving = beat(launched(), 0, 40, phase="save", now=NOW)
-    stopping, _ = decide(saving, SignalReceived(signal.SIGTERM), NOW)
+    graceful, _ = decide(beat(launched(), 0, 40, now=NOW), SignalReceived(signal.SIGTERM), NOW)
+    reporter.observe(graceful, NOW + 100, launched=True)
+    teardown = POLICY.kill_grace_s + POLICY.sigkill_wait_s
+    assert [m for m in path_listener.messages() if m.startswith("EXTEND")] == [
+        f"EXTEND_TIMEOUT_USEC={round((POLICY.stop_timeout_s - 100 + teardown) * 1_000_000)}"]
 
-    reporter.observe(stopping, NOW + 100, launched=True)
-    done = beat(stopping, 0, 40, phase="train", seq=2, now=NOW + 101)
-    reporter.observe(done, NOW + 102, launched=True)
-
-    extension = 1800 - 100 + POLICY.kill_grace_s + POLICY.sigkill_wait_s  # default save timeout: 1800 s
+    saving = beat(graceful, 0, 41, phase="save", seq=2, now=NOW + 250)
+    escalated, _ = decide(saving, Tick(), NOW + POLICY.stop_timeout_s)
+    reporter.observe(escalated, NOW + 400, launched=True)
+    done = beat(escalated, 0, 41, phase="train", seq=3, now=NOW + 401)
+    reporter.observe(done, NOW + 402, launched=True)
+    extension = 250 + 1800 - 400 + teardown  # default save timeout: 1800 s
     assert [m for m in path_listener.messages() if m.startswith("EXTEND")] == [
         f"EXTEND_TIMEOUT_USEC={round(extension * 1_000_000)}"]
 
@@ -297,6 +307,7 @@ def test_reporter_extends_stop_timeout_while_a_rank_saves(path_listener: Listene
 def test_no_extension_for_a_save_past_its_timeout() -> None:
     """A save already silent past its timeout is a hang: systemd is not asked to wait for it."""
     saving = beat(launched(), 0, 40, phase="save", now=NOW)
+    escalated, _ = decide(saving, ChildExited(0, 1, 3), NOW)  # waits for the save up to its 1800 s timeout
 
-    assert save_extension_s(saving, NOW + 1801) is None
-    assert save_extension_s(launched(), NOW) is None
+    assert stop_extension_s(escalated, NOW + 1801) is None
+    assert stop_extension_s(launched(), NOW) is None

@@ -52,6 +52,8 @@ def test_snapshot_of_running_state_with_heartbeat():
         "passed_over": [],
         "hang": None,
         "rollback": None,
+        "stop_order": None,
+        "stopped_at": None,
         "calibration": {"enabled": False, "train_timeout_s": 300.0, "samples": 0, "step_gaps": []},
         "last_failure": None,
         "reason": None,

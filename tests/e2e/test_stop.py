@@ -1,0 +1,176 @@
+"""Graceful stops of a real 2-rank run: stop files (seed 004), `trainwarden stop`, SIGTERM and SIGINT."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import wait_until
+from tests.e2e.conftest import REPO, finish, heartbeat, journal, run_supervisor, start_supervisor, write_config
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def long_job(tmp_path: Path, steps: int = 2000, **overrides: Any) -> Path:
+    """The demo job with far more steps than any test waits for: only a stop ends it early."""
+    return write_config(tmp_path / "job.yaml", args=["--steps", str(steps)], **overrides)
+
+
+def wait_for_step(run_dir: Path, step: int) -> int:
+    """Block until both ranks have passed `step`; returns the furthest step seen."""
+    def reached() -> int | None:
+        beats = [heartbeat(run_dir, rank) for rank in (0, 1)]
+        steps = [b["step"] for b in beats if b and b["phase"] == "train"]
+        return max(steps) if len(steps) == 2 and min(steps) >= step else None
+    return int(wait_until(reached, timeout=90, what=f"both ranks past step {step}"))
+
+
+def events_named(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in journal(run_dir) if e["event"] == name]
+
+
+def rank_events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == name]
+
+
+def checkpoint_steps(run_dir: Path, rank: int) -> set[int]:
+    folder = run_dir / "checkpoint" / f"rank_{rank}"
+    return {int(p.stem.rsplit("-", 1)[1]) for p in folder.glob("demo_rank_*.json")}
+
+
+def assert_stopped_at(run_dir: Path, done: Any, step: int) -> None:
+    """Exit 0, state stopped at `step` with its checkpoint complete on both ranks, and nothing relaunched."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert (status["state"], status["restarts"]) == ("stopped", 0)
+    assert status["stopped_at"]["step"] == step
+    assert f"at step {step}, checkpoint {step} saved" in status["reason"]
+    assert status["last_checkpoint"] == {"step": step}
+    for rank in (0, 1):
+        assert step in checkpoint_steps(run_dir, rank)
+        assert [e["step"] for e in rank_events(run_dir, rank, "stop_order_done")][-1] == step
+
+
+def test_continue_request_saves_and_goes_on_once_then_an_exit_request_stops_at_its_step(tmp_path: Path) -> None:
+    """`-N` saves at N on both ranks and training goes on (the file does not retrigger); a later `M` saves at M
+    and ends the run: exit 0, stopped, no relaunch."""
+    run_dir = tmp_path / "run"
+    proc = start_supervisor(long_job(tmp_path), run_dir)
+    at = wait_for_step(run_dir, 10)
+    stop_file = run_dir / "stop"
+    keep_going = at + 73
+    stop_file.write_text(f"-{keep_going}\n")
+    past = wait_for_step(run_dir, keep_going + 5)
+    exit_at = past + 250  # far enough ahead for any step time
+    stop_file.write_text(f"{exit_at}\n")
+    done = finish(proc, run_dir)
+
+    assert_stopped_at(run_dir, done, exit_at)
+    ordered = [(e["step"], e["exit"]) for e in events_named(run_dir, "stop_ordered")]
+    assert ordered == [(keep_going, False), (exit_at, True)]
+    assert [e["step"] for e in events_named(run_dir, "stop_order_done")] == [keep_going]
+    for rank in (0, 1):
+        assert keep_going in checkpoint_steps(run_dir, rank)  # not a multiple of save_checkpoint_steps
+        assert [(e["step"], e["exit"]) for e in rank_events(run_dir, rank, "stop_order_done")] == [
+            (keep_going, False), (exit_at, True)]
+
+
+def test_garbage_is_refused_by_name_and_an_empty_stop_file_stops_at_the_next_agreed_step(tmp_path: Path) -> None:
+    """`12abc` is a warning naming the file and changes nothing; `touch stop` then saves at an agreed step."""
+    run_dir = tmp_path / "run"
+    proc = start_supervisor(long_job(tmp_path), run_dir)
+    wait_for_step(run_dir, 10)
+    stop_file = run_dir / "stop"
+    stop_file.write_text("12abc\n")
+    warned = wait_until(lambda: events_named(run_dir, "stop_file_unparsable"), timeout=30, what="the warning")
+    assert warned[0]["path"] == str(stop_file) and "'12abc'" in warned[0]["error"]
+    at = wait_for_step(run_dir, 0)
+    stop_file.unlink()
+    stop_file.touch()
+    done = finish(proc, run_dir)
+
+    (ordered,) = events_named(run_dir, "stop_ordered")
+    assert ordered["step"] > at and ordered["exit"] is True
+    assert_stopped_at(run_dir, done, ordered["step"])
+
+
+def test_a_step_already_passed_is_answered_with_a_warning_and_the_next_agreed_step(tmp_path: Path) -> None:
+    """`trainwarden stop --at-step 5` at step 20 or later: warned, then saved at an agreed later step."""
+    run_dir = tmp_path / "run"
+    proc = start_supervisor(long_job(tmp_path), run_dir)
+    at = wait_for_step(run_dir, 20)
+    out = subprocess.run([sys.executable, "-m", "supervisor", "stop", str(run_dir), "--at-step", "5"], cwd=REPO,
+                         capture_output=True, text=True, timeout=30, check=True)
+    assert f"wrote 5 to {run_dir / 'stop'}" in out.stdout
+    done = finish(proc, run_dir)
+
+    (early,) = events_named(run_dir, "stop_step_too_early")
+    assert early["requested"] == 5 and early["step"] > at
+    assert_stopped_at(run_dir, done, early["step"])
+
+
+def test_a_stop_file_present_at_start_refuses_to_launch_unless_told_to_ignore_it(tmp_path: Path) -> None:
+    """An automatic restart must not undo a stop: exit 0 naming the file, nothing launched; with
+    --ignore-stop-file the run starts and the old content is not acted on."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "stop").write_text("\n")
+    config = write_config(tmp_path / "job.yaml")
+    refused = run_supervisor(config, run_dir, timeout=60)
+
+    assert refused.returncode == 0, refused.stderr[-3000:]
+    assert str(run_dir / "stop") in refused.stderr
+    assert refused.status()["state"] == "stopped"
+    assert not (run_dir / "logs").exists()
+
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir),
+                             "--ignore-stop-file"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    done = finish(proc, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.status()["state"] == "finished"
+    assert events_named(run_dir, "stop_ordered") == []
+
+
+def test_sigterm_during_a_checkpoint_save_stops_gracefully_and_a_rerun_resumes_from_the_stop(tmp_path: Path) -> None:
+    """SIGTERM to the supervisor while rank 0 is 0.5 s into a 3 s save of step 20: both ranks finish that save,
+    save again at the agreed step, exit 0; the next run resumes from exactly that checkpoint."""
+    run_dir = tmp_path / "run"
+    config = long_job(tmp_path, env={"TRAINWARDEN_FAULTS": "0:slow_save@20:3", "OMP_NUM_THREADS": "1"})
+    proc = start_supervisor(config, run_dir)
+    wait_until(lambda: (hb := heartbeat(run_dir, 0)) and hb["phase"] == "save" and hb["step"] == 20, timeout=90,
+               what="rank 0 saving step 20")
+    proc.send_signal(signal.SIGTERM)
+    done = finish(proc, run_dir)
+
+    (ordered,) = events_named(run_dir, "stop_ordered")
+    assert ordered["source"] == "SIGTERM" and ordered["step"] > 20
+    assert_stopped_at(run_dir, done, ordered["step"])
+    assert {20, ordered["step"]} <= checkpoint_steps(run_dir, 0)
+
+    again = run_supervisor(write_config(tmp_path / "short.yaml", args=["--steps", str(ordered["step"] + 5)]), run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.status()["resumed_from"] == {"step": ordered["step"]}
+
+
+def test_a_second_sigint_stops_at_once(tmp_path: Path) -> None:
+    """Ctrl-C asks for a graceful stop; a second Ctrl-C kills the ranks without waiting for the agreed step."""
+    run_dir = tmp_path / "run"
+    proc = start_supervisor(long_job(tmp_path, worker={"save_checkpoint_steps": 0}), run_dir)
+    wait_for_step(run_dir, 10)
+    proc.send_signal(signal.SIGINT)
+    wait_until(lambda: events_named(run_dir, "stop_ordered"), timeout=30, what="the stop order")
+    proc.send_signal(signal.SIGINT)
+    done = finish(proc, run_dir, timeout=60)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.status()["state"] == "stopped"
+    assert [e["signal"] for e in events_named(run_dir, "ranks_signalled")] == ["SIGTERM", "SIGKILL"]
+    assert rank_events(run_dir, 0, "stop_order_done") == []
