@@ -52,6 +52,7 @@ class FeatureValueCheck:
         self.names = [name for name, _ in layers]
         self._histories = [History() for _ in layers]
         self._pending: list[Any] = [None] * len(layers)  # this step's norms, still on the device
+        self._arrivals: list[int] = []  # layers in the order backward reached them: corruption spreads that way
         self._sdc = self._arm_sdc(faults)
         self._handles = [module.register_forward_hook(partial(self._on_forward, i)) for i, (_, module)
                          in enumerate(layers)]
@@ -88,6 +89,8 @@ class FeatureValueCheck:
             grad = self._inject(grad)
         norm = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)
         previous = self._pending[index]  # a layer run twice in a step (accumulation): keep the worst
+        if previous is None:
+            self._arrivals.append(index)
         self._pending[index] = norm if previous is None else torch.maximum(previous, norm)
         return grad
 
@@ -98,9 +101,9 @@ class FeatureValueCheck:
         return grad * (fault.arg if fault.arg is not None else DEFAULT_SDC_FACTOR)
 
     def verdict(self, *, step: int, batch: int) -> bool:
-        """Judge this step's values and log the findings; True if an L1 fault was seen here."""
+        """Judge this step's values (in backward order) and log the findings; True if an L1 fault was seen here."""
         self.first_fault = None
-        present = [i for i, norm in enumerate(self._pending) if norm is not None]
+        present, self._arrivals = self._arrivals, []
         if not present:
             return False
         import torch
