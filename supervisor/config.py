@@ -113,6 +113,12 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.adaptive_spike.window": (lambda v: v >= 2, "at least 2"),
     "worker.adaptive_spike.min_samples": (lambda v: v >= 2, "at least 2"),
     "worker.data_skip_steps": (lambda v: v >= 0, "0 or more"),
+    "worker.feature_value_check.level": (lambda v: v in (0, 1, 2, 3), "0, 1, 2 or 3"),
+    "worker.feature_value_check.upper_thresh1": (lambda v: v >= 3, "at least 3 (as seed 002)"),
+    "worker.feature_value_check.upper_thresh2": (lambda v: v >= 3, "at least 3 (as seed 002)"),
+    "worker.feature_value_check.sigma_thresh1": (lambda v: v >= 3, "at least 3 (as seed 002)"),
+    "worker.feature_value_check.sigma_thresh2": (lambda v: v >= 3, "at least 3 (as seed 002)"),
+    "worker.feature_value_check.min_steps": (lambda v: v >= 0, "0 or more"),
     "worker.keep_checkpoint_max": (lambda v: v >= 0, "0 or more"),
     "worker.no_usable_checkpoint": (lambda v: v in ("scratch", "refuse"), "scratch or refuse"),
     "worker.resume_training": (lambda v: isinstance(v, bool) or parse_checkpoint_name(v) is not None,
@@ -152,7 +158,17 @@ def parse_config(raw: Any, *, source: str = "<config>") -> JobConfig:
     if adaptive.enabled and adaptive.window < adaptive.min_samples:  # the rule could never fire
         raise ConfigError(f"{source}: 'worker.adaptive_spike.window' ({adaptive.window}) must be at least "
                           f"'worker.adaptive_spike.min_samples' ({adaptive.min_samples})")
+    _check_feature_value_pairs(config.worker.feature_value_check, source)
     return config
+
+
+def _check_feature_value_pairs(check: Any, source: str) -> None:
+    """Seed 002's threshold pairs: the L1 (fault) threshold must lie above the L2 (warning) one."""
+    for pair in ("upper_thresh", "sigma_thresh"):
+        first, second = getattr(check, f"{pair}1"), getattr(check, f"{pair}2")
+        if first <= second:
+            raise ConfigError(f"{source}: 'worker.feature_value_check.{pair}1' ({first:g}) must be greater than "
+                              f"'worker.feature_value_check.{pair}2' ({second:g})")
 
 
 def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:

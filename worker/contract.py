@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.anomaly import AdaptiveConfig, MonitorConfig
+from worker.feature_rule import FeatureValueConfig
 
 __all__ = [
     "ENV_ATTEMPT",
@@ -91,6 +92,7 @@ class WorkerConfig:
     use_skip_data_by_global_norm: bool = False  # seed 000: skip steps whose global norm exceeds the threshold
     monitor_config: MonitorConfig = field(default_factory=MonitorConfig)  # seed 000
     adaptive_spike: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    feature_value_check: FeatureValueConfig = field(default_factory=FeatureValueConfig)  # seed 002
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -1,6 +1,6 @@
 """Fault injection for demos and tests: real faults (SIGKILL, hangs, SIGSTOP, slow saves) at a chosen rank and step.
 
-`TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP[:ARG]` items, e.g. `1:hang@25`.
+`TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP[:ARG[:LAYER]]` items, e.g. `1:hang@25`.
 A fault fires only in the first attempt of a run, so the relaunched run can pass the same step.
 Kinds:
 - `sigkill`: the rank SIGKILLs itself right after finishing step STEP.
@@ -13,6 +13,9 @@ Kinds:
 - `spike`: gradients are scaled by 1000 on this rank when step STEP is attempted, ARG times in a row
   (default 1; skipped steps do not advance the step, so a streak retries the same step number).
 - `nan`: like `spike`, with a NaN written into the gradients.
+- `sdc`: silent data corruption: the activation gradient of one checked normalisation layer (LAYER, a
+  qualified module name; default: the first checked layer) is multiplied by ARG (default 1e12; `nan`
+  and `inf` work) when step STEP is attempted, once. Needs `feature_value_check.level` >= 1.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ __all__ = ["ENV_FAULTS", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_f
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
 KINDS = ("sigkill", "sigkill_in_save", "sigkill_after_save", "hang", "hang_in_save", "sigstop", "slow_save",
-         "spike", "nan")
+         "spike", "nan", "sdc")
 GRADIENT_KINDS = ("spike", "nan")
 
 
@@ -38,11 +41,12 @@ class Fault:
     rank: int
     kind: str
     step: int
-    arg: float | None = None  # seconds for slow_save, repetitions for spike and nan
+    arg: float | None = None  # seconds for slow_save, repetitions for spike and nan, the factor for sdc
+    target: str | None = None  # the layer an sdc fault corrupts
 
 
 def parse_faults(spec: str) -> list[Fault]:
-    """Parse `RANK:KIND@STEP[:ARG][,...]`; raises ValueError naming the bad item."""
+    """Parse `RANK:KIND@STEP[:ARG[:LAYER]][,...]`; raises ValueError naming the bad item."""
     return [_parse_item(item) for item in (part.strip() for part in spec.split(",")) if item]
 
 
@@ -51,11 +55,15 @@ def _parse_item(item: str) -> Fault:
         rank, rest = item.split(":", 1)
         kind, when = rest.split("@", 1)
         step, _, arg = when.partition(":")
-        fault = Fault(rank=int(rank), kind=kind, step=int(step), arg=float(arg) if arg else None)
+        arg, _, target = arg.partition(":")
+        fault = Fault(rank=int(rank), kind=kind, step=int(step), arg=float(arg) if arg else None,
+                      target=target or None)
     except ValueError:
-        raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP[:ARG]") from None
+        raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP[:ARG[:LAYER]]") from None
     if fault.kind not in KINDS:
         raise ValueError(f"{ENV_FAULTS}: unknown fault kind {fault.kind!r} in {item!r}; known: {', '.join(KINDS)}")
+    if fault.target is not None and fault.kind != "sdc":
+        raise ValueError(f"{ENV_FAULTS}: only sdc faults name a layer, in {item!r}")
     return fault
 
 
@@ -112,6 +120,18 @@ class FaultPlan:
                 self._repeats[(kind, step)] -= 1
                 return kind
         return None
+
+    def armed(self, kind: str) -> list[Fault]:
+        """The faults of `kind` still armed for this rank (to set up their injection points)."""
+        return [f for (k, _), f in self._due.items() if k == kind]
+
+    def strike_once(self, kind: str, step: int) -> Fault | None:
+        """Like `due`, but disarms the fault: it strikes at most once, even if its step is attempted again."""
+        if (kind, step) not in self._due:
+            return None
+        fault = self.due(kind, step)
+        del self._due[(kind, step)]
+        return fault
 
 
 def hang_forever() -> None:

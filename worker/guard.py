@@ -1,7 +1,9 @@
 """The step guard: whether an optimizer step is applied or skipped, decided identically on every rank.
 
 A rank-local decision desynchronises data parallelism (one replica steps, another does not), so each
-rank's local verdict is combined with one tiny all-reduce (MAX) before anyone acts on it.
+rank's local verdict is combined with one tiny all-reduce (MAX) before anyone acts on it. When
+feature-value faults abort (seed 002, levels 2 and 3), the same all-reduce carries one flag per rank,
+so every rank learns which ranks saw a fault.
 """
 
 from __future__ import annotations
@@ -20,25 +22,32 @@ __all__ = ["StepGuard"]
 class StepGuard:
     """Checks each step's gradients and loss; skips anomalous steps and aborts a streak of them."""
 
-    def __init__(self, config: WorkerConfig, *, log: Any, faults: FaultPlan, world_size: int) -> None:
+    def __init__(self, config: WorkerConfig, *, log: Any, faults: FaultPlan, world_size: int, rank: int = 0) -> None:
         monitor = config.monitor_config
         skip_on_norm = config.use_skip_data_by_global_norm and monitor.monitor_on
         self.threshold = monitor.global_norm_spike_threshold if skip_on_norm else None
         self.count_threshold = monitor.global_norm_spike_count_threshold
         self.detector = AnomalyDetector(self.threshold, config.adaptive_spike)
-        self._log, self._faults, self._world_size = log, faults, world_size
+        self._log, self._faults, self._world_size, self._rank = log, faults, world_size, rank
 
     def check(
-        self, params: Iterable[Any], loss: float, *, step: int, batch: int, max_norm: float
-    ) -> tuple[bool, float]:
-        """Clip the gradients and decide: (apply the step?, global norm). Exits with EXIT_ANOMALY on a streak."""
+        self, params: Iterable[Any], loss: float, *, step: int, batch: int, max_norm: float,
+        feature_fault: bool | None = None,
+    ) -> tuple[bool, float, list[int]]:
+        """Clip the gradients and decide: (apply the step?, global norm, ranks that saw a feature-value fault).
+
+        `feature_fault` is this rank's (None: faults do not abort, nothing to agree on). With suspect
+        ranks the caller aborts, so nothing is recorded. Exits with EXIT_ANOMALY on a streak of skips.
+        """
         import torch
 
         grads = [p for p in params if p.grad is not None]
         self._inject(grads, step)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
         verdict = self.detector.judge(loss, grad_norm)
-        skip = self._agree(verdict.anomalous, grads)
+        skip, suspects = self._agree(verdict.anomalous, grads, feature_fault)
+        if suspects:
+            return False, grad_norm, suspects
         self.detector.record(step, skipped=skip, loss=loss, grad_norm=grad_norm)
         if skip:
             self._log.warning("step_skipped", opt_global_step=step - 1, step=step, batch=batch,
@@ -48,7 +57,7 @@ class StepGuard:
                               local=verdict.anomalous)
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
-        return not skip, grad_norm
+        return not skip, grad_norm, []
 
     def _inject(self, grads: list[Any], step: int) -> None:
         kind = self._faults.gradient_fault(step)
@@ -58,17 +67,20 @@ class StepGuard:
         elif kind == "nan" and grads:
             grads[0].grad.view(-1)[0] = float("nan")
 
-    def _agree(self, local: bool, grads: list[Any]) -> bool:
-        """True if any rank saw an anomaly (one all-reduce of one number; nothing when running alone)."""
+    def _agree(self, local: bool, grads: list[Any], feature_fault: bool | None) -> tuple[bool, list[int]]:
+        """(any rank saw an anomaly, ranks that saw a feature-value fault): one all-reduce, none when alone."""
         import torch
         import torch.distributed as dist
 
         if self._world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return local
-        device = grads[0].device if grads else torch.device("cpu")
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+            return local, [self._rank] if feature_fault else []
+        values = [1.0 if local else 0.0]
+        if feature_fault is not None:  # one slot per rank, so the MAX keeps every rank that saw a fault
+            values += [1.0 if feature_fault and rank == dist.get_rank() else 0.0 for rank in range(self._world_size)]
+        flags = torch.tensor(values, device=grads[0].device if grads else torch.device("cpu"))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        seen = flags.tolist()  # the one host transfer
+        return seen[0] > 0, [rank for rank, flag in enumerate(seen[1:]) if flag > 0]
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:
         # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".

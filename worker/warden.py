@@ -39,6 +39,8 @@ from worker.contract import (
 )
 from worker.events import open_event_log
 from worker.faults import FaultPlan
+from worker.feature_check import FeatureValueCheck
+from worker.feature_rule import with_env
 from worker.guard import StepGuard
 from worker.heartbeat import Heartbeat
 from worker.orders import StopOrders
@@ -89,7 +91,9 @@ class Warden:
         )
         self.step = 0  # optimizer steps applied
         self.batches = 0  # data position: batches consumed, skipped ones included; the next batch's index
-        self._guard = StepGuard(self.config, log=self.log, faults=self._faults, world_size=self.world_size)
+        self._guard = StepGuard(self.config, log=self.log, faults=self._faults, world_size=self.world_size,
+                                rank=self.rank)
+        self._features = self._feature_value_check()
         self._decision: tuple[bool, float] | None = None  # this iteration's (apply?, global norm)
         self._phase = "startup"
         self._last_step_end = time.perf_counter()
@@ -149,16 +153,25 @@ class Warden:
         """Between `backward()` and `optimizer.step()`: clip gradients to `max_norm` and say whether to step.
 
         False means skip this batch (a NaN/Inf, or a global-norm spike when configured); every rank gets
-        the same answer. A streak of `global_norm_spike_count_threshold` skips exits with EXIT_ANOMALY.
+        the same answer. A streak of `global_norm_spike_count_threshold` skips exits with EXIT_ANOMALY, and
+        so does, on every rank, a feature-value fault on any rank at `feature_value_check.level` 2 or 3.
         """
-        self._decision = self._guard.check(self.model.parameters(), float(loss), step=self.step + 1,
-                                           batch=self.batches, max_norm=max_norm)
-        return self._decision[0]
+        step, batch = self.step + 1, self.batches
+        fault = self._features.verdict(step=step, batch=batch)
+        applied, norm, suspects = self._guard.check(
+            self.model.parameters(), float(loss), step=step, batch=batch, max_norm=max_norm,
+            feature_fault=fault if self._features.aborts else None)
+        if suspects:
+            self._features.abort(step=step, batch=batch, suspect_ranks=suspects)
+        self._decision = (applied, norm)
+        return applied
 
     def step_done(self, *, loss: float, grad_norm: float | None = None, **fields: Any) -> None:
         """Report that this batch is done: counts the step if it was applied, saves a checkpoint when due."""
         now = time.perf_counter()
         step_time_s, self._last_step_end = now - self._last_step_end, now
+        if self._decision is None:  # no guard_step: judge the feature values here, on this rank alone
+            self._judge_unguarded()
         applied, guarded_norm = self._decision if self._decision is not None else (True, grad_norm)
         self._decision = None
         self.batches += 1
@@ -198,6 +211,19 @@ class Warden:
         if order.exit:
             self.finish()
             raise SystemExit(0)  # stopped on request: a success, nothing to retry
+
+    def _feature_value_check(self) -> FeatureValueCheck:
+        config, problems = with_env(self.config.feature_value_check, os.environ)
+        for problem in problems:
+            self.log.warning("feature_value_env_invalid", problem=problem)
+        return FeatureValueCheck(self.model, config, log=self.log, faults=self._faults, rank=self.rank,
+                                 attempted_step=lambda: self.step + 1)
+
+    def _judge_unguarded(self) -> None:
+        """Without guard_step a fault is seen after the optimizer step, still before this step's checkpoint."""
+        step, batch = self.step + 1, self.batches
+        if self._features.verdict(step=step, batch=batch) and self._features.aborts:
+            self._features.abort(step=step, batch=batch, suspect_ranks=[self.rank])
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -272,6 +298,7 @@ class Warden:
             self._close()
 
     def _close(self) -> None:
+        self._features.close()
         self._log_stream.close()
         if self._previous_term is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             _install_handler(signal.SIGTERM, self._previous_term)

@@ -85,10 +85,15 @@ def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(tmp
 
 
 def test_demo_at_its_default_settings_skips_nothing(tmp_path: Path) -> None:
-    """configs/demo.yaml as shipped (threshold 3.0 and 6-sigma adaptive detection on) has zero false skips."""
+    """configs/demo.yaml as shipped (threshold 3.0, 6-sigma adaptive detection, feature-value checks at level 2 with
+    seed 002's thresholds) has zero false skips and no feature-value fault or warning in 600 steps."""
     done = run_supervisor(REPO / "configs" / "demo.yaml", tmp_path / "run", timeout=200)
 
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert rank_events(tmp_path / "run", rank, "step_skipped") == []
         assert len(rank_events(tmp_path / "run", rank, "step")) == 600
+        (started,) = rank_events(tmp_path / "run", rank, "feature_value_check_started")
+        assert (started["detect_level"], len(started["layers"]), started["min_steps"]) == (2, 5, 100)
+        assert rank_events(tmp_path / "run", rank, "feature_value_fault") == []
+        assert rank_events(tmp_path / "run", rank, "feature_value_warning") == []

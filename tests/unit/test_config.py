@@ -11,6 +11,7 @@ from supervisor.core import Policy
 from supervisor.rollback import AnomalyPolicy
 from worker.anomaly import AdaptiveConfig
 from worker.contract import WorkerConfig
+from worker.feature_rule import FeatureValueConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,7 +48,8 @@ def test_demo_config_loads():
                                            backoff_max_s=30.0)
     assert config.stop == StopConfig(kill_grace_s=5.0, sigkill_wait_s=5.0)
     assert config.worker == WorkerConfig(save_checkpoint_steps=25, prefix="demo", use_skip_data_by_global_norm=True,
-                                         adaptive_spike=AdaptiveConfig(enabled=True))
+                                         adaptive_spike=AdaptiveConfig(enabled=True),
+                                         feature_value_check=FeatureValueConfig(level=2))
     assert config.anomaly == AnomalyPolicy(rollback_steps=50, skip_after_steps=100, max_tries=3)
     assert config.hang.heartbeat == "required"
 

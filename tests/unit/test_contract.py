@@ -211,6 +211,30 @@ def test_parse_faults_valid_spec():
     ]
 
 
+def test_parse_faults_sdc_with_factor_and_layer():
+    """An sdc fault takes an optional factor (nan and inf included) and, after it, the layer to corrupt."""
+    spec = "1:sdc@20, 0:sdc@5:1e6:blocks.layers.0.norm1, 1:sdc@7:nan"
+    first, second, third = parse_faults(spec)
+    assert (first, second) == (Fault(rank=1, kind="sdc", step=20),
+                               Fault(rank=0, kind="sdc", step=5, arg=1e6, target="blocks.layers.0.norm1"))
+    assert (third.kind, third.step, third.target) == ("sdc", 7, None) and third.arg != third.arg  # NaN
+
+
+def test_parse_faults_layer_only_for_sdc():
+    """Only sdc faults name a layer; a layer on another kind is refused, naming the item."""
+    with pytest.raises(ValueError, match=r"only sdc faults name a layer, in '1:spike@3:2:norm'"):
+        parse_faults("1:spike@3:2:norm")
+
+
+def test_fault_plan_strike_once_disarms():
+    """`strike_once` returns an armed fault once; the same step attempted again finds nothing."""
+    plan = FaultPlan([Fault(rank=0, kind="sdc", step=4)], rank=0, attempt=0)
+    assert plan.armed("sdc") == [Fault(rank=0, kind="sdc", step=4)]
+    assert plan.strike_once("sdc", 3) is None
+    assert plan.strike_once("sdc", 4) == Fault(rank=0, kind="sdc", step=4)
+    assert plan.strike_once("sdc", 4) is None and plan.armed("sdc") == []
+
+
 def test_parse_faults_empty_spec():
     """An empty spec means no faults."""
     assert parse_faults("") == []

@@ -10,6 +10,7 @@ from supervisor.config import ConfigError, load_config, parse_config
 from supervisor.rollback import AnomalyPolicy
 from worker.anomaly import AdaptiveConfig, MonitorConfig
 from worker.contract import ENV_WORKER_CONFIG, WorkerConfig, parse_checkpoint_name
+from worker.feature_rule import FeatureValueConfig
 
 SEED_000 = {
     "use_skip_data_by_global_norm": True,
@@ -231,3 +232,45 @@ def test_resume_training_with_a_name_that_is_no_checkpoint_is_refused(tmp_path):
 def test_parse_checkpoint_name(name, step):
     """A rank's checkpoint file name or a bare step number give the step; anything else gives None."""
     assert parse_checkpoint_name(name) == step
+
+
+# ---- feature_value_check (seed 002) --------------------------------------------------------------
+
+
+def test_feature_value_check_section_parses(tmp_path):
+    """The `feature_value_check` section parses from YAML into the FeatureValueConfig, integers becoming floats."""
+    path = tmp_path / "job.yaml"
+    path.write_text("script: t.py\nworker:\n  feature_value_check: {level: 2, upper_thresh1: 5000, upper_thresh2: 50,\n"
+                    "    sigma_thresh1: 900, sigma_thresh2: 30, min_steps: 10, layers: [blocks.0.attn, Dropout]}\n")
+    assert load_config(path).worker.feature_value_check == FeatureValueConfig(
+        level=2, upper_thresh1=5000.0, upper_thresh2=50.0, sigma_thresh1=900.0, sigma_thresh2=30.0, min_steps=10,
+        layers=["blocks.0.attn", "Dropout"])
+
+
+def test_feature_value_check_defaults_to_level_1_with_seed_002_thresholds():
+    """Without the section: level 1 (log only), seed 002's thresholds, 100 minimum steps, norm layers only."""
+    assert parse_config({"script": "t.py"}).worker.feature_value_check == FeatureValueConfig(
+        level=1, upper_thresh1=1e6, upper_thresh2=1e4, sigma_thresh1=1e5, sigma_thresh2=5e3, min_steps=100, layers=[])
+
+
+@pytest.mark.parametrize(("section", "expected"), [
+    ({"level": 4}, "'worker.feature_value_check.level' must be 0, 1, 2 or 3"),
+    ({"level": True}, "'worker.feature_value_check.level' must be an integer"),
+    ({"upper_thresh2": 2}, "'worker.feature_value_check.upper_thresh2' must be at least 3"),
+    ({"sigma_thresh1": 1}, "'worker.feature_value_check.sigma_thresh1' must be at least 3"),
+    ({"min_steps": -1}, "'worker.feature_value_check.min_steps' must be 0 or more"),
+    ({"layers": "norm"}, "'worker.feature_value_check.layers' must be a list"),
+    ({"upper_thresh1": 100, "upper_thresh2": 100}, "'worker.feature_value_check.upper_thresh1' (100) must be greater"),
+    ({"sigma_thresh2": 200000}, "'worker.feature_value_check.sigma_thresh1' (100000) must be greater"),
+    ({"levle": 2}, "unknown key 'worker.feature_value_check.levle' (did you mean 'level'?)"),
+])
+def test_bad_feature_value_check_refused_by_key(section, expected):
+    """Out-of-range levels and thresholds, L1 not above L2, and unknown keys are refused by their dotted name."""
+    assert expected in refusal({"worker": {"feature_value_check": section}})
+
+
+def test_feature_value_check_travels_to_the_worker(monkeypatch):
+    """The section survives the supervisor-to-rank hand-over through TRAINWARDEN_WORKER_CONFIG."""
+    worker = parse_config({"script": "t.py", "worker": {"feature_value_check": {"level": 3, "layers": ["x"]}}}).worker
+    monkeypatch.setenv(ENV_WORKER_CONFIG, worker.to_env())
+    assert WorkerConfig.from_env().feature_value_check == FeatureValueConfig(level=3, layers=["x"])

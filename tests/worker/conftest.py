@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,13 @@ from worker.contract import (
     WorkerConfig,
 )
 from worker.faults import ENV_FAULTS
+from worker.feature_rule import (
+    ENV_ASD_ENABLE,
+    ENV_ASD_LAYERS,
+    ENV_ASD_MIN_STEPS,
+    ENV_ASD_SIGMA_THRESH,
+    ENV_ASD_UPPER_THRESH,
+)
 from worker.warden import Warden
 
 GUARDED = WorkerConfig(use_skip_data_by_global_norm=True,
@@ -29,11 +36,12 @@ MAX_NORM = 1.0
 
 
 class Loop:
-    """A tiny Linear model with AdamW and StepLR, trained one batch at a time under a Warden."""
+    """A tiny model (by default one Linear layer, 4 in, 2 out) with AdamW and StepLR, trained one batch at a time."""
 
-    def __init__(self, config: WorkerConfig, **warden_options: Any) -> None:
+    def __init__(self, config: WorkerConfig, model: Callable[[], torch.nn.Module] | None = None,
+                 **warden_options: Any) -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Linear(4, 2)
+        self.model = model() if model is not None else torch.nn.Linear(4, 2)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
         self.warden = Warden(self.model, self.optimizer, self.scheduler, config=config, **warden_options)
@@ -67,15 +75,16 @@ class Loop:
 def loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A factory of `Loop`s running as rank 0 of attempt 0 in `tmp_path` with the given faults armed."""
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", ENV_ATTEMPT, ENV_RESUME_STEP, ENV_RESUME_DIR,
-                 ENV_SKIP_TO_BATCH,
-                 ENV_WORKER_CONFIG):
+                 ENV_SKIP_TO_BATCH, ENV_WORKER_CONFIG, ENV_ASD_ENABLE, ENV_ASD_UPPER_THRESH, ENV_ASD_SIGMA_THRESH,
+                 ENV_ASD_MIN_STEPS, ENV_ASD_LAYERS):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(ENV_RUN_DIR, str(tmp_path))
     made: list[Loop] = []
 
-    def make(faults: str = "", config: WorkerConfig = GUARDED, **warden_options: Any) -> Loop:
+    def make(faults: str = "", config: WorkerConfig = GUARDED, model: Callable[[], torch.nn.Module] | None = None,
+             **warden_options: Any) -> Loop:
         monkeypatch.setenv(ENV_FAULTS, faults)
-        made.append(Loop(config, **warden_options))
+        made.append(Loop(config, model, **warden_options))
         return made[-1]
 
     yield make
