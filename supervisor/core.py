@@ -7,6 +7,7 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     RUNNING  --ChildExited(0), last rank--> FINISHED
     RUNNING  --ChildExited(!=0)--> STOPPING (then relaunch, or fail when restarts are exhausted)
     RUNNING  --ChildExited(EXIT_ANOMALY, abort info)--> STOPPING (then roll back past the bad data, or fail)
+    RUNNING  --ChildExited(EXIT_CONFIG)--> STOPPING (then fail with EXIT_CONFIG: a relaunch cannot help)
     RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang)
     RUNNING  --SignalReceived or StopRequested--> RUNNING with a stop order: every rank saves at the agreed
              step, then exits (--all exited 0--> STOPPED) or goes on; no rank reporting steps: STOPPING
@@ -31,7 +32,7 @@ from enum import Enum
 from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
 from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
 from supervisor.stop_requests import StopRequest, agreed_step
-from worker.contract import EXIT_ANOMALY, EXIT_FAILED, StopOrder
+from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_FAILED, StopOrder
 
 __all__ = [
     "Action",
@@ -425,6 +426,8 @@ def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[Stat
             return _on_clean_exit(state, event)
         if event.returncode == EXIT_ANOMALY and event.abort is not None:
             return _on_anomaly_abort(state, event, event.abort, now)
+        if event.returncode == EXIT_CONFIG:
+            return _on_config_error(state, event, now)
         return _on_crash(state, event, now)
     if state.phase is Phase.STOPPING:
         return _after_rank_down(state, event, now)
@@ -481,6 +484,15 @@ def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: f
                        tries=plan.tries, skip_after=plan.skip_after)
     state, stop = _begin_stop(state, then, now)
     return state, [record, decision, *stop]
+
+
+def _on_config_error(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
+    failure = (f"rank {event.rank} exited with code {EXIT_CONFIG} (its configuration is invalid) "
+               f"in attempt {event.attempt}")
+    state = replace(state, last_failure=failure, give_up=f"{failure}; relaunching cannot help",
+                    failure_code=EXIT_CONFIG)
+    state, stop = _begin_stop(state, Then.FAIL, now)
+    return state, [_record("rank_config_error", level="error", rank=event.rank, attempt=event.attempt), *stop]
 
 
 def stopping_on_request(state: State) -> bool:

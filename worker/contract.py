@@ -59,10 +59,11 @@ ENV_SKIP_TO_BATCH = "TRAINWARDEN_SKIP_TO_BATCH"
 # The supervisor asks a rank leader for its Python stacks with this signal (faulthandler dumps them).
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 
-# Exit codes. 65 and 78 are sysexits' EX_DATAERR and EX_CONFIG, which operators and systemd know.
-EXIT_FAILED = 1  # supervisor: restarts exhausted or a rank could not be stopped
-EXIT_ANOMALY = 65  # worker: training aborted on anomalies (relaunch past the bad data)
-EXIT_CONFIG = 78  # supervisor: the job config is invalid; nothing was launched
+# Exit codes, the same words for supervisor and ranks (README: "Exit codes"). 0 is done or stopped on request.
+# 65 and 78 are sysexits' EX_DATAERR and EX_CONFIG, which operators and systemd know.
+EXIT_FAILED = 1  # retryable: restarts exhausted, a rank could not be stopped (supervisor); a crash (rank)
+EXIT_ANOMALY = 65  # rank: aborted on anomalies (relaunch past the bad data); supervisor: rollbacks exhausted
+EXIT_CONFIG = 78  # the job config (supervisor) or the rank's settings are invalid: retrying cannot help
 
 SNAPSHOT_DIR = "snapshot"  # checkpoint/snapshot/{0,1}/rank_R/...
 SNAPSHOT_SLOTS = (0, 1)

@@ -27,6 +27,7 @@ from worker.contract import (
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_SKIP_TO_BATCH,
+    EXIT_CONFIG,
     SNAPSHOT_SLOTS,
     STACK_DUMP_SIGNAL,
     CheckpointStore,
@@ -70,7 +71,7 @@ class Warden:
     ) -> None:
         env = os.environ
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.config = config or WorkerConfig.from_env()
+        self.config = config or _or_config_error(WorkerConfig.from_env)
         self.rank = int(env.get("RANK", "0"))
         self.world_size = int(env.get("WORLD_SIZE", "1"))
         # torchrun's restart counter stands in when no supervisor is there (the benchmark baseline).
@@ -79,7 +80,8 @@ class Warden:
         self.data_state: dict[str, Any] = {}
         self._data_state_fn = data_state
         self.global_batch_size = global_batch_size  # samples per step over all ranks; scales the data position
-        self._faults = FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired)
+        self._faults = _or_config_error(
+            lambda: FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired))
         self._heartbeat = Heartbeat(
             self.layout.heartbeat(self.rank),
             rank=self.rank,
@@ -352,6 +354,15 @@ class Warden:
         # Leave the half-written temporary file a kill mid-write would leave, then die by SIGKILL.
         os.truncate(tmp, tmp.stat().st_size // 2)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _or_config_error(read: Callable[[], Any]) -> Any:
+    """What `read` returns; a bad setting in the environment ends the rank with EXIT_CONFIG (never retried)."""
+    try:
+        return read()
+    except (TypeError, ValueError) as exc:
+        print(f"trainwarden: worker config error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
 
 
 def _due(step: int, every: int) -> bool:

@@ -1047,3 +1047,14 @@ def test_save_heartbeat_seen_after_sigterm_extends_the_grace():
     assert state.deadline == NOW + 1 + 1800
     state = beat(state, 0, 2, NOW + 5, phase="train")  # the save ended: the deadline stays (the rank exits now)
     assert state.deadline == NOW + 1 + 1800
+
+
+def test_rank_config_error_fails_the_run_with_exit_78_without_relaunch():
+    """A rank exiting EXIT_CONFIG stops its peers and fails the run with 78: relaunching cannot help."""
+    state, actions = decide(running(), ChildExited(0, 1, 78), NOW)
+    assert (state.phase, state.then) == (Phase.STOPPING, Then.FAIL)
+    assert shape(actions) == ["rank_config_error", SignalRanks(0, signal.SIGTERM)]
+    state, _ = decide(state, ChildExited(0, 0, -signal.SIGTERM), NOW + 1)
+    assert (state.phase, state.exit_code) == (Phase.FAILED, 78)
+    assert state.reason == ("rank 1 exited with code 78 (its configuration is invalid) in attempt 0; "
+                            "relaunching cannot help")
