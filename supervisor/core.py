@@ -461,13 +461,15 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
 
 
 def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: float) -> tuple[State, list[Action]]:
-    failure = (f"rank {event.rank} aborted on anomalies in steps {abort.first_step}-{abort.abort_step} "
+    what = "anomalies" if not abort.suspect_ranks else (
+        f"a feature-value fault seen by rank {', '.join(map(str, abort.suspect_ranks))} (suspect hardware)")
+    failure = (f"rank {event.rank} aborted on {what} in steps {abort.first_step}-{abort.abort_step} "
                f"(batches {abort.first_batch}-{abort.abort_batch}) in attempt {event.attempt}")
     plan = plan_rollback(state.policy.anomaly, state.rollback, abort)
     state = replace(state, last_failure=failure)
     record = _record("anomaly_abort", level="error", rank=event.rank, attempt=event.attempt,
                      first_step=abort.first_step, abort_step=abort.abort_step, first_batch=abort.first_batch,
-                     abort_batch=abort.abort_batch)
+                     abort_batch=abort.abort_batch, suspect_ranks=list(abort.suspect_ranks))
     if plan is None:
         tries = state.policy.anomaly.max_tries
         times = "once" if tries == 1 else f"{tries} times"

@@ -32,6 +32,7 @@ class AbortInfo:
     abort_step: int
     first_batch: int
     abort_batch: int
+    suspect_ranks: tuple[int, ...] = ()  # a feature-value fault: the ranks whose hardware computed it
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,8 @@ class Supervisor:
             self.log.warning("anomaly_abort_unreadable", rank=event.rank, attempt=event.attempt)
             return event
         abort = AbortInfo(first_step=int(logged["first_anomaly_step"]), abort_step=int(logged["step"]),
-                          first_batch=int(logged["first_anomaly_batch"]), abort_batch=int(logged["batch"]))
+                          first_batch=int(logged["first_anomaly_batch"]), abort_batch=int(logged["batch"]),
+                          suspect_ranks=tuple(int(r) for r in logged.get("suspect_ranks") or ()))
         return replace(event, abort=abort)
 
     def _with_stop_info(self, event: ChildExited) -> ChildExited:

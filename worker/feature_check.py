@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from worker.contract import EXIT_ANOMALY
+from worker.exits import leave
 from worker.faults import FaultPlan
 from worker.feature_rule import FeatureValueConfig, Finding, History, judge
 
@@ -135,7 +136,7 @@ class FeatureValueCheck:
         self._log.error("anomaly_abort", cause="feature_value", step=step, batch=batch, consecutive=1,
                         first_anomaly_step=step, first_anomaly_batch=batch, suspect_ranks=suspect_ranks,
                         local=local is not None, **details, **self.config.thresholds())
-        raise SystemExit(EXIT_ANOMALY)
+        leave(EXIT_ANOMALY)
 
     def close(self) -> None:
         for handle in self._handles:

@@ -14,6 +14,7 @@ from typing import Any
 
 from worker.anomaly import AnomalyDetector
 from worker.contract import EXIT_ANOMALY, WorkerConfig
+from worker.exits import leave
 from worker.faults import FaultPlan
 
 __all__ = ["StepGuard"]
@@ -89,7 +90,7 @@ class StepGuard:
                         count_threshold=self.count_threshold,
                         first_anomaly_step=self.detector.first_anomaly_step,
                         first_anomaly_batch=batch - self.detector.consecutive + 1)
-        raise SystemExit(EXIT_ANOMALY)
+        leave(EXIT_ANOMALY)
 
 
 def _json_number(value: float) -> float | str:

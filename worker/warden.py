@@ -39,6 +39,7 @@ from worker.contract import (
     resume_stores,
 )
 from worker.events import open_event_log
+from worker.exits import leave
 from worker.faults import FaultPlan
 from worker.feature_check import FeatureValueCheck
 from worker.feature_rule import with_env
@@ -212,7 +213,7 @@ class Warden:
         self.log.info("stop_order_done", step=self.step, order=order.id, exit=order.exit)
         if order.exit:
             self.finish()
-            raise SystemExit(0)  # stopped on request: a success, nothing to retry
+            leave(0)  # stopped on request: a success, nothing to retry
 
     def _feature_value_check(self) -> FeatureValueCheck:
         config, problems = with_env(self.config.feature_value_check, os.environ)

@@ -36,6 +36,8 @@ def test_sdc_on_one_rank_aborts_both_and_the_supervisor_rolls_back(tmp_path: Pat
     noticed = [(e["first_step"], e["abort_step"], e["first_batch"], e["abort_batch"])
                for e in journal(run_dir) if e["event"] == "anomaly_abort"]
     assert noticed == [(15, 15, 14, 14)]
+    assert [e["suspect_ranks"] for e in journal(run_dir) if e["event"] == "anomaly_abort"] == [[1]]
+    assert "a feature-value fault seen by rank 1 (suspect hardware)" in done.status()["last_failure"]
     assert [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"] == [None, 10]
     assert done.status()["restarts"] == 1
 

@@ -139,6 +139,20 @@ def test_a_stop_file_present_at_start_refuses_to_launch_unless_told_to_ignore_it
     assert events_named(run_dir, "stop_ordered") == []
 
 
+def test_sigterm_during_training_saves_at_the_next_agreed_step_and_exits_0(tmp_path: Path) -> None:
+    """`systemctl stop` or `kill`: every rank saves at one step after the one they were at, exit 0, stopped."""
+    run_dir = tmp_path / "run"
+    proc = start_supervisor(long_job(tmp_path), run_dir)
+    at = wait_for_step(run_dir, 12)
+    proc.send_signal(signal.SIGTERM)
+    done = finish(proc, run_dir)
+
+    (ordered,) = events_named(run_dir, "stop_ordered")
+    assert ordered["source"] == "SIGTERM" and ordered["step"] > at
+    assert_stopped_at(run_dir, done, ordered["step"])
+    assert [e["signal"] for e in events_named(run_dir, "ranks_signalled")] == []  # nobody was killed
+
+
 def test_sigterm_during_a_checkpoint_save_stops_gracefully_and_a_rerun_resumes_from_the_stop(tmp_path: Path) -> None:
     """SIGTERM to the supervisor while rank 0 is 0.5 s into a 3 s save of step 20: both ranks finish that save,
     save again at the agreed step, exit 0; the next run resumes from exactly that checkpoint."""

@@ -65,7 +65,7 @@ def test_anomaly_abort_begins_stop_and_schedules_rollback():
     abort = record(actions, "anomaly_abort")
     assert abort.level == "error"
     assert dict(abort.fields) == {"rank": 0, "attempt": 0, "first_step": 500, "abort_step": 509,
-                                  "first_batch": 520, "abort_batch": 529}
+                                  "first_batch": 520, "abort_batch": 529, "suspect_ranks": []}
     scheduled = record(actions, "rollback_scheduled")
     assert scheduled.level == "info"
     assert dict(scheduled.fields) == {"resume_at_most": 400, "skip_to_batch": 730, "tries": 1, "skip_after": 200}
