@@ -94,6 +94,14 @@ class LeftoversSurvived:
     processes: tuple[dict[str, Any], ...]
 
 
+@dataclass(frozen=True)
+class LaunchPrepared:
+    """The resume point for `action`, chosen (checksums verified) off the main loop."""
+
+    action: LaunchRanks
+    choice: Choice
+
+
 class RunDirBusy(Exception):
     """Another supervisor holds the run dir."""
 
@@ -251,7 +259,7 @@ class Supervisor:
             for action in actions:
                 pending.extend(self._execute(action))
         changed = (self.state.phase, self.state.attempt) != before
-        if changed or isinstance(item, Tick):
+        if changed or isinstance(item, (Tick, Started)):  # Started: "starting" while checkpoints are verified
             self._write_status(durable=changed)
             self._systemd.observe(self.state, time.monotonic(), launched=self._ranks is not None)
 
@@ -267,6 +275,8 @@ class Supervisor:
             return [*self._read_heartbeats(range(self.config.nproc_per_node)), *self._read_stop_file(), item]
         if isinstance(item, ChildExited):
             return [self._with_stop_info(self._with_abort_info(item))]
+        if isinstance(item, LaunchPrepared):
+            return self._launch_prepared(item)
         if isinstance(item, LeftoversSurvived):
             self.log.error("process_unkillable", attempt=item.attempt, processes=item.processes)
             return []
@@ -309,7 +319,8 @@ class Supervisor:
         if isinstance(action, SignalRanks):
             return self._signal_ranks(action)
         if isinstance(action, LaunchRanks):
-            return [self._launch(action)]
+            threading.Thread(target=self._prepare_launch, args=(action,), daemon=True).start()
+            return []
         if isinstance(action, DumpStacks):
             return self._dump_stacks(action)
         if isinstance(action, KillLeftovers):
@@ -365,9 +376,29 @@ class Supervisor:
         self.log.info("ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent, attempt=action.attempt)
         return []
 
-    def _launch(self, action: LaunchRanks) -> Event:
+    def _prepare_launch(self, action: LaunchRanks) -> None:
+        """Off the main loop, which keeps answering signals and the watchdog: choose the resume point
+        (reading every candidate's files for their checksums can take minutes for big checkpoints)."""
+        try:
+            choice = self._choose_resume(action.attempt, action.resume_at_most)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the run must not wait forever in STARTING
+            self._inbox.put_nowait(LaunchFailed(action.attempt, f"choosing a checkpoint failed: {exc!r}"))
+            return
+        self._inbox.put_nowait(LaunchPrepared(action, choice))
+
+    def _launch_prepared(self, prepared: LaunchPrepared) -> list[Event]:
+        action, choice = prepared.action, prepared.choice
+        if self.state.phase is not Phase.STARTING or self.state.attempt != action.attempt:
+            return []  # stopped while the checkpoints were being verified
+        for step, reason in choice.passed_over:
+            self.log.warning("checkpoint_passed_over", step=step, reason=reason, attempt=action.attempt)
+        if choice.step is None and choice.passed_over:
+            self.log.error("no_usable_checkpoint", attempt=action.attempt, candidates=len(choice.passed_over),
+                           then=self.config.worker.no_usable_checkpoint)
+        return [self._launch(action, choice)]
+
+    def _launch(self, action: LaunchRanks, choice: Choice) -> Event:
         attempt = action.attempt
-        choice = self._choose_resume(attempt, action.resume_at_most)
         resume_step = choice.step
         if resume_step is None and choice.passed_over and attempt == 0 and isinstance(
                 self.config.worker.resume_training, str):
@@ -412,16 +443,9 @@ class Supervisor:
         if attempt == 0 and isinstance(worker.resume_training, str):
             named = parse_checkpoint_name(worker.resume_training)
             assert named is not None  # the config was validated
-            choice = choose_explicit(named_store(self.layout, worker), world, worker.prefix, named)
-        else:
-            choice = choose_resume(resume_stores(self.layout, worker), world, worker.prefix, at_most=at_most,
-                                   require_healthy=worker.use_checkpoint_health_monitor)
-        for step, reason in choice.passed_over:
-            self.log.warning("checkpoint_passed_over", step=step, reason=reason, attempt=attempt)
-        if choice.step is None and choice.passed_over:
-            self.log.error("no_usable_checkpoint", attempt=attempt, candidates=len(choice.passed_over),
-                           then=worker.no_usable_checkpoint)
-        return choice
+            return choose_explicit(named_store(self.layout, worker), world, worker.prefix, named)
+        return choose_resume(resume_stores(self.layout, worker), world, worker.prefix, at_most=at_most,
+                             require_healthy=worker.use_checkpoint_health_monitor)
 
     def _kill_leftovers(self) -> None:
         """On any way out, no process of the run outlives the supervisor."""
@@ -430,19 +454,19 @@ class Supervisor:
         sigkill(descendants())
 
     def _record_health(self, steps: list[int]) -> None:
-        """Keep health_ckpts.json (seed 000) listing every complete checkpoint, when that set changes."""
+        """Rotate, then keep health_ckpts.json (seed 000) listing every complete checkpoint, when that set changes."""
         if steps == self._health_steps:
             return
-        self._health_steps = steps
         prefix, world = self.config.worker.prefix, self.config.nproc_per_node
         entries = health_entries(self.layout.checkpoints, world, prefix, steps)
+        doomed = self._rotate(steps, {e["step"] for e in entries if e["is_health"] == 0})
+        self._health_steps = [step for step in steps if step not in doomed]
         try:
-            write_health_file(self.layout, entries)
+            write_health_file(self.layout, [e for e in entries if e["step"] not in doomed])
         except OSError as exc:
             self.log.error("health_file_write_failed", error=str(exc))
-        self._rotate(steps, {e["step"] for e in entries if e["is_health"] == 0})
 
-    def _rotate(self, steps: list[int], healthy: set[int]) -> None:
+    def _rotate(self, steps: list[int], healthy: set[int]) -> list[int]:
         """keep_checkpoint_max: delete the oldest complete checkpoints, record first so a kill leaves junk, not lies."""
         resumed_here = self.state.resume_step is not None and self.state.resume_source is None
         protected = {self.state.resume_step} if resumed_here else set()
@@ -452,6 +476,7 @@ class Supervisor:
                 unlink_quietly(self.layout.checkpoints.record(rank, step, self.config.worker.prefix))
                 unlink_quietly(self.layout.checkpoints.file(rank, step, self.config.worker.prefix))
             self.log.info("checkpoint_rotated", step=step)
+        return doomed
 
     def _write_status(self, *, durable: bool) -> None:
         steps = self.layout.checkpoints.complete_steps(self.config.nproc_per_node, self.config.worker.prefix)

@@ -112,7 +112,7 @@ def test_ready_status_watchdog_and_stopping_over_a_stop_request(
     fields = fake_systemd.fields()
     assert fields.index("READY=1") < fields.index("STOPPING=1")
     statuses = [f.removeprefix("STATUS=") for f in fields if f.startswith("STATUS=")]
-    assert fields[0:2] == ["READY=1", "STATUS=running"]
+    assert [f for f in fields if f != "WATCHDOG=1"][0:3] == ["STATUS=starting", "READY=1", "STATUS=running"]
     assert statuses[-2:] == ["stopping on request", "stopped on request"]
     assert fields.count("STOPPING=1") == 1
     for env in rank_envs(tmp_path):
@@ -157,6 +157,7 @@ def test_status_follows_a_crash_and_relaunch_without_stopping(tmp_path: Path, fa
     assert done.returncode == 0, done.stderr[-2000:]
     fields = fake_systemd.fields()
     statuses = [f.removeprefix("STATUS=") for f in fields if f.startswith("STATUS=")]
-    assert statuses == ["running", "stopping to relaunch after rank 1 exited with code 3 in attempt 0",
-                        "running attempt 1 (restart 1/2)", "finished after 1 restarts"]
+    assert statuses == ["starting", "running", "stopping to relaunch after rank 1 exited with code 3 in attempt 0",
+                        "starting attempt 1 (restart 1/2)", "running attempt 1 (restart 1/2)",
+                        "finished after 1 restarts"]
     assert fields.count("READY=1") == 1 and fields.index("STOPPING=1") == len(fields) - 2
