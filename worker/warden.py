@@ -69,6 +69,7 @@ class Warden:
         config: WorkerConfig | None = None,
         data_state: Callable[[], dict[str, Any]] | None = None,
         global_batch_size: int | None = None,
+        health_check: Callable[[int], str | None] | None = None,
     ) -> None:
         env = os.environ
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -81,6 +82,8 @@ class Warden:
         self.data_state: dict[str, Any] = {}
         self._data_state_fn = data_state
         self.global_batch_size = global_batch_size  # samples per step over all ranks; scales the data position
+        self._health_check = health_check  # the user's: a reason this rank's state is unhealthy at a step, or None
+        self._tainted_at: int | None = None  # first applied step with a feature-value fault: later saves are suspect
         self._faults = _or_config_error(
             lambda: FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired))
         self._heartbeat = Heartbeat(
@@ -166,6 +169,8 @@ class Warden:
             feature_fault=fault if self._features.aborts else None)
         if suspects:
             self._features.abort(step=step, batch=batch, suspect_ranks=suspects)
+        if fault and applied:
+            self._taint(step)
         self._decision = (applied, norm)
         return applied
 
@@ -225,8 +230,15 @@ class Warden:
     def _judge_unguarded(self) -> None:
         """Without guard_step a fault is seen after the optimizer step, still before this step's checkpoint."""
         step, batch = self.step + 1, self.batches
-        if self._features.verdict(step=step, batch=batch) and self._features.aborts:
-            self._features.abort(step=step, batch=batch, suspect_ranks=[self.rank])
+        if self._features.verdict(step=step, batch=batch):
+            if self._features.aborts:
+                self._features.abort(step=step, batch=batch, suspect_ranks=[self.rank])
+            self._taint(step)
+
+    def _taint(self, step: int) -> None:
+        """A feature-value fault went into the model (level 1 trains on): checkpoints from now on are suspect."""
+        if self._tainted_at is None:
+            self._tainted_at = step
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -329,7 +341,22 @@ class Warden:
                                    embedding_param=self.config.embedding_param)
         if health["embedding_local_norm"] is not None:
             self.log.info("embedding_local_norm", step=self.step, embedding_local_norm=health["embedding_local_norm"])
-        return {**health, "health_monitored": True}
+        reasons = [*health["health_reasons"], *self._more_health_reasons()]
+        return {**health, "is_health": int(bool(reasons)), "health_reasons": reasons, "health_monitored": True}
+
+    def _more_health_reasons(self) -> list[str]:
+        """A feature-value fault trained into the model, and whatever the user's `health_check` says."""
+        reasons = []
+        if self._tainted_at is not None:
+            reasons.append(f"feature-value fault at step {self._tainted_at} trained into the model")
+        if self._health_check is not None:
+            try:
+                verdict = self._health_check(self.step)
+            except Exception as exc:  # noqa: BLE001 - a broken check must not cost the save; it is not a pass
+                verdict = f"raised {exc!r}"
+            if verdict:
+                reasons.append(f"health_check: {verdict}")
+        return reasons
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # A peer crashed or the job is stopping: a save in flight finishes first (the supervisor waits for it).

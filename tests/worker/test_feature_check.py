@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -164,3 +166,16 @@ def test_invalid_env_is_logged_and_yaml_kept(loop, tmp_path, monkeypatch):
     assert invalid["problem"].startswith("TRAINWARDEN_ASD_UPPER_THRESH='10,1000' ignored")
     (started,) = events(tmp_path, "feature_value_check_started")
     assert (started["upper_thresh1"], started["upper_thresh2"], started["detect_level"]) == (500, 50, 2)
+
+
+def test_a_fault_trained_into_the_model_makes_later_checkpoints_unhealthy(loop, tmp_path):
+    """Level 1 trains on after a finite fault at step 3; with the health monitor on, checkpoint 2 stays healthy and
+    checkpoints 4 and 6 are tagged unhealthy, so a resume falls back to 2."""
+    config = WorkerConfig(save_checkpoint_steps=2, use_checkpoint_health_monitor=True,
+                          feature_value_check=FeatureValueConfig(level=1))
+    run = loop("0:sdc@3:1e9:4", config=config, model=norm_model)
+    assert all(run.train_batch() for _ in range(6))
+    run.warden.finish()
+    records = {s: json.loads(RunLayout(tmp_path).checkpoints.record(0, s, "ckpt").read_text()) for s in (2, 4, 6)}
+    assert [(s, r["is_health"]) for s, r in records.items()] == [(2, 0), (4, 1), (6, 1)]
+    assert records[4]["health_reasons"] == ["feature-value fault at step 3 trained into the model"]

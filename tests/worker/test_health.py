@@ -27,7 +27,7 @@ class EmbeddingModel(torch.nn.Module):
 
 
 def save_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: WorkerConfig,
-              spoil: Any = None) -> dict[str, Any]:
+              spoil: Any = None, **warden_options: Any) -> dict[str, Any]:
     """Train one step, optionally spoil the model, save step 1; returns rank 0's completion record."""
     monkeypatch.setenv(ENV_RUN_DIR, str(tmp_path))
     for name in ("RANK", "WORLD_SIZE", "TRAINWARDEN_FAULTS", "TRAINWARDEN_ATTEMPT"):
@@ -35,7 +35,7 @@ def save_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: WorkerCon
     torch.manual_seed(0)
     model = EmbeddingModel()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    warden = Warden(model, optimizer, config=config)
+    warden = Warden(model, optimizer, config=config, **warden_options)
     idx = torch.tensor([1, 2, 3])
     torch.nn.functional.cross_entropy(model(idx), idx).backward()
     optimizer.step()
@@ -99,3 +99,18 @@ def test_named_embedding_parameter_is_the_one_judged(tmp_path, monkeypatch):
     default = save_once(tmp_path / "default", monkeypatch, WorkerConfig(use_checkpoint_health_monitor=True))
     assert named["embedding_local_norm"] == pytest.approx(expected["head.weight"], rel=1e-6)
     assert default["embedding_local_norm"] == pytest.approx(expected["embed.weight"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("check", "reasons"),
+    [
+        (lambda step: None, []),
+        (lambda step: f"loss diverged at step {step}", ["health_check: loss diverged at step 1"]),
+        (lambda step: 1 / 0, ["health_check: raised ZeroDivisionError('division by zero')"]),
+    ],
+)
+def test_user_health_check_is_part_of_the_tag(tmp_path, monkeypatch, check, reasons):
+    """A user's `health_check(step)` returning a reason (or raising) tags the part unhealthy; None passes."""
+    config = WorkerConfig(use_checkpoint_health_monitor=True, embedding_local_norm_threshold=1e6)
+    record = save_once(tmp_path, monkeypatch, config, health_check=check)
+    assert (record["is_health"], record["health_reasons"]) == (int(bool(reasons)), reasons)
