@@ -3,13 +3,16 @@
 A rank-local decision desynchronises data parallelism (one replica steps, another does not), so each
 rank's local verdict is combined with one tiny all-reduce (MAX) before anyone acts on it. When
 feature-value faults abort (seed 002, levels 2 and 3), the same all-reduce carries one flag per rank,
-so every rank learns which ranks saw a fault.
+so every rank learns which ranks saw a fault. It also carries the id of the stop order each rank holds
+(as -id and id, so MAX yields the lowest and the highest), so every rank knows, at the same step,
+whether all of them hold the same order.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from worker.anomaly import AnomalyDetector
@@ -17,7 +20,17 @@ from worker.contract import EXIT_ANOMALY, WorkerConfig
 from worker.exits import leave
 from worker.faults import FaultPlan
 
-__all__ = ["StepGuard"]
+__all__ = ["StepGuard", "Verdict"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank agreed on for one step."""
+
+    apply: bool
+    grad_norm: float
+    suspects: tuple[int, ...] = ()  # ranks that saw a feature-value fault: the caller aborts
+    orders: tuple[int, int] = (0, 0)  # the lowest and highest stop-order id any rank holds (0: none)
 
 
 class StepGuard:
@@ -33,12 +46,13 @@ class StepGuard:
 
     def check(
         self, params: Iterable[Any], loss: float, *, step: int, batch: int, max_norm: float,
-        feature_fault: bool | None = None,
-    ) -> tuple[bool, float, list[int]]:
-        """Clip the gradients and decide: (apply the step?, global norm, ranks that saw a feature-value fault).
+        feature_fault: bool | None = None, order_id: int = 0,
+    ) -> Verdict:
+        """Clip the gradients and decide, together with every rank.
 
-        `feature_fault` is this rank's (None: faults do not abort, nothing to agree on). With suspect
-        ranks the caller aborts, so nothing is recorded. Exits with EXIT_ANOMALY on a streak of skips.
+        `feature_fault` is this rank's (None: faults do not abort, nothing to agree on); `order_id` the stop
+        order it holds. With suspect ranks the caller aborts, so nothing is recorded. Exits with
+        EXIT_ANOMALY on a streak of skips.
         """
         import torch
 
@@ -46,9 +60,9 @@ class StepGuard:
         self._inject(grads, step)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
         verdict = self.detector.judge(loss, grad_norm)
-        skip, suspects = self._agree(verdict.anomalous, grads, feature_fault)
+        skip, suspects, orders = self._agree(verdict.anomalous, grads, feature_fault, order_id)
         if suspects:
-            return False, grad_norm, suspects
+            return Verdict(False, grad_norm, suspects, orders)
         self.detector.record(step, skipped=skip, loss=loss, grad_norm=grad_norm)
         if skip:
             self._log.warning("step_skipped", opt_global_step=step - 1, step=step, batch=batch,
@@ -58,7 +72,7 @@ class StepGuard:
                               local=verdict.anomalous)
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
-        return not skip, grad_norm, []
+        return Verdict(not skip, grad_norm, (), orders)
 
     def _inject(self, grads: list[Any], step: int) -> None:
         kind = self._faults.gradient_fault(step)
@@ -68,20 +82,23 @@ class StepGuard:
         elif kind == "nan" and grads:
             grads[0].grad.view(-1)[0] = float("nan")
 
-    def _agree(self, local: bool, grads: list[Any], feature_fault: bool | None) -> tuple[bool, list[int]]:
-        """(any rank saw an anomaly, ranks that saw a feature-value fault): one all-reduce, none when alone."""
+    def _agree(self, local: bool, grads: list[Any], feature_fault: bool | None,
+               order_id: int) -> tuple[bool, tuple[int, ...], tuple[int, int]]:
+        """(any rank saw an anomaly, ranks that saw a feature-value fault, (lowest, highest) stop-order id held):
+        one all-reduce, none when alone."""
         import torch
         import torch.distributed as dist
 
         if self._world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return local, [self._rank] if feature_fault else []
-        values = [1.0 if local else 0.0]
+            return local, (self._rank,) if feature_fault else (), (order_id, order_id)
+        values = [1.0 if local else 0.0, float(-order_id), float(order_id)]
         if feature_fault is not None:  # one slot per rank, so the MAX keeps every rank that saw a fault
             values += [1.0 if feature_fault and rank == dist.get_rank() else 0.0 for rank in range(self._world_size)]
-        flags = torch.tensor(values, device=grads[0].device if grads else torch.device("cpu"))
+        flags = torch.tensor(values, dtype=torch.float64, device=grads[0].device if grads else torch.device("cpu"))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         seen = flags.tolist()  # the one host transfer
-        return seen[0] > 0, [rank for rank, flag in enumerate(seen[1:]) if flag > 0]
+        suspects = tuple(rank for rank, flag in enumerate(seen[3:]) if flag > 0)
+        return seen[0] > 0, suspects, (int(-seen[1]), int(seen[2]))
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:
         # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".

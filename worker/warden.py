@@ -107,6 +107,8 @@ class Warden:
         self._term_pending = False  # a SIGTERM arrived during a save; it takes effect when the save is done
         self._orders = StopOrders(self.layout.stop_order)
         self._obeyed: int | None = None  # id of the last stop order carried out
+        self._orders_held: tuple[int, int] | None = None  # (lowest, highest) order id the ranks held at guard_step
+        self._resumed_at = 0  # orders for steps up to here were carried out before this process started
         self._previous_term = _install_handler(signal.SIGTERM, self._on_sigterm)
         self._heartbeat.beat(0, self._phase, force=True)
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
@@ -118,6 +120,7 @@ class Warden:
         said to skip after an anomaly abort).
         """
         step = self._load_resume_checkpoint()
+        self._resumed_at = step
         skip_to = int(os.environ.get(ENV_SKIP_TO_BATCH) or 0)
         if self.batches < skip_to:
             self.log.warning("data_window_skipped", from_batch=self.batches, to_batch=skip_to, step=self.step)
@@ -164,15 +167,17 @@ class Warden:
         """
         step, batch = self.step + 1, self.batches
         fault = self._features.verdict(step=step, batch=batch)
-        applied, norm, suspects = self._guard.check(
+        held = self._orders.poll()
+        verdict = self._guard.check(
             self.model.parameters(), float(loss), step=step, batch=batch, max_norm=max_norm,
-            feature_fault=fault if self._features.aborts else None)
-        if suspects:
-            self._features.abort(step=step, batch=batch, suspect_ranks=suspects)
-        if fault and applied:
+            feature_fault=fault if self._features.aborts else None, order_id=held.id if held else 0)
+        if verdict.suspects:
+            self._features.abort(step=step, batch=batch, suspect_ranks=list(verdict.suspects))
+        if fault and verdict.apply:
             self._taint(step)
-        self._decision = (applied, norm)
-        return applied
+        self._decision = (verdict.apply, verdict.grad_norm)
+        self._orders_held = verdict.orders
+        return verdict.apply
 
     def step_done(self, *, loss: float, grad_norm: float | None = None, **fields: Any) -> None:
         """Report that this batch is done: counts the step if it was applied, saves a checkpoint when due."""
@@ -208,11 +213,20 @@ class Warden:
         self._last_step_end = time.perf_counter()  # a save is not part of the next step's time
 
     def _obey_stop_order(self, saved: bool) -> None:
-        """At the step the supervisor agreed with every rank: save (unless just saved), then exit or go on."""
-        order = self._orders.poll()
-        if order is None or order.step != self.step or order.id == self._obeyed:
+        """At the stop order's step: save (unless just saved), then exit or go on. Every rank acts at the same
+        step: with guard_step, the step from which all ranks held the order (its step, or later if some rank
+        read it late); without, the order's step as named (the supervisor chose it with room to spare)."""
+        order, held = self._orders.poll(), self._orders_held
+        self._orders_held = None
+        if order is None or order.id == self._obeyed or order.step <= self._resumed_at:
+            return
+        # With guard_step: once every rank holds this order, at its step or (some rank read it late) now.
+        due = self.step >= order.step and held == (order.id, order.id) if held else self.step == order.step
+        if not due:
             return
         self._obeyed = order.id
+        if self.step > order.step:
+            self.log.warning("stop_order_late", step=self.step, ordered_step=order.step, order=order.id)
         if not saved:
             self.save(self.step)
         self.log.info("stop_order_done", step=self.step, order=order.id, exit=order.exit)
