@@ -58,6 +58,7 @@ __all__ = [
     "StopRequested",
     "StopStage",
     "saves_end",
+    "saving",
     "stopping_on_request",
     "Then",
     "Tick",
@@ -573,8 +574,8 @@ def _terminate(state: State, now: float) -> tuple[State, list[Action]]:
     grace_end = now + state.policy.kill_grace_s
     state = replace(state, stop_stage=StopStage.TERM, deadline=max(grace_end, saves_end(state, now)))
     actions: list[Action] = [SignalRanks(state.attempt, signal.SIGTERM)]
-    savers = [r.rank for r in state.ranks if r.running and r.heartbeat_phase == SAVE_PHASE]
     if state.deadline > grace_end:
+        savers = [r.rank for r in saving(state)]
         actions.append(_record("stop_waits_for_save", ranks=savers, wait_s=round(state.deadline - now, 3)))
     return state, actions
 
@@ -582,9 +583,13 @@ def _terminate(state: State, now: float) -> tuple[State, list[Action]]:
 def saves_end(state: State, now: float) -> float:
     """When the saves in flight are past their save timeout (a worker finishes its save before obeying SIGTERM)."""
     timeout = phase_timeout(state.policy.hang, SAVE_PHASE, state.step_gaps)
-    started = [r.heartbeat_monotonic for r in state.ranks
-               if r.running and r.heartbeat_phase == SAVE_PHASE and r.heartbeat_monotonic is not None]
+    started = [r.heartbeat_monotonic for r in saving(state) if r.heartbeat_monotonic is not None]
     return max((t + timeout for t in started), default=now)
+
+
+def saving(state: State) -> list[RankState]:
+    """The running ranks whose newest heartbeat says they are inside a checkpoint save."""
+    return [r for r in state.ranks if r.running and r.heartbeat_phase == SAVE_PHASE]
 
 
 def _kill(state: State, now: float) -> tuple[State, list[Action]]:

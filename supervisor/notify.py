@@ -20,8 +20,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor.core import Phase, State, StopStage, Then, stopping_on_request
-from supervisor.hangs import SAVE_PHASE
+from supervisor.core import Phase, State, StopStage, Then, saving, stopping_on_request
 
 __all__ = ["SEND_TIMEOUT_S", "Notifier", "ServiceReporter", "status_line", "stop_extension_s"]
 
@@ -187,9 +186,8 @@ def _final_stop(state: State) -> bool:
 def stop_extension_s(state: State, now: float) -> float | None:
     """Seconds the final stop may still take while ranks save on the way down (the agreed checkpoint of a
     graceful stop, or a save in flight the supervisor waits for); None when nobody saves or time is up."""
-    saving = any(r.running and r.heartbeat_phase == SAVE_PHASE for r in state.ranks)
     graceful = state.phase is Phase.RUNNING  # every rank is on its way to the agreed checkpoint
-    if not (saving or graceful) or state.deadline is None or state.deadline <= now:
+    if not (saving(state) or graceful) or state.deadline is None or state.deadline <= now:
         return None
     return state.deadline - now + state.policy.kill_grace_s + state.policy.sigkill_wait_s
 
@@ -223,8 +221,8 @@ def _running(state: State) -> str:
 
 
 def _saving(state: State) -> str:
-    saving = [str(r.rank) for r in state.ranks if r.running and r.heartbeat_phase == SAVE_PHASE]
-    return f", rank {', '.join(saving)} saving" if saving else ""
+    ranks = [str(r.rank) for r in saving(state)]
+    return f", rank {', '.join(ranks)} saving" if ranks else ""
 
 
 def _stopping(state: State) -> str:

@@ -32,6 +32,7 @@ from worker.contract import (
     STACK_DUMP_SIGNAL,
     CheckpointStore,
     RunLayout,
+    StopOrder,
     WorkerConfig,
     named_store,
     newest_complete,
@@ -107,7 +108,8 @@ class Warden:
         self._term_pending = False  # a SIGTERM arrived during a save; it takes effect when the save is done
         self._orders = StopOrders(self.layout.stop_order)
         self._obeyed: int | None = None  # id of the last stop order carried out
-        self._orders_held: tuple[int, int] | None = None  # (lowest, highest) order id the ranks held at guard_step
+        # At guard_step: the order this rank held, and the (lowest, highest) order id any rank held.
+        self._orders_held: tuple[StopOrder | None, tuple[int, int]] | None = None
         self._resumed_at = 0  # orders for steps up to here were carried out before this process started
         self._previous_term = _install_handler(signal.SIGTERM, self._on_sigterm)
         self._heartbeat.beat(0, self._phase, force=True)
@@ -176,7 +178,7 @@ class Warden:
         if fault and verdict.apply:
             self._taint(step)
         self._decision = (verdict.apply, verdict.grad_norm)
-        self._orders_held = verdict.orders
+        self._orders_held = (held, verdict.orders)
         return verdict.apply
 
     def step_done(self, *, loss: float, grad_norm: float | None = None, **fields: Any) -> None:
@@ -216,7 +218,8 @@ class Warden:
         """At the stop order's step: save (unless just saved), then exit or go on. Every rank acts at the same
         step: with guard_step, the step from which all ranks held the order (its step, or later if some rank
         read it late); without, the order's step as named (the supervisor chose it with room to spare)."""
-        order, held = self._orders.poll(), self._orders_held
+        # One os.stat per step: the order guard_step agreed on, or (no guard_step) a fresh look.
+        order, held = self._orders_held if self._orders_held else (self._orders.poll(), None)
         self._orders_held = None
         if order is None or order.id == self._obeyed or order.step <= self._resumed_at:
             return
