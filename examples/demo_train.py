@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -90,6 +91,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     torch.manual_seed(args.seed + 1 + rank)  # distinct dropout masks per rank
     random.seed(args.seed + rank)
+    if "numpy" in sys.modules:  # torch loads NumPy where it is installed; its RNG is saved too, so it must be seeded
+        sys.modules["numpy"].random.seed(args.seed + rank)
 
     warden = Warden(ddp, optimizer, scheduler, global_batch_size=args.batch_size * dist.get_world_size())
     start = warden.resume()

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.contract import SNAPSHOT_DIR, CheckpointStore, RunLayout, atomic_write_json, read_json
+from worker.contract import SNAPSHOT_DIR, CheckpointStore, RunLayout
+from worker.files import atomic_write_json, open_regular, read_json
 
 __all__ = [
     "Choice",
@@ -23,6 +26,7 @@ __all__ = [
     "choose_explicit",
     "choose_resume",
     "file_crc32",
+    "read_record",
     "find_junk",
     "health_entries",
     "rotation",
@@ -30,7 +34,7 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 20
-# What tempfile.mkstemp names our atomic writes: `.NAME.XXXXXXXX.tmp`.
+# What worker.files.atomic_write names its temporaries: `.NAME.XXXXXXXX.tmp`.
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp$")
 
 
@@ -50,9 +54,11 @@ def choose_explicit(store: CheckpointStore, world_size: int, prefix: str, step: 
 
 
 def choose_resume(stores: list[CheckpointStore], world_size: int, prefix: str, *, at_most: int | None = None,
-                  require_healthy: bool = True) -> Choice:
+                  require_healthy: bool = True, refused: Mapping[int, str] | None = None) -> Choice:
     """Check candidates of every store newest first (regular checkpoints first on equal steps); the first
-    with no problem wins. Reasons for candidates outside the first store name their store."""
+    with no problem wins. `refused` steps (a rank would not load them) are passed over with their reason.
+    Reasons for candidates outside the first store name their store."""
+    refused = refused or {}
     candidates = sorted(((step, i) for i, store in enumerate(stores) for step in _any_steps(store, world_size, prefix)),
                         key=lambda candidate: (-candidate[0], candidate[1]))
     passed = []
@@ -60,6 +66,8 @@ def choose_resume(stores: list[CheckpointStore], world_size: int, prefix: str, *
         store = stores[i]
         if at_most is not None and step > at_most:
             problem: str | None = f"after the rollback point (step {at_most})"
+        elif step in refused:
+            problem = refused[step]
         else:
             problem = _problem(store, world_size, prefix, step, require_healthy)
         if problem is None:
@@ -74,32 +82,56 @@ def _any_steps(store: CheckpointStore, world_size: int, prefix: str) -> set[int]
 
 def _problem(store: CheckpointStore, world_size: int, prefix: str, step: int, require_healthy: bool) -> str | None:
     for rank in range(world_size):
-        path = store.file(rank, step, prefix)
         try:
-            record = read_json(store.record(rank, step, prefix))
+            record = read_record(store, rank, step, prefix)
         except FileNotFoundError:
             return f"incomplete: rank {rank} has no completion record"
         except (OSError, ValueError) as exc:
             return f"unreadable completion record on rank {rank}: {exc}"
-        if not path.exists():
+        try:
+            size, crc = file_crc32(store.file(rank, step, prefix), limit=record["size"])
+        except FileNotFoundError:
             return f"incomplete: rank {rank} has no checkpoint file"
-        size = path.stat().st_size
-        if size != record.get("size"):
-            return f"truncated on rank {rank}: {size} bytes, {record.get('size')} written"
-        if file_crc32(path) != record.get("crc32"):
+        except OSError as exc:
+            return f"unreadable checkpoint file on rank {rank}: {exc}"
+        if size != record["size"]:
+            return f"truncated on rank {rank}: {size} bytes, {record['size']} written"
+        if crc != record["crc32"]:
             return f"corrupted on rank {rank}: checksum differs from the one written"
         if require_healthy and record.get("is_health", 0) != 0:
-            return f"unhealthy on rank {rank}: {', '.join(record.get('health_reasons') or ['tagged unhealthy'])}"
+            return f"unhealthy on rank {rank}: {_health_reasons(record)}"
     return None
 
 
-def file_crc32(path: Any) -> str:
-    """The CRC-32 of a file, as the worker's HashingWriter writes it."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+def read_record(store: CheckpointStore, rank: int, step: int, prefix: str) -> dict[str, Any]:
+    """A completion record, checked for the fields resume relies on; OSError or ValueError naming the problem."""
+    record = read_json(store.record(rank, step, prefix))
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    if type(record.get("size")) is not int or record["size"] < 0:
+        raise ValueError(f"'size' is {str(record.get('size'))[:40]!r}, not a byte count")
+    if not isinstance(record.get("crc32"), str):
+        raise ValueError(f"'crc32' is {str(record.get('crc32'))[:40]!r}, not a checksum")
+    return record
+
+
+def _health_reasons(record: dict[str, Any]) -> str:
+    reasons = record.get("health_reasons")
+    if not isinstance(reasons, list) or not reasons:
+        return "tagged unhealthy"
+    return ", ".join(str(reason)[:200] for reason in reasons[:10])
+
+
+def file_crc32(path: Any, limit: int | None = None) -> tuple[int, str]:
+    """(size, CRC-32) of a regular file as the worker's HashingWriter writes it, reading at most `limit` + 1
+    bytes (a file longer than its record says is not read to its end); symlinks and FIFOs are refused."""
+    crc, size = 0, 0
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(_CHUNK if limit is None else min(_CHUNK, limit + 1 - size)):
             crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+            size += len(chunk)
+    return size, f"{crc:08x}"
 
 
 def health_entries(store: CheckpointStore, world_size: int, prefix: str, steps: list[int]) -> list[dict[str, Any]]:
@@ -109,7 +141,7 @@ def health_entries(store: CheckpointStore, world_size: int, prefix: str, steps: 
         unhealthy = []
         for rank in range(world_size):
             try:
-                if read_json(store.record(rank, step, prefix)).get("is_health", 0) != 0:
+                if read_record(store, rank, step, prefix).get("is_health", 0) != 0:
                     unhealthy.append(rank)
             except (OSError, ValueError):
                 unhealthy.append(rank)
@@ -119,7 +151,7 @@ def health_entries(store: CheckpointStore, world_size: int, prefix: str, steps: 
 
 
 def write_health_file(layout: RunLayout, entries: list[dict[str, Any]]) -> None:
-    atomic_write_json(layout.root / "health_ckpts.json", entries)
+    atomic_write_json(layout.root / "health_ckpts.json", entries, root=layout.root)
 
 
 def rotation(complete: list[int], healthy: set[int], *, keep_max: int, protected: set[int]) -> list[int]:
@@ -152,7 +184,7 @@ def find_junk(layout: RunLayout, world_size: int, prefix: str) -> Junk:
     expected = {f"rank_{rank}" for rank in range(world_size)}
     for store in layout.checkpoint_stores():
         for entry in _entries(store.root):
-            if entry.name in expected and entry.is_dir():
+            if entry.name in expected and _is_dir(entry):
                 _sort_rank_dir(store, int(entry.name.removeprefix("rank_")), prefix, torn, foreign)
             elif not (store == layout.checkpoints and entry.name == SNAPSHOT_DIR):
                 foreign.append(entry)
@@ -162,10 +194,25 @@ def find_junk(layout: RunLayout, world_size: int, prefix: str) -> Junk:
 def _sort_rank_dir(store: CheckpointStore, rank: int, prefix: str, torn: list[Path], foreign: list[Path]) -> None:
     for entry in _entries(store.rank_dir(rank)):
         temporary = _TEMPORARY.match(entry.name)
-        if temporary and store.owns(temporary["name"], rank, prefix):
+        if temporary and store.owns(temporary["name"], rank, prefix) and _is_regular(entry):
             torn.append(entry)
         elif not store.owns(entry.name, rank, prefix):
             foreign.append(entry)
+
+
+def _is_regular(path: Path) -> bool:
+    """A plain file, not a symlink (lstat): only those are ever deleted as our temporaries."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _entries(directory: Path) -> list[Path]:

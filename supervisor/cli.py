@@ -7,11 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from supervisor.config import ConfigError, load_config
+from supervisor.config import ConfigError, check_launchable, load_config
 from supervisor.journal import open_journal
 from supervisor.runner import RunDirBusy, Supervisor, lock_run_dir
 from supervisor.status import StatusError, read_status, render
-from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout, atomic_write_bytes
+from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
+from worker.files import atomic_write_bytes
 
 __all__ = ["main"]
 
@@ -51,16 +52,27 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"trainwarden: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    try:
+        config = check_launchable(config)  # a missing script fails here once, not at every restart
+    except ConfigError as exc:
+        print(f"trainwarden: cannot launch: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     layout = RunLayout(Path(args.run_dir or config.run_dir).resolve())
     try:
         lock = lock_run_dir(layout)
     except RunDirBusy as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    journal = open_journal(layout.journal)
+    except OSError as exc:
+        return _unusable(layout, exc)
     try:
+        journal = open_journal(layout.journal, root=layout.root)
         supervisor = Supervisor(config, layout, journal, config_path=args.config,
                                 ignore_stop_file=args.ignore_stop_file)
+    except OSError as exc:  # a symlink, FIFO or directory where the supervisor's own files go
+        lock.close()
+        return _unusable(layout, exc)
+    try:
         code = supervisor.run()
     finally:
         journal.close()
@@ -69,6 +81,13 @@ def _run(args: argparse.Namespace) -> int:
         logs = layout.attempt_log(supervisor.state.attempt, 0, "err").parent
         print(f"trainwarden: run failed: {supervisor.state.reason} (rank logs: {logs})", file=sys.stderr)
     return code
+
+
+def _unusable(layout: RunLayout, exc: OSError) -> int:
+    """The run dir holds something that must not be written through; retrying cannot help."""
+    print(f"trainwarden: cannot use run dir {layout.root}: {exc.filename or ''}: {exc.strerror or exc}",
+          file=sys.stderr)
+    return EXIT_CONFIG
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -89,12 +108,16 @@ def _stop(args: argparse.Namespace) -> int:
         print("trainwarden: --continue needs --at-step N (the stop file says -N)", file=sys.stderr)
         return 2
     layout = RunLayout(Path(args.run_dir).resolve())
-    path = _stop_file_of(layout)
+    problem = _not_stoppable(layout)
+    if problem:
+        print(f"trainwarden: {problem}", file=sys.stderr)
+        return 1
+    path = layout.default_stop_file
     content = "" if args.at_step is None else f"{-args.at_step if args.keep_going else args.at_step}"
     try:
-        atomic_write_bytes(path, f"{content}\n".encode())
-    except OSError as exc:
-        print(f"trainwarden: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+        atomic_write_bytes(path, f"{content}\n".encode(), root=layout.root)
+    except (OSError, ValueError) as exc:
+        print(f"trainwarden: cannot write {path}: {exc}", file=sys.stderr)
         return 1
     when = "at the next step every rank can agree on" if args.at_step is None else f"at step {args.at_step}"
     then = "continue" if args.keep_going else "exit"
@@ -102,12 +125,19 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop_file_of(layout: RunLayout) -> Path:
-    """The stop file the run's supervisor watches (from its status), else the default one in the run dir."""
+def _not_stoppable(layout: RunLayout) -> str | None:
+    """Why `trainwarden stop` must not write RUN_DIR/stop here, or None. It writes nowhere else: a path
+    read from the run dir (state.json's stop_file) is only named in the message, never written."""
+    if not layout.root.is_dir() or not layout.lock_file.parent.is_dir() or layout.lock_file.parent.is_symlink():
+        return f"{layout.root} is not a trainwarden run dir (no supervisor/ folder in it); nothing written"
     try:
-        return Path(read_status(layout)["stop_file"])
-    except (StatusError, KeyError, TypeError):
-        return layout.default_stop_file
+        watched = read_status(layout).get("stop_file")
+    except StatusError:
+        return None  # a run whose supervisor never wrote its state: the default stop file is the one
+    if isinstance(watched, str) and watched != str(layout.default_stop_file):
+        return (f"this run watches the stop file {watched[:300]!r} (stop.stop_file_path), not "
+                f"{layout.default_stop_file}; write that file instead, e.g. touch it; nothing written")
+    return None
 
 
 if __name__ == "__main__":

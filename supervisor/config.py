@@ -1,9 +1,16 @@
-"""Job config: load a YAML file into frozen dataclasses, refusing unknown keys and wrong types by name."""
+"""Job config: load a YAML file into frozen dataclasses, refusing unknown keys and wrong types by name.
+
+Loading is total: whatever the file holds (a FIFO, binary junk, an alias bomb, NaN, 10^400, a NUL
+byte), the result is a JobConfig whose numbers are finite and bounded, or a one-line ConfigError.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
+import shutil
 import types
 import typing
 from collections.abc import Mapping
@@ -17,12 +24,32 @@ from supervisor.core import Policy
 from supervisor.hangs import HEARTBEAT_MODES, HangPolicy
 from supervisor.rollback import AnomalyPolicy
 from worker.contract import RunLayout, WorkerConfig, parse_checkpoint_name
+from worker.files import read_bytes
 
-__all__ = ["ConfigError", "JobConfig", "RestartConfig", "StopConfig", "load_config", "parse_config"]
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "MAX_NPROC",
+    "MAX_NUMBER",
+    "MAX_SECONDS",
+    "ConfigError",
+    "JobConfig",
+    "RestartConfig",
+    "StopConfig",
+    "check_launchable",
+    "load_config",
+    "parse_config",
+]
+
+MAX_CONFIG_BYTES = 1 << 20  # a job config is a few hundred bytes; also the cap on its alias-expanded size
+MAX_DEPTH = 32  # a job config nests 4 levels; deeper flow nesting only makes the YAML scanner crawl
+MAX_NUMBER = 2**53  # every int and float: beyond it floats stop counting exactly and products may overflow
+MAX_SECONDS = 10**7  # every `*_s` value (~116 days): deadlines and queue timeouts stay far from overflow
+MAX_NPROC = 1024  # ranks on one machine: a typo like 1000000000 must not fork-bomb the node
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built in: a 1 MiB file in 0.3 s, not 3 s
 
 
 class ConfigError(Exception):
-    """The job config is invalid; the message names the file and the key."""
+    """The job config is invalid; the message names the file and the key (or the script that is missing)."""
 
 
 @dataclass(frozen=True)
@@ -82,9 +109,11 @@ class JobConfig:
         )
 
 
-# Bounds checked after types: (section path, key) -> (predicate, what it must be).
+# Bounds checked after types: (section path, key) -> (predicate, what it must be). Every number is also
+# finite and at most MAX_NUMBER in size, every `*_s` value at most MAX_SECONDS, and no string holds NUL.
 _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
-    "nproc_per_node": (lambda v: v >= 1, "at least 1"),
+    "nproc_per_node": (lambda v: 1 <= v <= MAX_NPROC, f"between 1 and {MAX_NPROC}"),
+    "env": (lambda v: all(k and "=" not in k for k in v), "a mapping of variable names (non-empty, no '=')"),
     "restart.max_restarts": (lambda v: v >= 0, "0 or more"),
     "restart.backoff_initial_s": (lambda v: v >= 0, "0 or more"),
     "restart.backoff_factor": (lambda v: v >= 1, "at least 1"),
@@ -121,7 +150,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.feature_value_check.min_steps": (lambda v: v >= 0, "0 or more"),
     "worker.keep_checkpoint_max": (lambda v: v >= 0, "0 or more"),
     "worker.no_usable_checkpoint": (lambda v: v in ("scratch", "refuse"), "scratch or refuse"),
-    "worker.resume_training": (lambda v: isinstance(v, bool) or parse_checkpoint_name(v) is not None,
+    "worker.resume_training": (lambda v: isinstance(v, bool) or _step_of(v) is not None,
                                "true, false, or a checkpoint name such as demo_rank_0-40.ckpt or 40"),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
     "worker.snapshot_steps": (lambda v: v >= 0, "0 or more"),
@@ -131,18 +160,75 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
 }
 
 
+def _step_of(name: str) -> int | None:
+    """The step a checkpoint name means, if it is one within MAX_NUMBER (a 5000-digit step is not)."""
+    step = parse_checkpoint_name(name) if len(name) <= 255 else None  # 255: the longest file name
+    return step if step is not None and step <= MAX_NUMBER else None
+
+
 def load_config(path: str | Path) -> JobConfig:
     """Read and validate a job config file; raises ConfigError naming the file and the key."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = read_bytes(path, MAX_CONFIG_BYTES, follow_symlinks=True)  # a symlinked config is fine, a FIFO not
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
     try:
-        raw = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return parse_config(_parse_yaml(text, str(path)), source=str(path))
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    """The YAML document in `text`, after checking its shape; ConfigError for anything the parser refuses."""
+    try:
+        _check_shape(text, source)
+        return yaml.load(text, Loader=_LOADER)
+    except ConfigError:
+        raise
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return parse_config(raw, source=str(path))
+        raise ConfigError(f"{source}: not valid YAML: {_one_line(exc)}") from None
+    except Exception as exc:  # PyYAML's constructors raise ValueError, AttributeError... on odd tagged scalars
+        raise ConfigError(f"{source}: not valid YAML: {_brief(str(exc) or type(exc).__name__)}") from None
+
+
+def _check_shape(text: str, source: str) -> None:
+    """Refuse, from the event stream alone, a document nested deeper than MAX_DEPTH or whose aliases
+    expand it beyond MAX_CONFIG_BYTES (a "billion laughs": PyYAML shares aliased nodes, but anything
+    walking the result would not), or an alias inside its own anchor (a cycle)."""
+    sizes: dict[str, int] = {}  # anchor -> expanded size of its node
+    stack: list[tuple[str | None, int]] = [(None, 0)]  # open collections: (anchor, expanded size so far)
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.CollectionStartEvent):
+            if len(stack) > MAX_DEPTH:  # stops the scanner before deep nesting gets slow
+                raise ConfigError(f"{source}: nested more than {MAX_DEPTH} levels deep")
+            stack.append((event.anchor, 1))
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = stack.pop()
+        elif isinstance(event, yaml.ScalarEvent):
+            anchor, size = event.anchor, 1 + len(event.value)
+        elif isinstance(event, yaml.AliasEvent):
+            if any(open_anchor == event.anchor for open_anchor, _ in stack):
+                raise ConfigError(f"{source}: alias *{_brief(event.anchor)} refers to a node that contains it")
+            anchor, size = None, sizes.get(event.anchor, 1)  # an undefined alias: the loader says so
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = size
+        parent, total = stack[-1]
+        stack[-1] = (parent, total + size)
+        if total + size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{source}: aliases expand the document beyond {MAX_CONFIG_BYTES} bytes")
+
+
+def _one_line(exc: yaml.YAMLError) -> str:
+    """The parser's complaint and where, on one line (its own message spans several, with a snippet)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        where = f" (line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1})" if exc.problem_mark else ""
+        return _brief(" ".join(filter(None, [exc.context, exc.problem])) + where)
+    return _brief(" ".join(str(exc).split()))
 
 
 def parse_config(raw: Any, *, source: str = "<config>") -> JobConfig:
@@ -162,6 +248,42 @@ def parse_config(raw: Any, *, source: str = "<config>") -> JobConfig:
     return config
 
 
+def check_launchable(config: JobConfig, cwd: Path | None = None) -> JobConfig:
+    """The config with its script made absolute, once the script (or the command's program) is known to
+    exist; ConfigError saying what is missing otherwise, so that it fails once instead of every restart.
+
+    Relative paths are taken from `cwd` (default: the working directory), as `python script.py` does.
+    """
+    try:
+        cwd = Path.cwd() if cwd is None else cwd
+    except OSError as exc:  # deleted under us: nothing relative can be found
+        raise ConfigError(f"the working directory is unusable: {exc.strerror or exc}") from None
+    if config.script is not None:
+        script = cwd / config.script  # an absolute script stays as it is
+        _check_file(script, config.script, cwd, executable=False)
+        return dataclasses.replace(config, script=str(script))
+    assert config.command is not None
+    program = config.command[0]
+    if "/" in program:
+        _check_file(cwd / program, program, cwd, executable=True)
+    elif shutil.which(program, path=config.env.get("PATH", os.environ.get("PATH", os.defpath))) is None:
+        raise ConfigError(f"{program} not found on PATH")  # the ranks' PATH: `env:` may set it
+    return config
+
+
+def _check_file(path: Path, given: str, cwd: Path, *, executable: bool) -> None:
+    note = "" if Path(given).is_absolute() else f" (relative paths are taken from the working directory {cwd})"
+    try:
+        is_file = path.is_file()
+    except OSError:  # a name too long, a directory we may not search: not launchable either
+        is_file = False
+    if not is_file:
+        problem = "is not a regular file" if os.path.exists(path) else "not found"
+        raise ConfigError(f"{given} {problem}{note}")
+    if not os.access(path, os.X_OK if executable else os.R_OK):
+        raise ConfigError(f"{given} is not {'executable' if executable else 'readable'}{note}")
+
+
 def _check_feature_value_pairs(check: Any, source: str) -> None:
     """Seed 002's threshold pairs: the L1 (fault) threshold must lie above the L2 (warning) one."""
     for pair in ("upper_thresh", "sigma_thresh"):
@@ -179,14 +301,21 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     values = {}
     for key, value in raw.items():
-        name = f"{prefix}{key}"
+        name = f"{prefix}{_key(key)}"
         if key not in known:
-            raise ConfigError(f"{source}: unknown key '{name}'{_suggest(str(key), known)}")
+            raise ConfigError(f"{source}: unknown key '{name}'{_suggest(_key(key), known)}")
         values[key] = _check(hints[key], value, source, name)
         bound = _BOUNDS.get(name)
-        if bound and values[key] is not None and not bound[0](values[key]):
-            raise ConfigError(f"{source}: '{name}' must be {bound[1]}, got {value!r}")
+        if bound and values[key] is not None and not _satisfies(bound[0], values[key]):
+            raise ConfigError(f"{source}: '{name}' must be {bound[1]}, got {_brief(repr(value))}")
     return cls(**values)
+
+
+def _satisfies(predicate: typing.Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return predicate(value)
+    except (OSError, ValueError):  # a path too long to stat, digits int() will not convert: not a valid value
+        return False
 
 
 def _check(hint: Any, value: Any, source: str, name: str) -> Any:
@@ -210,9 +339,13 @@ def _check(hint: Any, value: Any, source: str, name: str) -> Any:
     if origin in (dict, Mapping):
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: '{name}' must be a mapping, got {_kind(value)}")
+        for k in value:
+            if not isinstance(k, str):  # YAML reads `1:` or `null:` as a number or None, not a name
+                raise ConfigError(f"{source}: '{name}' keys must be strings, got {_kind(k)}")
+            _text(k, source, f"{name} key {_key(k)}")
         if params[1] is str:
-            return {str(k): _string(v, source, f"{name}.{k}") for k, v in value.items()}
-        return {str(k): _check_scalar(params[1], v, source, f"{name}.{k}") for k, v in value.items()}
+            return {k: _string(v, source, f"{name}.{_key(k)}") for k, v in value.items()}
+        return {k: _check_scalar(params[1], v, source, f"{name}.{_key(k)}") for k, v in value.items()}
     return _check_scalar(hint, value, source, name)
 
 
@@ -220,26 +353,66 @@ def _check_scalar(hint: Any, value: Any, source: str, name: str) -> Any:
     if hint is bool and isinstance(value, bool):
         return value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
+        return _number(value, source, name)
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        return float(_number(value, source, name))
     if hint is str and isinstance(value, str):
-        return value
+        return _text(value, source, name)
     wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
     raise ConfigError(f"{source}: '{name}' must be {wanted}, got {_kind(value)}")
 
 
+def _number(value: int | float, source: str, name: str) -> int | float:
+    """A finite number within MAX_NUMBER, and within MAX_SECONDS for a `*_s` key."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: '{name}' must be a finite number, got {value!r}")
+    if abs(value) > MAX_NUMBER:
+        raise ConfigError(f"{source}: '{name}' must be at most 2**53 in size, got {_kind(value)}")
+    if value > MAX_SECONDS and any(part.endswith("_s") for part in name.split(".")):
+        raise ConfigError(f"{source}: '{name}' must be at most {MAX_SECONDS} seconds, got {value!r}")
+    return value
+
+
+def _text(value: str, source: str, name: str) -> str:
+    """A string a command line, environment or path can hold: no NUL, no lone surrogate."""
+    if "\0" in value:  # Popen and open() raise ValueError on it
+        raise ConfigError(f"{source}: '{name}' must not contain a NUL character, got {_kind(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # YAML's "\ud800" escape: not text any OS call accepts
+        raise ConfigError(f"{source}: '{name}' must be valid Unicode text, got {_kind(value)}") from None
+    return value
+
+
 def _string(value: Any, source: str, name: str) -> str:
     """A string, or a number YAML read as one (`"--steps", 600`); nothing else."""
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return str(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(_number(value, source, name))
+    if isinstance(value, str):
+        return _text(value, source, name)
     raise ConfigError(f"{source}: '{name}' must be a string, got {_kind(value)}")
 
 
 def _kind(value: Any) -> str:
+    """A value as an error message shows it: short, on one line, never a huge repr."""
     if isinstance(value, (dict, list)):
         return f"a {'mapping' if isinstance(value, dict) else 'list'}"
-    return repr(value)
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"  # repr() of 10^5000 raises ValueError
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return _brief(repr(value))
+    return f"a {type(value).__name__}"  # a date, bytes or a set: YAML tags no key takes
+
+
+def _key(key: Any) -> str:
+    """A key as part of a dotted name: itself if plain, else escaped and shortened."""
+    if isinstance(key, str) and key.isprintable() and len(key) <= 80:
+        return key
+    return _brief(repr(key)[1:-1]) if isinstance(key, str) else _kind(key)
+
+
+def _brief(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _suggest(key: str, known: set[str]) -> str:

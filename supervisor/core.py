@@ -8,11 +8,15 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     RUNNING  --ChildExited(!=0)--> STOPPING (then relaunch, or fail when restarts are exhausted)
     RUNNING  --ChildExited(EXIT_ANOMALY, abort info)--> STOPPING (then roll back past the bad data, or fail)
     RUNNING  --ChildExited(EXIT_CONFIG)--> STOPPING (then fail with EXIT_CONFIG: a relaunch cannot help)
+    RUNNING  --ChildExited(EXIT_CHECKPOINT_REFUSED, or killed while leaving; refusal)--> STOPPING (then relaunch
+             passing over the refused step, or fail when restarts are exhausted; fail with EXIT_CONFIG if
+             worker.resume_training named it)
     RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang)
     RUNNING  --SignalReceived or StopRequested--> RUNNING with a stop order: every rank saves at the agreed
              step, then exits (--all exited 0--> STOPPED) or goes on; no rank reporting steps: STOPPING
     RUNNING  --stop order's timeout (Tick), or a second SIGINT--> STOPPING (then stopped)
     STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED
+    STOPPING --ChildExited(refusal)--> STOPPING, the refused step passed over from now on
     STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL);
     TERM lasts the kill grace, or until every save in flight is past its save timeout, whichever is later
     STOPPING --deadline in KILL--> FAILED (a rank survived SIGKILL)
@@ -36,6 +40,7 @@ from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_FAILED, StopOrder
 
 __all__ = [
     "Action",
+    "CheckpointRefusal",
     "ChildExited",
     "DumpStacks",
     "Event",
@@ -120,6 +125,7 @@ class RanksLaunched:
     resume_step: int | None
     passed_over: tuple[tuple[int, str], ...] = ()  # newer checkpoints not resumed from, and why
     resume_source: str | None = None  # where the checkpoint is, when not the run's regular checkpoints
+    resume_named: bool = False  # the checkpoint is the one `worker.resume_training` names (attempt 0 only)
 
 
 @dataclass(frozen=True)
@@ -131,10 +137,20 @@ class LaunchFailed:
 
 
 @dataclass(frozen=True)
+class CheckpointRefusal:
+    """What a rank logged when it refused to load its resume checkpoint (`checkpoint_refused`)."""
+
+    step: int
+    path: str
+    error: str
+
+
+@dataclass(frozen=True)
 class ChildExited:
     """A rank's leader process exited; a negative code is the killing signal, as in Popen.
 
-    `abort` is what the rank logged when it exited with EXIT_ANOMALY.
+    `abort` is what the rank logged when it exited with EXIT_ANOMALY; `refused` what it logged when it refused its
+    resume checkpoint (it then exits EXIT_CHECKPOINT_REFUSED, unless a peer's stop kills it on its way out).
     """
 
     attempt: int
@@ -142,6 +158,7 @@ class ChildExited:
     returncode: int
     abort: AbortInfo | None = None
     stopped_at: int | None = None  # the step of the stop order the rank carried out before exiting 0
+    refused: CheckpointRefusal | None = None
 
 
 @dataclass(frozen=True)
@@ -199,12 +216,13 @@ Event = (Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | 
 class LaunchRanks:
     """Start every rank of `attempt` from the newest complete checkpoint (at or before `resume_at_most`).
 
-    Ranks whose data position is below `skip_to_batch` jump to it.
+    Ranks whose data position is below `skip_to_batch` jump to it; `refused` steps (and why) are passed over.
     """
 
     attempt: int
     resume_at_most: int | None = None
     skip_to_batch: int | None = None
+    refused: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -269,9 +287,13 @@ class Policy:
 
     def backoff_s(self, restarts_done: int) -> float:
         """Delay before the next relaunch: none for the first, then exponential up to the cap."""
-        if restarts_done == 0:
+        if restarts_done == 0 or self.backoff_initial_s == 0:
             return 0.0
-        return min(self.backoff_max_s, self.backoff_initial_s * self.backoff_factor ** (restarts_done - 1))
+        try:
+            growth = float(self.backoff_factor) ** (restarts_done - 1)  # float: an int ** 10**6 is a huge int
+        except OverflowError:  # 2.0 ** 1024 and beyond: long past any cap
+            return self.backoff_max_s
+        return min(self.backoff_max_s, self.backoff_initial_s * growth)  # a product past 1e308 is inf, not an error
 
 
 @dataclass(frozen=True)
@@ -334,6 +356,8 @@ class State:
     resume_step: int | None = None
     resume_source: str | None = None  # None: the run's regular checkpoints; else a snapshot slot or load_checkpoint
     resume_passed_over: tuple[tuple[int, str], ...] = ()
+    resume_named: bool = False  # the current attempt resumed from the checkpoint worker.resume_training names
+    refused_steps: tuple[tuple[int, str], ...] = ()  # checkpoints a rank refused to load, and why: never resumed from
     last_failure: str | None = None
     reason: str | None = None
 
@@ -405,7 +429,8 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
         return state, []
     ranks = tuple(RankState(rank, pid=pid) for rank, pid in enumerate(event.pids))
     state = replace(state, phase=Phase.RUNNING, ranks=ranks, resume_step=event.resume_step, deadline=None,
-                    launched_at=now, resume_passed_over=event.passed_over, resume_source=event.resume_source)
+                    launched_at=now, resume_passed_over=event.passed_over, resume_source=event.resume_source,
+                    resume_named=event.resume_named)
     record = _record("ranks_launched", attempt=event.attempt, pids=list(event.pids), resume_step=event.resume_step,
                      resume_source=event.resume_source)
     return state, [record]
@@ -429,8 +454,12 @@ def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[Stat
             return _on_anomaly_abort(state, event, event.abort, now)
         if event.returncode == EXIT_CONFIG:
             return _on_config_error(state, event, now)
+        if event.refused is not None:
+            return _on_checkpoint_refused(state, event, event.refused, now)
         return _on_crash(state, event, now)
     if state.phase is Phase.STOPPING:
+        if event.refused is not None:  # a peer went down first (its gloo connection to this rank closed)
+            return _refused_while_stopping(state, event, event.refused, now)
         return _after_rank_down(state, event, now)
     return state, []
 
@@ -496,6 +525,42 @@ def _on_config_error(state: State, event: ChildExited, now: float) -> tuple[Stat
                     failure_code=EXIT_CONFIG)
     state, stop = _begin_stop(state, Then.FAIL, now)
     return state, [_record("rank_config_error", level="error", rank=event.rank, attempt=event.attempt), *stop]
+
+
+def _on_checkpoint_refused(state: State, event: ChildExited, refusal: CheckpointRefusal,
+                           now: float) -> tuple[State, list[Action]]:
+    """Relaunch like after a crash, but never again from the refused step (an attacker may have crafted it)."""
+    failure = f"rank {event.rank} refused checkpoint {refusal.step} in attempt {event.attempt}: {refusal.error}"
+    state, actions = _note_refusal(replace(state, last_failure=failure), event, refusal)
+    if state.resume_named:  # the person asked for exactly this checkpoint: an older one is not what they meant
+        state, stop = _begin_stop(state, Then.FAIL, now)
+        return state, [*actions, *stop]
+    then = Then.STOP if stopping_on_request(state) else _failure_outcome(state)
+    state, stop = _begin_stop(state, then, now)
+    return state, [*actions, *_exhausted_records(state, then), *stop]
+
+
+def _refused_while_stopping(state: State, event: ChildExited, refusal: CheckpointRefusal,
+                            now: float) -> tuple[State, list[Action]]:
+    """A refusal seen only once the stop began: the relaunch still passes the step over (or, named, fails)."""
+    state, noted = _note_refusal(state, event, refusal)
+    if state.resume_named and state.then is Then.RELAUNCH:
+        state = replace(state, then=Then.FAIL)
+    state, actions = _after_rank_down(state, event, now)
+    return state, [*noted, *actions]
+
+
+def _note_refusal(state: State, event: ChildExited, refusal: CheckpointRefusal) -> tuple[State, list[Action]]:
+    """Remember the refused step for every later launch; if worker.resume_training named it, the run is to fail."""
+    reason = f"refused by rank {event.rank}: {refusal.error}"
+    if all(step != refusal.step for step, _ in state.refused_steps):
+        state = replace(state, refused_steps=(*state.refused_steps, (refusal.step, reason)))
+    if state.resume_named:
+        state = replace(state, failure_code=EXIT_CONFIG,
+                        give_up=f"the checkpoint named by worker.resume_training (step {refusal.step}) was {reason}")
+    record = _record("checkpoint_refused", level="error", rank=event.rank, attempt=event.attempt, step=refusal.step,
+                     path=refusal.path, error=refusal.error)
+    return state, [record]
 
 
 def stopping_on_request(state: State) -> bool:
@@ -639,7 +704,8 @@ def _relaunch(state: State) -> tuple[State, list[Action]]:
     )
     rollback = state.rollback
     resume_at_most = rollback.resume_at_most if rollback is not None and was_rollback else None
-    return state, [LaunchRanks(attempt, resume_at_most, rollback.skip_to_batch if rollback else None)]
+    skip_to = rollback.skip_to_batch if rollback else None
+    return state, [LaunchRanks(attempt, resume_at_most, skip_to, state.refused_steps)]
 
 
 def _fail(state: State, reason: str) -> State:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from pathlib import Path
 from typing import IO, Any
 
 import structlog
+
+from worker.files import open_append
 
 __all__ = ["Journal", "open_journal"]
 
@@ -43,10 +46,10 @@ class Journal:
         self._stream.close()
 
 
-def open_journal(path: Path, *, echo: IO[str] | None = sys.stderr) -> Journal:
-    """Open (append) the journal at `path`; `echo` also receives every line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by Journal.close
+def open_journal(path: Path, *, root: Path, echo: IO[str] | None = sys.stderr) -> Journal:
+    """Open (append) the journal at `path` inside the run dir `root`, following no symlink; `echo` also
+    receives every line."""
+    stream = os.fdopen(open_append(path, root=root), "a", encoding="utf-8")  # closed by Journal.close
     streams = [stream] + ([echo] if echo is not None else [])
     logger = structlog.wrap_logger(
         _TeeLogger(streams),

@@ -1,38 +1,70 @@
-"""Reading the newest events of a rank's JSON-lines log from its end (logs grow by a line per step)."""
+"""Reading the newest events of a rank's JSON-lines log from its end (logs grow by a line per step).
+
+The log is the rank's to write, so nothing in it is trusted: the tail is read bounded from a regular
+file only, lines that are not strict JSON objects are skipped, and numbers are checked before use.
+"""
 
 from __future__ import annotations
 
-import json
+import os
 from typing import Any
 
+from supervisor.rollback import AbortInfo
 from worker.contract import RunLayout
+from worker.files import open_regular, parse_json
 
-__all__ = ["last_event", "last_step"]
+__all__ = ["abort_info", "count", "last_event", "last_step"]
 
 TAIL_BYTES = 65536
 
 
 def last_event(layout: RunLayout, rank: int, attempt: int, name: str) -> dict[str, Any] | None:
-    """The newest `name` event of `attempt` within the log's last TAIL_BYTES; torn lines are skipped."""
-    path = layout.rank_events(rank)
+    """The newest `name` event of `attempt` within the log's last TAIL_BYTES; torn and odd lines are skipped."""
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(0, size - TAIL_BYTES))
-            lines = f.read().splitlines()
+        fd = open_regular(layout.rank_events(rank))
     except OSError:
         return None
+    try:
+        size = os.fstat(fd).st_size
+        lines = os.pread(fd, TAIL_BYTES, max(0, size - TAIL_BYTES)).splitlines()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     for line in reversed(lines):
         try:
-            event = json.loads(line)
+            event = parse_json(line)
         except ValueError:
-            continue  # a torn first or last line
+            continue  # a torn first or last line, or garbage
         if isinstance(event, dict) and event.get("event") == name and event.get("attempt") == attempt:
             return event
     return None
 
 
+def count(event: dict[str, Any], key: str) -> int:
+    """`event[key]` as a step, batch or rank number; ValueError naming the key for anything else."""
+    value = event.get(key)
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{key!r} is {str(value)[:40]!r}, not a count")
+    return value
+
+
+def abort_info(event: dict[str, Any] | None) -> AbortInfo:
+    """What a rank's `anomaly_abort` event says about its streak; ValueError if it says nothing usable."""
+    if event is None:
+        raise ValueError("no anomaly_abort event in its log")
+    suspects = event.get("suspect_ranks") or []
+    if not isinstance(suspects, list):
+        raise ValueError("'suspect_ranks' is not a list")
+    return AbortInfo(first_step=count(event, "first_anomaly_step"), abort_step=count(event, "step"),
+                     first_batch=count(event, "first_anomaly_batch"), abort_batch=count(event, "batch"),
+                     suspect_ranks=tuple(count({"rank": rank}, "rank") for rank in suspects))
+
+
 def last_step(layout: RunLayout, rank: int, attempt: int) -> int | None:
     """The newest step the rank logged in `attempt` (heartbeats are throttled; the event log is not)."""
     event = last_event(layout, rank, attempt, "step")
-    return None if event is None else int(event["step"])
+    try:
+        return None if event is None else count(event, "step")
+    except ValueError:
+        return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from worker.contract import (
     ENV_WORKER_CONFIG,
     RunLayout,
 )
+from worker.files import open_append
 
 __all__ = ["Ranks", "free_port", "launch_ranks", "rank_argv"]
 
@@ -120,9 +122,9 @@ def launch_ranks(config: JobConfig, layout: RunLayout, *, attempt: int, resume_s
 
 
 def _spawn(argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int, rank: int) -> subprocess.Popen:
-    out_path = layout.attempt_log(attempt, rank, "out")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_path, "ab") as out, open(layout.attempt_log(attempt, rank, "err"), "ab") as err:
+    with contextlib.ExitStack() as logs:
+        out, err = (logs.enter_context(os.fdopen(open_append(layout.attempt_log(attempt, rank, stream),
+                                                             root=layout.root), "ab")) for stream in ("out", "err"))
         # start_new_session: the rank leads its own process group, so killpg reaches its whole tree;
         # die_with_parent: a SIGKILLed supervisor takes its ranks along.
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,

@@ -4,14 +4,17 @@ A run that aborts on a streak of anomalies is relaunched from the newest checkpo
 `first anomaly step - rollback_steps`, and every rank jumps past the batches from that checkpoint
 through `skip_after_steps` batches after the abort. If the next streak starts within one more
 window past the skipped one, it is the same region: both distances grow by `widen_factor`; after
-`max_tries` rollbacks of one region the run fails.
+`max_tries` rollbacks of one region the run fails. A widened distance is capped at MAX_WINDOW_STEPS,
+so a huge `widen_factor` or many tries can neither overflow nor build gigantic integers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AbortInfo", "AnomalyPolicy", "Rollback", "plan_rollback"]
+__all__ = ["MAX_WINDOW_STEPS", "AbortInfo", "AnomalyPolicy", "Rollback", "plan_rollback"]
+
+MAX_WINDOW_STEPS = 2**53  # more steps than any run takes; where floats stop counting steps exactly
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,8 @@ def plan_rollback(policy: AnomalyPolicy, previous: Rollback | None, abort: Abort
     tries = previous.tries + 1 if same_region and previous is not None else 1
     if tries > policy.max_tries:
         return None
-    widen = policy.widen_factor ** (tries - 1)
-    rollback = round(policy.rollback_steps * widen)
-    skip_after = round(policy.skip_after_steps * widen)
+    rollback = _widened(policy.rollback_steps, policy.widen_factor, tries - 1)
+    skip_after = _widened(policy.skip_after_steps, policy.widen_factor, tries - 1)
     return Rollback(
         abort=abort,
         tries=tries,
@@ -62,3 +64,14 @@ def plan_rollback(policy: AnomalyPolicy, previous: Rollback | None, abort: Abort
         skip_to_batch=abort.abort_batch + 1 + skip_after,
         skip_after=skip_after,
     )
+
+
+def _widened(steps: int, factor: float, times: int) -> int:
+    """`steps * factor ** times`, rounded and capped at MAX_WINDOW_STEPS."""
+    if steps == 0:
+        return 0
+    try:
+        value = steps * float(factor) ** times  # float: an int factor ** 2**53 would never finish
+    except OverflowError:  # factor ** times beyond 1e308
+        return MAX_WINDOW_STEPS
+    return round(min(value, MAX_WINDOW_STEPS))  # min first: round(inf) raises, and steps * 1e308 may be inf

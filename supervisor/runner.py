@@ -30,6 +30,7 @@ from supervisor.checkpoints import (
 from supervisor.config import JobConfig
 from supervisor.core import (
     Action,
+    CheckpointRefusal,
     ChildExited,
     DumpStacks,
     Event,
@@ -53,9 +54,8 @@ from supervisor.core import (
 )
 from supervisor.journal import Journal
 from supervisor.notify import Notifier, ServiceReporter
-from supervisor.rank_logs import last_event
+from supervisor.rank_logs import abort_info, count, last_event
 from supervisor.ranks import Ranks, launch_ranks
-from supervisor.rollback import AbortInfo
 from supervisor.stacks import start_stack_collection
 from supervisor.status import StatusError, read_status, snapshot, write_status
 from supervisor.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
@@ -70,18 +70,19 @@ from supervisor.trees import (
 from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, StopFileChanged, read_heartbeat
 from worker.contract import (
     EXIT_ANOMALY,
+    EXIT_CHECKPOINT_REFUSED,
     RunLayout,
     StopOrder,
-    atomic_write_json,
     named_store,
     parse_checkpoint_name,
     resume_stores,
-    unlink_quietly,
 )
+from worker.files import DIR_MODE, atomic_write_json, open_in, open_regular, unlink_quietly
 
 __all__ = ["LeftoversSurvived", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
 POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the state file, this often
+MAX_LOGGED_CHARS = 500  # of a path or error a rank logged, as it reaches the journal and the status
 STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -108,15 +109,15 @@ class RunDirBusy(Exception):
 
 def lock_run_dir(layout: RunLayout) -> IO[str]:
     """Hold an exclusive lock on the run dir for this process's lifetime: one supervisor per run."""
-    layout.lock_file.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(layout.lock_file, "a+")  # noqa: SIM115 - held open until the supervisor exits
+    layout.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    lock = os.fdopen(open_in(layout.lock_file, os.O_RDWR | os.O_CREAT, root=layout.root), "r+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
+        holder = lock.read(32).strip()  # bounded: the file is in the run dir, anyone may have written it
         lock.close()
-        raise RunDirBusy(f"{layout.root} is already supervised by pid {holder}") from None
+        raise RunDirBusy(f"{layout.root} is already supervised by pid {holder if holder.isdigit() else 'unknown'}"
+                         ) from None
     lock.truncate(0)
     lock.write(f"{os.getpid()}\n")
     lock.flush()
@@ -134,7 +135,8 @@ class Supervisor:
         self._ignore_stop_file = ignore_stop_file
         self._stop_file_seen: tuple[int, ...] | None = None  # the write of the stop file acted on last
         self.log = journal.log
-        self.state: State = initial_state(config.policy(), step_gaps=_previous_step_gaps(layout))
+        gaps = _previous_step_gaps(layout, config.hang.calibration.window)
+        self.state: State = initial_state(config.policy(), step_gaps=gaps)
         self._config_path = config_path
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ranks: Ranks | None = None
@@ -175,6 +177,9 @@ class Supervisor:
         that. `--ignore-stop-file` launches anyway, treating the file's present content as already handled."""
         present = _stop_file_signature(self.stop_file)
         if present is None:
+            return False
+        if isinstance(present[1], OSError):  # a FIFO, directory or symlink there is nobody's stop request
+            self._read_stop_file()
             return False
         if self._ignore_stop_file:
             self._stop_file_seen = present[0]
@@ -218,26 +223,50 @@ class Supervisor:
         self._inbox.put_nowait(ChildExited(attempt, rank, returncode))
 
     def _with_abort_info(self, event: ChildExited) -> ChildExited:
-        """An anomaly exit carries what the rank logged about its streak (a crash, if it logged nothing)."""
+        """An anomaly exit carries what the rank logged about its streak (a crash, if it logged nothing usable)."""
         if event.returncode != EXIT_ANOMALY:
             return event
-        logged = last_event(self.layout, event.rank, event.attempt, "anomaly_abort")
-        if logged is None:
-            self.log.warning("anomaly_abort_unreadable", rank=event.rank, attempt=event.attempt)
+        try:
+            abort = abort_info(last_event(self.layout, event.rank, event.attempt, "anomaly_abort"))
+        except ValueError as exc:
+            self.log.warning("anomaly_abort_unreadable", rank=event.rank, attempt=event.attempt, error=str(exc))
             return event
-        abort = AbortInfo(first_step=int(logged["first_anomaly_step"]), abort_step=int(logged["step"]),
-                          first_batch=int(logged["first_anomaly_batch"]), abort_batch=int(logged["batch"]),
-                          suspect_ranks=tuple(int(r) for r in logged.get("suspect_ranks") or ()))
         return replace(event, abort=abort)
+
+    def _with_refusal(self, event: ChildExited) -> ChildExited:
+        """A rank that refused its resume checkpoint carries what it logged about it: it exits
+        EXIT_CHECKPOINT_REFUSED, or dies of a peer's stop on its way out. A crash, if it logged nothing usable."""
+        if event.returncode == 0:
+            return event
+        logged = last_event(self.layout, event.rank, event.attempt, "checkpoint_refused")
+        try:
+            if logged is None:
+                if event.returncode != EXIT_CHECKPOINT_REFUSED:
+                    return event  # an ordinary crash
+                raise ValueError("no checkpoint_refused event in its log")
+            step, path, error = count(logged, "step"), logged.get("path"), logged.get("error")
+            if step != self.state.resume_step:
+                raise ValueError(f"step {step} is not the resume step {self.state.resume_step}")
+            if not isinstance(path, str) or not isinstance(error, str):
+                raise ValueError("'path' or 'error' is not a string")
+        except ValueError as exc:
+            self.log.warning("checkpoint_refused_unreadable", rank=event.rank, attempt=event.attempt, error=str(exc))
+            return event
+        # The rank's log is not trusted: bounded, like everything else read from it.
+        return replace(event, refused=CheckpointRefusal(step, path[:MAX_LOGGED_CHARS], error[:MAX_LOGGED_CHARS]))
 
     def _with_stop_info(self, event: ChildExited) -> ChildExited:
         """A clean exit after carrying out a stop-and-exit order carries its step (read from the rank's log)."""
         if event.returncode != 0 or self.state.stop_order is None or not self.state.stop_order.exit:
             return event
         done = last_event(self.layout, event.rank, event.attempt, "stop_order_done")
-        if done is None or not done.get("exit"):
+        if done is None or done.get("exit") is not True:
             return event
-        return replace(event, stopped_at=int(done["step"]))
+        try:
+            return replace(event, stopped_at=count(done, "step"))
+        except ValueError as exc:
+            self.log.warning("stop_order_done_unreadable", rank=event.rank, attempt=event.attempt, error=str(exc))
+            return event
 
     def _next_event(self) -> Any:
         now = time.monotonic()
@@ -274,7 +303,7 @@ class Supervisor:
             self._track_processes()
             return [*self._read_heartbeats(range(self.config.nproc_per_node)), *self._read_stop_file(), item]
         if isinstance(item, ChildExited):
-            return [self._with_stop_info(self._with_abort_info(item))]
+            return [self._with_stop_info(self._with_abort_info(self._with_refusal(item)))]
         if isinstance(item, LaunchPrepared):
             return self._launch_prepared(item)
         if isinstance(item, LeftoversSurvived):
@@ -299,7 +328,7 @@ class Supervisor:
         events: list[Event] = []
         for rank in ranks:
             try:
-                seen = read_heartbeat(self.layout.heartbeat(rank))
+                seen = read_heartbeat(self.layout.heartbeat(rank), rank)
             except HeartbeatUnreadable as exc:
                 if rank not in self._unreadable:  # say it once per streak, not every second
                     self.log.warning("heartbeat_unreadable", rank=rank, error=str(exc))
@@ -335,7 +364,7 @@ class Supervisor:
             unlink_quietly(self.layout.stop_order)
             return
         try:
-            atomic_write_json(self.layout.stop_order, asdict(order))
+            atomic_write_json(self.layout.stop_order, asdict(order), root=self.layout.root)
         except OSError as exc:  # the ranks never hear of it: the stop timeout escalates
             self.log.error("stop_order_write_failed", error=str(exc))
 
@@ -380,7 +409,7 @@ class Supervisor:
         """Off the main loop, which keeps answering signals and the watchdog: choose the resume point
         (reading every candidate's files for their checksums can take minutes for big checkpoints)."""
         try:
-            choice = self._choose_resume(action.attempt, action.resume_at_most)
+            choice = self._choose_resume(action.attempt, action.resume_at_most, action.refused)
         except Exception as exc:  # noqa: BLE001 - whatever it is, the run must not wait forever in STARTING
             self._inbox.put_nowait(LaunchFailed(action.attempt, f"choosing a checkpoint failed: {exc!r}"))
             return
@@ -421,7 +450,7 @@ class Supervisor:
             return LaunchFailed(attempt, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         source = None if store is None or store == self.layout.checkpoints else store.label
         return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step, choice.passed_over,
-                             source)
+                             source, resume_named=self._names_resume(attempt) and resume_step is not None)
 
     def _sort_out_junk(self) -> None:
         """Before a launch (no save can be in flight): delete our torn temporaries, report anything foreign once."""
@@ -434,18 +463,22 @@ class Supervisor:
             self.log.warning("checkpoint_dir_junk", paths=unreported, action="ignored, left in place")
             self._reported_junk.update(junk.foreign)
 
-    def _choose_resume(self, attempt: int, at_most: int | None) -> Choice:
-        """Newest checkpoint complete, intact and healthy on every rank (at or before `at_most`), saying why
-        newer ones were passed over; attempt 0 honours `worker.resume_training`."""
+    def _names_resume(self, attempt: int) -> bool:
+        """Whether this attempt resumes from the checkpoint `worker.resume_training` names (the first only)."""
+        return attempt == 0 and isinstance(self.config.worker.resume_training, str)
+
+    def _choose_resume(self, attempt: int, at_most: int | None, refused: tuple[tuple[int, str], ...] = ()) -> Choice:
+        """Newest checkpoint complete, intact and healthy on every rank (at or before `at_most`, none `refused`),
+        saying why newer ones were passed over; attempt 0 honours `worker.resume_training`."""
         worker, world = self.config.worker, self.config.nproc_per_node
         if attempt == 0 and worker.resume_training is False:
             return Choice(None, ())
-        if attempt == 0 and isinstance(worker.resume_training, str):
+        if self._names_resume(attempt):
             named = parse_checkpoint_name(worker.resume_training)
             assert named is not None  # the config was validated
             return choose_explicit(named_store(self.layout, worker), world, worker.prefix, named)
         return choose_resume(resume_stores(self.layout, worker), world, worker.prefix, at_most=at_most,
-                             require_healthy=worker.use_checkpoint_health_monitor)
+                             require_healthy=worker.use_checkpoint_health_monitor, refused=dict(refused))
 
     def _kill_leftovers(self) -> None:
         """On any way out, no process of the run outlives the supervisor."""
@@ -496,25 +529,31 @@ class Supervisor:
             self.log.error("status_write_failed", error=str(exc))
 
 
-def _previous_step_gaps(layout: RunLayout) -> tuple[float, ...]:
-    """Calibration samples a previous supervisor of this run dir kept, so a restart does not start blind."""
+def _previous_step_gaps(layout: RunLayout, window: int) -> tuple[float, ...]:
+    """Calibration samples a previous supervisor of this run dir kept, so a restart does not start blind
+    (only positive numbers, at most `window` of them: the file may have been tampered with)."""
     try:
         gaps = read_status(layout).get("calibration", {}).get("step_gaps", [])
-        return tuple(float(g) for g in gaps)
-    except (StatusError, AttributeError, TypeError, ValueError):
+        return tuple(float(g) for g in gaps if type(g) in (int, float) and g > 0)[-window:]
+    except (StatusError, AttributeError, TypeError):
         return ()
 
 
 def _stop_file_signature(path: Path) -> tuple[tuple[int, ...], bytes | OSError, float] | None:
     """(what identifies this write, the content or why it cannot be read, seconds since it was written),
-    or None when there is no file."""
+    or None when there is no file. Read bounded and without blocking: a FIFO or symlink there is refused."""
     try:
-        with open(path, "rb") as f:
-            stat = os.fstat(f.fileno())
-            data = f.read(MAX_STOP_FILE_BYTES + 1)
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
-    except OSError as exc:  # present but unreadable (a directory, no permission): the operator must hear of it
+    except OSError as exc:  # a directory, FIFO, symlink, no permission: the operator must hear of it
         return (-1, exc.errno or 0), exc, math.inf
+    try:
+        stat = os.fstat(fd)
+        data = os.read(fd, MAX_STOP_FILE_BYTES + 1)
+    except OSError as exc:
+        return (-1, exc.errno or 0), exc, math.inf
+    finally:
+        os.close(fd)
     signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size, zlib.crc32(data))
     return signature, data, time.time() - stat.st_mtime

@@ -7,9 +7,11 @@ outside when py-spy is installed (it needs no cooperation, so it also covers scr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -22,11 +24,13 @@ import psutil
 from supervisor.core import StacksCollected
 from supervisor.rank_logs import last_step
 from worker.contract import STACK_DUMP_SIGNAL, RunLayout
+from worker.files import atomic_write_bytes, open_regular
 
 __all__ = ["find_pyspy", "outside_collectives", "start_stack_collection"]
 
 PYSPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0
+MAX_DUMP_BYTES = 1 << 20  # one dump of every thread is a few KiB; the file is the rank's to write
 # Frames of a rank waiting for its peers: inside a collective, or in backward where DDP all-reduces.
 _COLLECTIVE_FRAMES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 
@@ -59,7 +63,7 @@ def _collect(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler
         pyspy = find_pyspy()
         if pyspy is not None:
             for rank, pid in pids.items():
-                if text := _pyspy_dump(pyspy, pid, layout.pyspy_dump(rank, attempt)):
+                if text := _pyspy_dump(pyspy, pid, layout.pyspy_dump(rank, attempt), layout.root):
                     dumps[str(layout.pyspy_dump(rank, attempt))] = text
         deadline = time.monotonic() + FAULTHANDLER_WAIT_S
         for rank, size in before.items():
@@ -96,27 +100,40 @@ def _request_dump(pid: int) -> None:
         pass
 
 
-def _pyspy_dump(pyspy: str, pid: int, path: Path) -> str | None:
+def _pyspy_dump(pyspy: str, pid: int, path: Path, root: Path) -> str | None:
     """Write `py-spy dump` of `pid` to `path` (its error, if it fails); the dump when it worked."""
     try:
         result = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True,
                                 timeout=PYSPY_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        path.write_text(f"py-spy dump of pid {pid} failed: {exc}\n")
+        _write(path, f"py-spy dump of pid {pid} failed: {exc}\n", root)
         return None
     failure = f"\n[py-spy exit {result.returncode}] {result.stderr}" if result.returncode else ""
-    path.write_text(result.stdout + failure)
+    _write(path, result.stdout + failure, root)
     return result.stdout if result.returncode == 0 else None
 
 
+def _write(path: Path, text: str, root: Path) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a planted symlink or full disk costs this dump only
+        atomic_write_bytes(path, text.encode(), root=root)
+
+
 def _read_from(path: Path, offset: int) -> str:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read().decode(errors="replace")
+    """What a rank's faulthandler appended to its dump file past `offset`, at most MAX_DUMP_BYTES."""
+    try:
+        fd = open_regular(path)
+    except OSError:
+        return ""
+    try:
+        return os.pread(fd, MAX_DUMP_BYTES, offset).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def _size(path: Path) -> int:
+    """The size of a regular file (not followed if a symlink); 0 for anything else."""
     try:
-        return path.stat().st_size
-    except FileNotFoundError:
+        info = os.lstat(path)
+    except OSError:
         return 0
+    return info.st_size if stat.S_ISREG(info.st_mode) else 0

@@ -9,7 +9,8 @@ from typing import Any
 
 from supervisor.core import State
 from supervisor.hangs import TRAIN_PHASE, phase_timeout
-from worker.contract import RunLayout, atomic_write_json, read_json
+from worker.contract import RunLayout
+from worker.files import atomic_write_json, read_json
 
 __all__ = ["StatusError", "read_status", "render", "snapshot", "write_status"]
 
@@ -59,7 +60,7 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
 
 
 def write_status(layout: RunLayout, status: dict[str, Any], *, durable: bool) -> None:
-    atomic_write_json(layout.state_file, status, durable=durable)
+    atomic_write_json(layout.state_file, status, root=layout.root, durable=durable)
 
 
 def read_status(layout: RunLayout) -> dict[str, Any]:
@@ -74,11 +75,15 @@ def read_status(layout: RunLayout) -> dict[str, Any]:
         raise StatusError(f"{layout.state_file}: not a trainwarden state file")
     alive = _pid_alive(status.get("supervisor_pid"))
     status["supervisor_alive"] = alive
-    if alive:  # ages were true when written; add the time since
-        since = max(0.0, time.time() - status.get("updated_at", time.time()))
-        for rank in status.get("ranks", []):
-            if rank.get("heartbeat_age_s") is not None:
-                rank["heartbeat_age_s"] = round(rank["heartbeat_age_s"] + since, 3)
+    try:
+        if alive:  # ages were true when written; add the time since
+            since = max(0.0, time.time() - status.get("updated_at", time.time()))
+            for rank in status["ranks"]:
+                if rank.get("heartbeat_age_s") is not None:
+                    rank["heartbeat_age_s"] = round(rank["heartbeat_age_s"] + since, 3)
+        render(status)  # a state file we cannot summarise is not one we wrote
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise StatusError(f"{layout.state_file}: not a trainwarden state file ({type(exc).__name__}: {exc})") from None
     return status
 
 
@@ -123,7 +128,7 @@ def render(status: dict[str, Any]) -> str:
 
 
 def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
+    if type(pid) is not int or not 0 < pid < 2**31:  # pid_t
         return False
     try:
         os.kill(pid, 0)

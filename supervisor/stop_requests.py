@@ -4,7 +4,8 @@ Stop file content, after trimming whitespace:
 - nothing, or words without digits (a kill switch: `touch stop`, `echo stop > stop`): save at the next
   agreed step and exit;
 - `N` > 0: save at step N and exit;  `-N`: save at step N and continue training;
-- anything else (digits mixed with other text, `0`, binary, more than 4 KiB) is refused with a reason.
+- anything else (digits mixed with other text, `0`, control characters or other binary, more than 4 KiB) is
+  refused with a reason.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def parse_stop_file(data: bytes, source: str) -> StopRequest:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise StopFileUnparsable("not text (not UTF-8)") from None
-    if "\0" in text:
-        raise StopFileUnparsable("not text (NUL bytes)")
+    if any(not (c.isprintable() or c.isspace()) for c in text):
+        raise StopFileUnparsable("not text (control characters)")
     if not any(c.isdigit() for c in text):
         return StopRequest(None, True, source)
     if not _STEP.fullmatch(text) or int(text) == 0:

@@ -3,7 +3,8 @@
 The supervisor makes itself a child subreaper, so a grandchild whose rank died is re-parented to the
 supervisor instead of init: "everything of this run" is then simply "every descendant of the supervisor".
 The pids (with start times, so a reused pid is never touched) are recorded in the run dir, so a
-supervisor restarted after a SIGKILL can end what its predecessor left.
+supervisor restarted after a SIGKILL can end what its predecessor left; it kills only processes that
+also carry this run dir in their environment, so a forged record cannot aim it at anything else.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 import psutil
 
-from worker.contract import RunLayout, atomic_write_json, read_json
+from worker.contract import ENV_RUN_DIR, RunLayout
+from worker.files import atomic_write_json, read_json
 
 __all__ = [
     "become_subreaper",
@@ -84,23 +86,35 @@ def record_pids(layout: RunLayout, procs: Iterable[psutil.Process]) -> None:
             records.append({"pid": proc.pid, "create_time": proc.create_time(), "name": proc.name()})
         except psutil.Error:
             continue
-    atomic_write_json(layout.pids_file, {"supervisor_pid": os.getpid(), "processes": records}, durable=False)
+    atomic_write_json(layout.pids_file, {"supervisor_pid": os.getpid(), "processes": records}, root=layout.root,
+                      durable=False)
 
 
 def kill_predecessor_leftovers(layout: RunLayout) -> list[dict[str, Any]]:
-    """SIGKILL processes recorded by an earlier supervisor of this run dir that are still the same processes."""
+    """SIGKILL processes recorded by an earlier supervisor of this run dir that are provably still its own.
+
+    pids.json may be forged, so a recorded pid is killed only if the process has the recorded start time
+    and carries this run dir in its environment (every rank, and what it starts, inherits it)."""
     try:
         recorded = read_json(layout.pids_file)["processes"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    killed = []
-    for record in recorded:
-        try:
-            proc = psutil.Process(int(record["pid"]))
-            if abs(proc.create_time() - float(record["create_time"])) > 0.01:
-                continue  # the pid was reused by an unrelated process
-            proc.kill()
-            killed.append(record)
-        except (psutil.Error, KeyError, TypeError, ValueError):
-            continue
-    return killed
+    if not isinstance(recorded, list):
+        return []
+    return [record for record in recorded if _kill_if_ours(layout, record)]
+
+
+def _kill_if_ours(layout: RunLayout, record: Any) -> bool:
+    try:
+        pid, started = record["pid"], record["create_time"]
+        if type(pid) is not int or pid in (0, 1, os.getpid(), os.getppid()) or type(started) is not float:
+            return False
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - started) > 0.01:
+            return False  # the pid was reused by an unrelated process
+        if proc.environ().get(ENV_RUN_DIR) != str(layout.root):
+            return False  # not a process of this run, whatever the file says
+        proc.kill()
+    except (psutil.Error, KeyError, TypeError, ValueError, OverflowError):
+        return False
+    return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from watchdog.events import (
     EVENT_TYPE_CLOSED,
@@ -19,7 +20,8 @@ from watchdog.events import (
 from watchdog.observers import Observer
 
 from supervisor.core import HeartbeatSeen
-from worker.contract import RunLayout, read_json
+from worker.contract import RunLayout
+from worker.files import ensure_dir, read_json
 
 __all__ = ["HeartbeatChanged", "HeartbeatUnreadable", "HeartbeatWatcher", "StopFileChanged", "read_heartbeat"]
 
@@ -60,7 +62,7 @@ class HeartbeatWatcher:
 
     def __init__(self, layout: RunLayout, nproc: int, post: Callable[[object], None], stop_file: Path) -> None:
         for rank in range(nproc):
-            layout.rank_dir(rank).mkdir(parents=True, exist_ok=True)
+            ensure_dir(layout.root, layout.rank_dir(rank))
         self._observer = Observer()
         self._observer.daemon = True
         beats = {str(layout.heartbeat(rank)): HeartbeatChanged(rank) for rank in range(nproc)}
@@ -77,30 +79,53 @@ class HeartbeatWatcher:
         self._observer.join(timeout=5)
 
 
+MAX_HEARTBEAT_BYTES = 4096  # a record is about 150 bytes
+MAX_PHASE_CHARS = 64
+
+
 class HeartbeatUnreadable(Exception):
     """A heartbeat file exists but does not hold a valid record."""
 
 
-def read_heartbeat(path: Path) -> HeartbeatSeen | None:
-    """The record in a heartbeat file, None when there is none yet; HeartbeatUnreadable for garbage."""
+def read_heartbeat(path: Path, rank: int) -> HeartbeatSeen | None:
+    """The record in `rank`'s heartbeat file, None when there is none yet; HeartbeatUnreadable for garbage
+    (a FIFO, symlink or directory in its place, strict-JSON errors, wrong types, another rank's record)."""
     try:
-        record = read_json(path)
+        record = read_json(path, MAX_HEARTBEAT_BYTES)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise HeartbeatUnreadable(f"{path}: {exc}") from None
+    if not isinstance(record, dict):
+        raise HeartbeatUnreadable(f"{path}: not a JSON object")
     try:
-        return HeartbeatSeen(
-            attempt=int(record["attempt"]),
-            rank=int(record["rank"]),
-            seq=int(record["seq"]),
-            step=int(record["step"]),
-            phase=str(record["phase"]),
+        seen = HeartbeatSeen(
+            attempt=_count(record, "attempt"),
+            rank=_count(record, "rank"),
+            seq=_count(record, "seq"),
+            step=_count(record, "step"),
+            phase=_phase(record.get("phase")),
             step_time_s=_positive_or_none(record.get("step_time_s")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise HeartbeatUnreadable(f"{path}: missing or bad field {exc}") from None
+    if seen.rank != rank:  # a record copied from, or forged for, another rank
+        raise HeartbeatUnreadable(f"{path}: holds rank {seen.rank}'s heartbeat, not rank {rank}'s")
+    return seen
+
+
+def _count(record: dict[str, Any], key: str) -> int:
+    value = record[key]
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{key!r}: {value!r} is not a count")
+    return value
+
+
+def _phase(value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_PHASE_CHARS or not value.isprintable():
+        raise ValueError(f"'phase': {str(value)[:40]!r} is not a phase name")
+    return value
 
 
 def _positive_or_none(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import sys
-import tempfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker.contract import CheckpointStore, atomic_write_json, fsync_dir, unlink_quietly
+from worker.contract import CheckpointStore
+from worker.files import Refused, atomic_write, atomic_write_json, open_regular, unlink_quietly
 
 __all__ = [
+    "CheckpointRefused",
     "HashingWriter",
     "capture_rng",
     "checkpoint_health",
@@ -23,33 +25,75 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: NumPy's RNG state as plain types and a tensor, loadable with weights_only
 
 
 def capture_rng() -> dict[str, Any]:
-    """Every RNG state a training step may draw from: Python, torch CPU/CUDA, and NumPy if loaded."""
+    """Every RNG state a training step may draw from: Python, torch CPU/CUDA, and NumPy if loaded.
+
+    All of it plain types and tensors, so that `torch.load(weights_only=True)` reads it back.
+    """
     import torch
 
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state_all()  # a list of uint8 tensors, one per device
     if "numpy" in sys.modules:  # only if the script uses it; never import it ourselves
-        state["numpy"] = sys.modules["numpy"].random.get_state()
+        state["numpy"] = _numpy_state(sys.modules["numpy"])
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back the RNG states captured by `capture_rng`."""
+def _numpy_state(numpy: Any) -> dict[str, Any]:
+    """NumPy's global (legacy) RNG state without ndarrays: weights_only refuses those."""
+    import torch
+
+    name, keys, pos, has_gauss, cached_gaussian = numpy.random.get_state(legacy=True)
+    return {"bit_generator": str(name), "keys": torch.tensor(keys.tolist(), dtype=torch.int64), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+
+
+def restore_rng(state: dict[str, Any]) -> dict[str, str]:
+    """Put back the RNG states captured by `capture_rng`; returns the parts it could not restore, with why."""
     import torch
 
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    skipped: dict[str, str] = {}
+    if "cuda" in state:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            skipped["cuda"] = (f"CUDA is not available in this process, so nothing here draws from a CUDA generator; "
+                               f"the {len(state['cuda'])} saved CUDA generator state(s) are left unused")
     if "numpy" in state:
-        import numpy
+        try:
+            import numpy
+        except ImportError as exc:  # then no code in this process can draw from NumPy's RNG either
+            skipped["numpy"] = (f"numpy cannot be imported in this process ({exc}), so nothing here can draw from "
+                                "its RNG; the saved NumPy RNG state is left unused")
+        else:
+            numpy.random.set_state(_numpy_tuple(numpy, state["numpy"]))
+    return skipped
 
-        numpy.random.set_state(state["numpy"])
+
+def _numpy_tuple(numpy: Any, saved: Any) -> tuple[Any, ...]:
+    """What `numpy.random.set_state` takes, from `_numpy_state`'s dict (or a format-1 checkpoint's tuple)."""
+    import torch
+
+    if isinstance(saved, tuple):  # format 1 stored get_state() as is (loadable only with weights_only off)
+        return saved
+    keys = numpy.asarray(torch.as_tensor(saved["keys"]).tolist(), dtype=numpy.uint32)
+    return saved["bit_generator"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]
+
+
+class CheckpointRefused(Exception):
+    """A checkpoint file that must not or cannot be loaded: more than tensors and plain data (a crafted pickle
+    can run code), not a regular file, or not a file torch can read at all."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"checkpoint {path} refused: {reason}")
+        self.path = path
+        self.reason = reason
 
 
 class HashingWriter:
@@ -59,17 +103,17 @@ class HashingWriter:
     """
 
     def __init__(self, file: Any) -> None:
-        self._file = file
+        self.file = file
         self._crc = 0
         self.size = 0
 
     def write(self, data: bytes) -> int:
         self._crc = zlib.crc32(data, self._crc)
         self.size += len(data)
-        return self._file.write(data)
+        return self.file.write(data)
 
     def flush(self) -> None:
-        self._file.flush()
+        self.file.flush()
 
     def hexdigest(self) -> str:
         return f"{self._crc:08x}"
@@ -126,40 +170,59 @@ def save_checkpoint(
     import torch
 
     path = store.file(rank, step, prefix)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            hashing = HashingWriter(f)  # checksummed while written: a big save is never read back
-            torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, hashing)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_rename is not None:
-            before_rename(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
-    fsync_dir(path.parent)
+    hashing = HashingWriter(None)
+
+    def write(f: Any) -> None:
+        hashing.file = f  # checksummed while written: a big save is never read back
+        torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, hashing)
+
+    atomic_write(path, write, root=store.write_root, before_rename=before_rename)
     record = {"step": step, "file": path.name, "size": hashing.size, "crc32": hashing.hexdigest(), **health}
-    atomic_write_json(store.record(rank, step, prefix), record)
+    atomic_write_json(store.record(rank, step, prefix), record, root=store.write_root)
     meta = {"last_epoch": 0, "last_step": step, "last_ckpt_file": path.name}  # seed 001; epochs are not tracked
-    atomic_write_json(store.meta(rank), meta)
+    atomic_write_json(store.meta(rank), meta, root=store.write_root)
     return path
 
 
-def load_checkpoint(store: CheckpointStore, *, rank: int, step: int, prefix: str) -> dict[str, Any]:
-    """Load this rank's checkpoint of `step` (written by trainwarden, so full unpickling is allowed)."""
+def load_checkpoint(store: CheckpointStore, *, rank: int, step: int, prefix: str,
+                    weights_only: bool = True) -> dict[str, Any]:
+    """Load this rank's checkpoint of `step`: tensors and plain data only unless `weights_only` is False.
+
+    CheckpointRefused names the file when it is a symlink or special file, holds anything else, or cannot be
+    read at all.
+    """
     import torch
 
-    return torch.load(store.file(rank, step, prefix), map_location="cpu", weights_only=False)
-
-
-def clear_slot(store: CheckpointStore, rank: int) -> None:
-    """Empty this rank's part of a snapshot slot before reuse: records first, so a kill leaves junk, not lies."""
+    path = store.file(rank, step, prefix)
     try:
-        names = sorted(os.listdir(store.rank_dir(rank)), key=lambda name: not name.endswith(".json"))
-    except FileNotFoundError:
+        fd = open_regular(path)
+    except Refused as exc:
+        raise CheckpointRefused(path, exc.strerror or str(exc)) from None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return torch.load(f, map_location="cpu", weights_only=weights_only)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointRefused(path, _why_unpickling_failed(exc, weights_only)) from None
+        except Exception as exc:  # noqa: BLE001 - not a checkpoint torch can read (empty, not a zip): never retry it
+            raise CheckpointRefused(path, f"cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _why_unpickling_failed(exc: pickle.UnpicklingError, weights_only: bool) -> str:
+    """torch's own words on what it refused (the unsupported global, say), without its general advice."""
+    advice = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    lines = [line for line in map(str.strip, str(exc).splitlines()) if line and not line.startswith(advice)]
+    detail = "; ".join(lines) or str(exc) or type(exc).__name__
+    return f"not tensors and plain data only (weights_only load): {detail}" if weights_only else detail
+
+
+def clear_slot(store: CheckpointStore, rank: int, prefix: str) -> None:
+    """Empty this rank's part of a snapshot slot before reuse: records first, so a kill leaves junk, not lies.
+
+    Only our own files go (checkpoints, records, meta.json of this prefix and rank); anything else is left."""
+    try:
+        names = os.listdir(store.rank_dir(rank))
+    except (FileNotFoundError, NotADirectoryError):
         return
-    for name in names:
+    ours = sorted((n for n in names if store.owns(n, rank, prefix)), key=lambda name: not name.endswith(".json"))
+    for name in ours:
         unlink_quietly(store.rank_dir(rank) / name)

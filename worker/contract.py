@@ -5,12 +5,10 @@ Both halves import this module; it must never import torch (the supervisor stays
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
-import tempfile
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -26,22 +24,18 @@ __all__ = [
     "ENV_SKIP_TO_BATCH",
     "ENV_WORKER_CONFIG",
     "EXIT_ANOMALY",
+    "EXIT_CHECKPOINT_REFUSED",
     "EXIT_CONFIG",
     "EXIT_FAILED",
     "STACK_DUMP_SIGNAL",
     "RunLayout",
     "StopOrder",
-    "atomic_write_bytes",
     "WorkerConfig",
-    "atomic_write_json",
     "CheckpointStore",
     "named_store",
     "newest_complete",
     "resume_stores",
-    "fsync_dir",
     "parse_checkpoint_name",
-    "read_json",
-    "unlink_quietly",
 ]
 
 # Set by the supervisor for every rank (besides torchrun's RANK, WORLD_SIZE, MASTER_ADDR, ...).
@@ -60,15 +54,18 @@ ENV_SKIP_TO_BATCH = "TRAINWARDEN_SKIP_TO_BATCH"
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 
 # Exit codes, the same words for supervisor and ranks (README: "Exit codes"). 0 is done or stopped on request.
-# 65 and 78 are sysexits' EX_DATAERR and EX_CONFIG, which operators and systemd know.
+# 65, 66 and 78 are sysexits' EX_DATAERR, EX_NOINPUT and EX_CONFIG, which operators and systemd know.
 EXIT_FAILED = 1  # retryable: restarts exhausted, a rank could not be stopped (supervisor); a crash (rank)
 EXIT_ANOMALY = 65  # rank: aborted on anomalies (relaunch past the bad data); supervisor: rollbacks exhausted
+EXIT_CHECKPOINT_REFUSED = 66  # rank: its resume checkpoint is unsafe to load (sysexits EX_NOINPUT): use an older one
 EXIT_CONFIG = 78  # the job config (supervisor) or the rank's settings are invalid: retrying cannot help
 
 SNAPSHOT_DIR = "snapshot"  # checkpoint/snapshot/{0,1}/rank_R/...
 SNAPSHOT_SLOTS = (0, 1)
 
-_CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d+)-(?P<step>\d+)\.(?P<kind>ckpt|json)$")
+# ASCII digits, at most 18: any name that matches gives a rank and step that fit 64 bits.
+_CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d{1,18})-(?P<step>\d{1,18})\.(?P<kind>ckpt|json)$", re.ASCII)
+_STEP = re.compile(r"\d{1,18}", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -84,6 +81,9 @@ class WorkerConfig:
     # healthy or not; without a supervisor the worker itself resumes from the newest complete checkpoint
     resume_training: bool | str = True
     no_usable_checkpoint: str = "scratch"  # when checkpoints exist but none is usable: "scratch" or "refuse"
+    # torch.load(weights_only=True): tensors and plain data only. False also unpickles your own objects in data_state,
+    # and runs whatever code a crafted checkpoint file in the run dir holds
+    weights_only: bool = True
     ignore_data_skip: bool = False  # seed 001: after resuming, read the (new) dataset from its beginning
     data_skip_steps: int | None = None  # seed 001: after resuming, start the (new) dataset at this batch
     use_checkpoint_health_monitor: bool = False  # seed 000: tag each checkpoint healthy or not
@@ -192,7 +192,8 @@ class RunLayout:
 
     def snapshot_slot(self, slot: int) -> CheckpointStore:
         """One of the two alternating snapshot slots (seed 004); the older one is overwritten next."""
-        return CheckpointStore(self.checkpoint_dir / SNAPSHOT_DIR / str(slot), label=f"snapshot slot {slot}")
+        return CheckpointStore(self.checkpoint_dir / SNAPSHOT_DIR / str(slot), label=f"snapshot slot {slot}",
+                               base=self.checkpoint_dir)
 
     def checkpoint_stores(self) -> list[CheckpointStore]:
         """Every place of this run a resume may come from: regular checkpoints first, then the snapshot slots."""
@@ -206,6 +207,11 @@ class CheckpointStore:
 
     root: Path
     label: str = "checkpoint"  # how logs and status name checkpoints from here
+    base: Path | None = None  # writes follow no symlink below this (default `root`): the run's checkpoint/ dir
+
+    @property
+    def write_root(self) -> Path:
+        return self.root if self.base is None else self.base
 
     def rank_dir(self, rank: int) -> Path:
         return self.root / f"rank_{rank}"
@@ -252,7 +258,7 @@ def parse_checkpoint_name(name: str) -> int | None:
     match = _CKPT_NAME.match(name.strip())
     if match:
         return int(match["step"])
-    return int(name) if name.strip().isdigit() else None
+    return int(name) if _STEP.fullmatch(name.strip()) else None
 
 
 def resume_stores(layout: RunLayout, config: WorkerConfig) -> list[CheckpointStore]:
@@ -277,48 +283,3 @@ def newest_complete(stores: list[CheckpointStore], world_size: int, prefix: str)
         return None
     step, _, store = max(found, key=lambda f: f[:2])
     return store, step
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Write `path` so that readers see the old or the new content, never a torn file.
-
-    `durable=False` skips the fsyncs: still atomic for readers, not across a power cut.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
-    if durable:
-        fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
-    """Atomically write `obj` as JSON."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode(), durable=durable)
-
-
-def read_json(path: Path) -> Any:
-    """Read a JSON file; raises OSError or ValueError on a missing or garbled file."""
-    with open(path, "rb") as f:
-        return json.loads(f.read())
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def unlink_quietly(path: str | Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

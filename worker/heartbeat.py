@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from worker.contract import atomic_write_json
+from worker.files import atomic_write_json
 
 __all__ = ["Heartbeat"]
 
@@ -15,8 +15,9 @@ __all__ = ["Heartbeat"]
 class Heartbeat:
     """Writes `{"seq", "step", "phase", ...}` to one file, at most once per `interval_s` per phase."""
 
-    def __init__(self, path: Path, *, rank: int, attempt: int, interval_s: float) -> None:
+    def __init__(self, path: Path, *, root: Path, rank: int, attempt: int, interval_s: float) -> None:
         self.path = path
+        self._root = root  # the run dir: no symlink below it is followed
         self.interval_s = interval_s
         self._static = {"rank": rank, "attempt": attempt, "pid": os.getpid()}
         self._seq = 0
@@ -43,8 +44,8 @@ class Heartbeat:
                   "step_time_s": self._step_time_s}
         try:
             # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.
-            atomic_write_json(self.path, record, durable=False)
-        except OSError as exc:  # a full or flaky disk must not stop training
+            atomic_write_json(self.path, record, root=self._root, durable=False)
+        except (OSError, ValueError) as exc:  # a full or flaky disk, or a planted symlink, must not stop training
             self._failures += 1
             if self._failures == 1 or self._failures % 1000 == 0:
                 print(f"trainwarden: heartbeat write failed ({self._failures}x): {exc}", file=sys.stderr)

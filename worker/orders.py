@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from worker.contract import StopOrder, read_json
+from worker.contract import StopOrder
+from worker.files import read_json
 
 __all__ = ["StopOrders"]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.checkpoint import (
+    CheckpointRefused,
     capture_rng,
     checkpoint_health,
     clear_slot,
@@ -27,6 +28,7 @@ from worker.contract import (
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_SKIP_TO_BATCH,
+    EXIT_CHECKPOINT_REFUSED,
     EXIT_CONFIG,
     SNAPSHOT_SLOTS,
     STACK_DUMP_SIGNAL,
@@ -44,6 +46,7 @@ from worker.exits import leave
 from worker.faults import FaultPlan
 from worker.feature_check import FeatureValueCheck
 from worker.feature_rule import with_env
+from worker.files import open_append
 from worker.guard import StepGuard
 from worker.heartbeat import Heartbeat
 from worker.orders import StopOrders
@@ -52,6 +55,8 @@ __all__ = ["Warden"]
 
 DEFAULT_RUN_DIR = "runs/local"
 SAVE_PHASE = "save"
+# restore_rng's parts it could not put back, and the event saying so.
+_RNG_NOT_RESTORED = {"numpy": "numpy_rng_not_restored", "cuda": "cuda_rng_not_restored"}
 
 
 class Warden:
@@ -89,12 +94,13 @@ class Warden:
             lambda: FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired))
         self._heartbeat = Heartbeat(
             self.layout.heartbeat(self.rank),
+            root=self.layout.root,
             rank=self.rank,
             attempt=self.attempt,
             interval_s=self.config.heartbeat_interval_s,
         )
         self.log, self._log_stream = open_event_log(
-            self.layout.rank_events(self.rank), rank=self.rank, attempt=self.attempt
+            self.layout.rank_events(self.rank), root=self.layout.root, rank=self.rank, attempt=self.attempt
         )
         self.step = 0  # optimizer steps applied
         self.batches = 0  # data position: batches consumed, skipped ones included; the next batch's index
@@ -104,7 +110,7 @@ class Warden:
         self._decision: tuple[bool, float] | None = None  # this iteration's (apply?, global norm)
         self._phase = "startup"
         self._last_step_end = time.perf_counter()
-        self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt))
+        self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt), self.layout.root)
         self._term_pending = False  # a SIGTERM arrived during a save; it takes effect when the save is done
         self._orders = StopOrders(self.layout.stop_order)
         self._obeyed: int | None = None  # id of the last stop order carried out
@@ -136,18 +142,32 @@ class Warden:
             self.log.info("fresh_start")
             return 0
         store, step = found
-        state = load_checkpoint(store, rank=self.rank, step=step, prefix=self.config.prefix)
+        state = self._load(store, step)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        restore_rng(state["rng"])
+        for part, reason in restore_rng(state["rng"]).items():
+            self.log.warning(_RNG_NOT_RESTORED[part], step=step, reason=reason)
         self.data_state = state["data_state"]
         self.step = step
         self.batches = self._resumed_position(state["data_position"], state.get("global_batch_size"))
         self.log.info("resumed", step=step, data_position=self.batches, saved_data_position=state["data_position"],
                       source=store.label, directory=str(store.root))
         return step
+
+    def _load(self, store: CheckpointStore, step: int) -> dict[str, Any]:
+        """The checkpoint's contents; a refused file ends the rank with EXIT_CHECKPOINT_REFUSED (use an older one)."""
+        if not self.config.weights_only:
+            path = store.file(self.rank, step, self.config.prefix)
+            self.log.warning("unsafe_checkpoint_load", step=step, path=str(path),
+                             reason="worker.weights_only is false: a crafted checkpoint file can run any code here")
+        try:
+            return load_checkpoint(store, rank=self.rank, step=step, prefix=self.config.prefix,
+                                   weights_only=self.config.weights_only)
+        except CheckpointRefused as exc:
+            self.log.error("checkpoint_refused", step=step, path=str(exc.path), error=exc.reason, source=store.label)
+            leave(EXIT_CHECKPOINT_REFUSED)
 
     def _resumed_position(self, saved: int, saved_batch_size: int | None) -> int:
         """Seed 001: continue the data where the checkpoint left it, unless the dataset or batch size changed."""
@@ -284,7 +304,7 @@ class Warden:
         """Save a snapshot of `step` into the slot not holding the previous one (seed 004): at most two exist."""
         store = self.layout.snapshot_slot(SNAPSHOT_SLOTS[step // self.config.snapshot_steps % len(SNAPSHOT_SLOTS)])
         with self.phase(SAVE_PHASE):
-            clear_slot(store, self.rank)
+            clear_slot(store, self.rank, self.config.prefix)
             return self._save(step, store)
 
     def _save(self, step: int, store: CheckpointStore) -> Path:
@@ -422,14 +442,13 @@ def _install_handler(signum: int, handler: Any) -> Any:
         return None
 
 
-def _register_stack_dump(path: Path) -> Any:
+def _register_stack_dump(path: Path, root: Path) -> Any:
     """Dump every thread's Python stack to `path` when the supervisor sends STACK_DUMP_SIGNAL.
 
     faulthandler writes from the C signal handler, so it works while the main thread is stuck in a collective.
     """
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        stream = open(path, "a")  # noqa: SIM115 - must stay open for the handler
+        stream = os.fdopen(open_append(path, root=root), "a")  # must stay open for the handler
         faulthandler.register(STACK_DUMP_SIGNAL, file=stream, all_threads=True, chain=False)
     except (OSError, RuntimeError, ValueError) as exc:  # no stack dumps is better than no training
         print(f"trainwarden: cannot register the stack dump handler: {exc}", file=sys.stderr)

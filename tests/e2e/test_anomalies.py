@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.checkpoint_files import load_saved
 from tests.e2e.conftest import DEMO_STEPS, REPO, journal, run_supervisor, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -26,8 +27,7 @@ def rank_events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
 
 
 def final(run_dir: Path, rank: int) -> dict[str, Any]:
-    path = run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt"
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_saved(run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt")
 
 
 def test_spike_and_nan_on_one_rank_are_skipped_on_both_and_replicas_stay_identical(tmp_path: Path) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
 
+from tests.checkpoint_files import CRAFTED_REFUSAL, load_saved, write_crafted
 from tests.e2e.conftest import journal, run_supervisor, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -112,3 +114,29 @@ def test_a_peer_crash_does_not_cost_the_save_in_flight(tmp_path: Path) -> None:
     assert [(e["rank"], e["description"]) for e in stopped] == [(0, "killed by SIGTERM")]
     rank0 = [json.loads(line) for line in (run_dir / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in rank0 if e["attempt"] == 0][-2:] == ["checkpoint_saved", "stopped_after_save"]
+
+
+def test_a_crafted_checkpoint_is_refused_and_the_run_resumes_from_an_older_one(tmp_path: Path) -> None:
+    """Rank 1's newest checkpoint swapped for a crafted pickle with a matching completion record, as an attacker
+    would: the rank refuses it without running it (exit 66), and the supervisor resumes from the one before."""
+    run_dir = tmp_path / "run"
+    first = run_supervisor(write_config(tmp_path / "a.yaml", args=["--steps", "20"]), run_dir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    crafted, marker = run_dir / "checkpoint" / "rank_1" / "demo_rank_1-20.ckpt", tmp_path / "marker"
+    write_crafted(crafted, marker)
+    data, record = crafted.read_bytes(), crafted.with_suffix(".json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "size": len(data),
+                                  "crc32": f"{zlib.crc32(data):08x}"}))  # what the supervisor checks
+
+    second = run_supervisor(write_config(tmp_path / "b.yaml", args=["--steps", "30"]), run_dir)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert not marker.exists()
+    events = journal(run_dir)
+    refused = [e for e in events if e["event"] == "checkpoint_refused"]
+    assert [(e["level"], e["rank"], e["attempt"], e["step"], e["path"], e["error"]) for e in refused] == [
+        ("error", 1, 0, 20, str(crafted), CRAFTED_REFUSAL)]
+    assert [e["resume_step"] for e in events if e["event"] == "ranks_launched"] == [None, 20, 10]
+    status = second.status()
+    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 10})
+    assert status["passed_over"] == [{"step": 20, "reason": f"refused by rank 1: {CRAFTED_REFUSAL}"}]
+    assert load_saved(crafted)["step"] == 20  # saved again, for real, by the resumed run

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
+from tests.checkpoint_files import assert_bitwise_equal, load_saved
 from tests.e2e.conftest import (
     DEMO_STEPS,
     finish,
@@ -23,29 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def final_state(run_dir: Path, rank: int) -> dict[str, Any]:
-    path = run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt"
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
-    """Tensors equal bit for bit (NaN-safe), everything else equal, recursively."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(_bits(a), _bits(b)), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"differs at {where}: {a!r} != {b!r}"
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    return load_saved(run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt")
 
 
 def assert_same_training_state(run_dir: Path, reference: Path) -> None:

@@ -123,7 +123,7 @@ if os.environ.get("GARBAGE"):
     time.sleep(1.5)
     layout.heartbeat(rank).write_text("\\x00\\xff garbage")
     time.sleep(1.5)
-beat = Heartbeat(layout.heartbeat(rank), rank=rank, attempt=attempt, interval_s=0.1)
+beat = Heartbeat(layout.heartbeat(rank), root=layout.root, rank=rank, attempt=attempt, interval_s=0.1)
 for step in range(int(os.environ.get("STEPS", "20"))):
     beat.beat(step, "train")
     time.sleep(0.05)

@@ -116,7 +116,7 @@ def test_signal_to_supervisor_stops_ranks_and_exits_zero(tmp_path: Path, signum:
     [
         ("command: [python]\nnproc_per_nod: 2\n", "unknown key 'nproc_per_nod' (did you mean 'nproc_per_node'?)"),
         ("command: [python]\nrestart: {max_restarts: three}\n", "'restart.max_restarts' must be an integer"),
-        ("command: [python]\nnproc_per_node: 0\n", "'nproc_per_node' must be at least 1"),
+        ("command: [python]\nnproc_per_node: 0\n", "'nproc_per_node' must be between 1 and 1024"),
         ("command: [python\n", "not valid YAML"),
         ("nproc_per_node: 2\n", "give exactly one of 'script'"),
     ],
@@ -133,15 +133,27 @@ def test_bad_config_is_refused_and_nothing_starts(tmp_path: Path, text: str, exp
     assert not (tmp_path / "run").exists()
 
 
-def test_command_that_cannot_start_fails_without_retrying(tmp_path: Path) -> None:
-    """A command that does not exist fails the run at once, exit 1, naming the missing file."""
+def test_missing_command_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A command that does not exist exits 78 before launching, naming the missing file; no run dir."""
     config = job(tmp_path, SLEEP, command=[str(tmp_path / "no-such-trainer")])
     done = run_supervisor(config, tmp_path / "run", timeout=30)
+
+    assert done.returncode == 78
+    assert done.stderr == f"trainwarden: cannot launch: {tmp_path / 'no-such-trainer'} not found\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_command_that_cannot_start_fails_without_retrying(tmp_path: Path) -> None:
+    """A command that exists but cannot be executed fails the run at once, exit 1, naming the file."""
+    trainer = tmp_path / "not-a-program"
+    trainer.write_bytes(b"\x00\x01 not an executable format")
+    trainer.chmod(0o755)
+    done = run_supervisor(job(tmp_path, SLEEP, command=[str(trainer)]), tmp_path / "run", timeout=30)
 
     assert done.returncode == 1
     status = done.status()
     assert (status["state"], status["restarts"]) == ("failed", 0)
-    assert status["reason"] == f"could not launch ranks: No such file or directory: {tmp_path / 'no-such-trainer'}"
+    assert status["reason"] == f"could not launch ranks: Exec format error: {trainer}"
 
 
 def test_second_supervisor_on_the_same_run_dir_is_refused(tmp_path: Path) -> None:

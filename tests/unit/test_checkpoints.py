@@ -98,6 +98,16 @@ def test_rollback_point_limits_the_choice(tmp_path: Path) -> None:
     assert choose(layout, at_most=25) == Choice(20, ((30, "after the rollback point (step 25)"),), layout.checkpoints)
 
 
+def test_refused_steps_are_passed_over_with_the_refusal(tmp_path: Path) -> None:
+    """An intact checkpoint a rank refused to load is passed over with the reason the supervisor recorded."""
+    layout = RunLayout(tmp_path)
+    for step in (10, 20, 30):
+        save(layout, step)
+    refused = {30: "refused by rank 1: not tensors and plain data only"}
+    assert choose(layout, refused=refused) == Choice(20, ((30, "refused by rank 1: not tensors and plain data only"),),
+                                                     layout.checkpoints)
+
+
 def test_junk_in_the_checkpoint_dir_is_ignored(tmp_path: Path) -> None:
     """Stray files, temporary files and other prefixes are not candidates."""
     layout = RunLayout(tmp_path)
@@ -185,3 +195,32 @@ def test_find_junk_tells_our_torn_temporaries_from_foreign_files(tmp_path: Path)
     junk = find_junk(layout, 2, PREFIX)
     assert sorted(junk.torn) == sorted(torn)
     assert sorted(junk.foreign) == sorted(foreign)
+
+
+def test_find_junk_never_takes_a_directory_or_symlink_for_our_temporary(tmp_path: Path) -> None:
+    """Only a regular file named like our temporary is deletable; a directory or symlink of that name is foreign."""
+    layout = RunLayout(tmp_path)
+    save(layout, 10)
+    rank0 = layout.checkpoints.rank_dir(0)
+    (rank0 / ".demo_rank_0-20.ckpt.ab_d1234.tmp").mkdir()
+    (rank0 / ".demo_rank_0-30.ckpt.ab_d1234.tmp").symlink_to(tmp_path / "victim")
+    junk = find_junk(layout, 2, PREFIX)
+    assert junk.torn == ()
+    assert sorted(p.name for p in junk.foreign) == [".demo_rank_0-20.ckpt.ab_d1234.tmp",
+                                                     ".demo_rank_0-30.ckpt.ab_d1234.tmp"]
+
+
+def test_a_record_that_is_not_an_object_or_lacks_typed_fields_is_passed_over(tmp_path: Path) -> None:
+    """Records `[]`, `null`, a string size or a numeric checksum make their checkpoint passed over, not a crash."""
+    layout = RunLayout(tmp_path)
+    save(layout, 10)
+    records = {20: "[]", 30: "null", 40: '{"size": "12", "crc32": "0"}', 50: '{"size": 1, "crc32": 7}'}
+    for step, record in records.items():
+        save(layout, step)
+        layout.checkpoints.record(1, step, PREFIX).write_text(record)
+    choice = choose(layout)
+    assert choice.step == 10
+    assert [(step, why.split(":", 1)[1].strip()) for step, why in choice.passed_over] == [
+        (50, "'crc32' is '7', not a checksum"), (40, "'size' is '12', not a byte count"),
+        (30, "not a JSON object"), (20, "not a JSON object")]
+    assert [e["is_health"] for e in health_entries(layout.checkpoints, 2, PREFIX, [10, 20, 30])] == [0, 1, 1]

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from supervisor.config import ConfigError, JobConfig, RestartConfig, StopConfig, load_config, parse_config
+from supervisor.config import (
+    MAX_CONFIG_BYTES,
+    ConfigError,
+    JobConfig,
+    RestartConfig,
+    StopConfig,
+    check_launchable,
+    load_config,
+    parse_config,
+)
 from supervisor.core import Policy
 from supervisor.rollback import AnomalyPolicy
 from worker.anomaly import AdaptiveConfig
@@ -220,7 +233,7 @@ def test_top_level_list_refused(tmp_path):
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("nproc_per_node: 0", "'nproc_per_node' must be at least 1, got 0"),
+        ("nproc_per_node: 0", "'nproc_per_node' must be between 1 and 1024, got 0"),
         ("restart: {max_restarts: -1}", "'restart.max_restarts' must be 0 or more, got -1"),
         ("restart: {backoff_factor: 0.5}", "'restart.backoff_factor' must be at least 1, got 0.5"),
         ("restart: {backoff_initial_s: -1}", "'restart.backoff_initial_s' must be 0 or more, got -1"),
@@ -287,3 +300,322 @@ def test_parse_config_names_its_source():
     with pytest.raises(ConfigError) as info:
         parse_config({"script": "t.py", "nprocs": 2}, source="inline")
     assert str(info.value).startswith("inline: unknown key 'nprocs'")
+
+
+# ---- hostile files ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_fifo_config_refused_without_blocking(tmp_path):
+    """A FIFO given as the config is refused at once instead of waiting forever for a writer."""
+    path = tmp_path / "job.yaml"
+    os.mkfifo(path)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: cannot read config: not a regular file (a FIFO)"
+
+
+def test_non_utf8_config_refused(tmp_path):
+    """A config holding bytes that are not UTF-8 is refused naming the byte, not crashed on."""
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"script: t\xff.py\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: not UTF-8 text (invalid start byte at byte 9)"
+
+
+def test_config_over_one_mib_refused_unread(tmp_path):
+    """A config larger than MAX_CONFIG_BYTES is refused without being read whole."""
+    path = write(tmp_path, "script: t.py\n#" + "x" * MAX_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: cannot read config: larger than {MAX_CONFIG_BYTES} bytes"
+
+
+def test_config_of_exactly_one_mib_loads(tmp_path):
+    """A config of exactly MAX_CONFIG_BYTES (a long comment) still loads."""
+    head = "script: t.py\n#"
+    path = write(tmp_path, head + "x" * (MAX_CONFIG_BYTES - len(head) - 1) + "\n")
+    assert path.stat().st_size == MAX_CONFIG_BYTES
+    assert load_config(path) == JobConfig(script="t.py")
+
+
+def test_symlinked_config_loads(tmp_path):
+    """A config reached through a symlink is followed and loaded (configs are often linked into place)."""
+    link = tmp_path / "link.yaml"
+    link.symlink_to(write(tmp_path, "script: t.py\n"))
+    assert load_config(link) == JobConfig(script="t.py")
+
+
+@pytest.mark.timeout(10)
+def test_yaml_alias_bomb_refused(tmp_path):
+    """A "billion laughs" document (9 aliases per level, 10 levels) is refused before anything walks it."""
+    levels = [f"l0: &l0 [{', '.join(['lol'] * 9)}]"]
+    levels += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 10)]
+    message = refusal(tmp_path, "script: t.py\nenv:\n  " + "\n  ".join(levels) + "\n")
+    assert message.endswith(f": aliases expand the document beyond {MAX_CONFIG_BYTES} bytes")
+
+
+def test_alias_cycle_refused(tmp_path):
+    """An alias inside its own anchor (a self-containing list) is refused."""
+    assert refusal(tmp_path, "script: t.py\nargs: &a [*a]\n").endswith(": alias *a refers to a node that contains it")
+
+
+@pytest.mark.timeout(10)
+def test_deep_nesting_refused_quickly(tmp_path):
+    """A document nested 100000 flow levels deep is refused at level 33, before the YAML scanner crawls."""
+    message = refusal(tmp_path, "script: t.py\nargs: " + "[" * 100_000 + "\n")
+    assert message.endswith(": nested more than 32 levels deep")
+
+
+def test_modest_aliases_accepted(tmp_path):
+    """Anchors, aliases and merge keys that expand the document a little are accepted."""
+    config = load_config(write(tmp_path, "script: t.py\nargs: [--lr, &lr '0.1', --final-lr, *lr]\n"
+                                         "hang:\n  phase_timeouts_s: {<<: &t {train: 30}, save: 60}\n"))
+    assert config.args == ["--lr", "0.1", "--final-lr", "0.1"]
+    assert (config.hang.phase_timeouts_s["train"], config.hang.phase_timeouts_s["save"]) == (30.0, 60.0)
+
+
+def test_yaml_error_is_one_line(tmp_path):
+    """The parser's multi-line complaint is given on one line, with its line and column."""
+    message = refusal(tmp_path, "script: t.py\nargs: [--steps, 5\n")
+    assert "\n" not in message
+    assert message.endswith("(line 3, column 1)")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("x: !!timestamp 2020-13-45", "not valid YAML: month must be in 1..12"),
+        ("x: !!int abc", "not valid YAML: invalid literal for int() with base 10: 'abc'"),
+        ("x: " + "9" * 5000, "not valid YAML: Exceeds the limit (4300 digits) for integer string conversion"),
+    ],
+)
+def test_value_the_yaml_constructor_cannot_build_refused(tmp_path, text, expected):
+    """A tagged or oversized scalar the YAML constructor raises ValueError on is a ConfigError."""
+    assert expected in refusal(tmp_path, f"script: t.py\n{text}\n")
+
+
+# ---- values that would crash or wedge the supervisor ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("worker: {monitor_config: {global_norm_spike_threshold: .nan}}",
+         "'worker.monitor_config.global_norm_spike_threshold' must be a finite number, got nan"),
+        ("restart: {backoff_factor: .inf}", "'restart.backoff_factor' must be a finite number, got inf"),
+        ("hang: {phase_timeouts_s: {train: -.inf}}", "'hang.phase_timeouts_s.train' must be a finite number, got -inf"),
+        ("anomaly: {widen_factor: 1.0e+400}", "'anomaly.widen_factor' must be a finite number, got inf"),
+        ("args: [.NaN]", "'args[0]' must be a finite number, got nan"),
+    ],
+)
+def test_non_finite_number_refused(tmp_path, text, expected):
+    """NaN and ±Infinity are refused wherever a number may go, by key name."""
+    assert refusal(tmp_path, f"script: t.py\n{text}\n").endswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("restart: {max_restarts: 1" + "0" * 400 + "}",
+         "'restart.max_restarts' must be at most 2**53 in size, got an integer of 1329 bits"),
+        ("anomaly: {rollback_steps: -9007199254740993}",
+         "'anomaly.rollback_steps' must be at most 2**53 in size, got -9007199254740993"),
+        ("args: [1" + "0" * 400 + "]", "'args[0]' must be at most 2**53 in size, got an integer of 1329 bits"),
+        ("worker: {embedding_local_norm_threshold: 1.0e+20}",
+         "'worker.embedding_local_norm_threshold' must be at most 2**53 in size, got 1e+20"),
+    ],
+)
+def test_huge_number_refused(tmp_path, text, expected):
+    """Integers like 10^400 and floats beyond 2**53 are refused by key name, without printing all their digits."""
+    assert refusal(tmp_path, f"script: t.py\n{text}\n").endswith(expected)
+
+
+def test_largest_number_accepted(tmp_path):
+    """2**53 itself is within bounds."""
+    config = load_config(write(tmp_path, "script: t.py\nrestart: {max_restarts: 9007199254740992}\n"))
+    assert config.restart.max_restarts == 2**53
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("stop: {timeout_s: 10000001}", "'stop.timeout_s' must be at most 10000000 seconds, got 10000001"),
+        ("hang: {phase_timeouts_s: {train: 1.0e+8}}",
+         "'hang.phase_timeouts_s.train' must be at most 10000000 seconds, got 100000000.0"),
+        ("hang: {calibration: {floor_s: 9007199254740992}}",
+         "'hang.calibration.floor_s' must be at most 10000000 seconds, got 9007199254740992"),
+    ],
+)
+def test_seconds_beyond_ten_million_refused(tmp_path, text, expected):
+    """Every `*_s` value is at most 10^7 s, so no deadline or queue timeout can overflow."""
+    assert refusal(tmp_path, f"script: t.py\n{text}\n").endswith(expected)
+
+
+def test_ten_million_seconds_accepted(tmp_path):
+    """Exactly 10^7 s is within bounds."""
+    assert load_config(write(tmp_path, "script: t.py\nstop: {timeout_s: 10000000}\n")).stop.timeout_s == 1e7
+
+
+def test_fork_bomb_nproc_refused(tmp_path):
+    """`nproc_per_node: 1000000000` is refused instead of forking a billion ranks."""
+    message = refusal(tmp_path, "script: t.py\nnproc_per_node: 1000000000\n")
+    assert message.endswith("'nproc_per_node' must be between 1 and 1024, got 1000000000")
+
+
+def test_nproc_of_1024_accepted(tmp_path):
+    """1024 ranks on one node is the largest accepted value."""
+    assert load_config(write(tmp_path, "script: t.py\nnproc_per_node: 1024\n")).nproc_per_node == 1024
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('script: "t\\0.py"', "'script' must not contain a NUL character, got 't\\x00.py'"),
+        ('script: t.py\nargs: [--x, "a\\0b"]', "'args[1]' must not contain a NUL character, got 'a\\x00b'"),
+        ('script: t.py\nenv: {A: "\\0"}', "'env.A' must not contain a NUL character, got '\\x00'"),
+        ('script: t.py\nenv: {"A\\0B": x}', "'env key A\\x00B' must not contain a NUL character, got 'A\\x00B'"),
+        ('script: t.py\nrun_dir: "runs/\\0"', "'run_dir' must not contain a NUL character, got 'runs/\\x00'"),
+        ('command: ["py\\0thon"]', "'command[0]' must not contain a NUL character, got 'py\\x00thon'"),
+        ('script: t.py\nworker: {load_checkpoint: "/tmp/\\0"}',
+         "'worker.load_checkpoint' must not contain a NUL character, got '/tmp/\\x00'"),
+    ],
+)
+def test_nul_byte_in_string_refused(tmp_path, text, expected):
+    """A NUL character in any string (Popen and open() raise ValueError on it) is refused by key name."""
+    assert refusal(tmp_path, f"{text}\n").endswith(expected)
+
+
+def test_lone_surrogate_refused():
+    """A string holding a lone surrogate (not encodable text) is refused by key name."""
+    with pytest.raises(ConfigError) as info:
+        parse_config({"script": "t.py", "args": ["\ud800"]}, source="inline")
+    assert str(info.value) == "inline: 'args[0]' must be valid Unicode text, got '\\ud800'"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("env: {1: x}", "'env' keys must be strings, got 1"),
+        ("env: {null: x}", "'env' keys must be strings, got None"),
+        ("hang: {phase_timeouts_s: {true: 5}}", "'hang.phase_timeouts_s' keys must be strings, got True"),
+        ('env: {"A=B": x}', "'env' must be a mapping of variable names (non-empty, no '='), got {'A=B': 'x'}"),
+        ('env: {"": x}', "'env' must be a mapping of variable names (non-empty, no '='), got {'': 'x'}"),
+    ],
+)
+def test_bad_mapping_key_refused(tmp_path, text, expected):
+    """Mapping keys that are not names (numbers, null, booleans, `A=B`, empty) are refused by key name."""
+    assert refusal(tmp_path, f"script: t.py\n{text}\n").endswith(expected)
+
+
+def test_unknown_key_with_newline_is_shown_escaped(tmp_path):
+    """An unknown key holding a newline is named escaped, so the message stays on one line."""
+    message = refusal(tmp_path, 'script: t.py\n"a\\nb": 1\n')
+    assert "unknown key 'a\\nb' (known keys: " in message
+    assert "\n" not in message
+
+
+def test_resume_step_of_5000_digits_refused(tmp_path):
+    """A resume_training step too long to be a number is refused like any other bad checkpoint name."""
+    message = refusal(tmp_path, f"script: t.py\nworker: {{resume_training: '{'9' * 5000}'}}\n")
+    assert "'worker.resume_training' must be true, false, or a checkpoint name such as " in message
+    assert message.endswith("...")
+
+
+def test_load_checkpoint_path_too_long_refused(tmp_path):
+    """A load_checkpoint path too long to stat is refused as not an existing directory."""
+    message = refusal(tmp_path, f"script: t.py\nworker: {{load_checkpoint: /{'a' * 5000}}}\n")
+    assert "'worker.load_checkpoint' must be an existing directory (another run's checkpoint/ folder)" in message
+
+
+# ---- can the run be launched? -------------------------------------------------------------------
+
+
+def test_missing_absolute_script_refused(tmp_path):
+    """A script path that does not exist is refused once, naming it."""
+    config = parse_config({"script": str(tmp_path / "nope.py")})
+    with pytest.raises(ConfigError) as info:
+        check_launchable(config, tmp_path)
+    assert str(info.value) == f"{tmp_path / 'nope.py'} not found"
+
+
+def test_relative_script_resolved_against_cwd(tmp_path, monkeypatch):
+    """A relative script path is taken from the working directory and handed on absolute; the rest is kept."""
+    (tmp_path / "train.py").write_text("pass\n")
+    monkeypatch.chdir(tmp_path)
+    config = parse_config({"script": "train.py", "args": ["--steps", 5]})
+    assert check_launchable(config) == replace(config, script=str(tmp_path / "train.py"))
+
+
+def test_missing_relative_script_names_the_working_directory(tmp_path):
+    """A missing relative script is refused naming the working directory it was looked up in."""
+    with pytest.raises(ConfigError) as info:
+        check_launchable(parse_config({"script": "missing.py"}), tmp_path)
+    assert str(info.value) == f"missing.py not found (relative paths are taken from the working directory {tmp_path})"
+
+
+def test_directory_as_script_refused(tmp_path):
+    """A directory given as the script is refused as not a regular file."""
+    (tmp_path / "train").mkdir()
+    with pytest.raises(ConfigError) as info:
+        check_launchable(parse_config({"script": "train"}), tmp_path)
+    assert str(info.value) == ("train is not a regular file (relative paths are taken from the working directory "
+                               f"{tmp_path})")
+
+
+def test_command_program_missing_from_path_refused(tmp_path):
+    """A command whose program is on no directory of the ranks' PATH is refused naming it."""
+    config = parse_config({"command": ["no-such-trainer", "--x"], "env": {"PATH": str(tmp_path)}})
+    with pytest.raises(ConfigError) as info:
+        check_launchable(config, tmp_path)
+    assert str(info.value) == "no-such-trainer not found on PATH"
+
+
+def test_command_program_found_on_the_ranks_path_accepted(tmp_path):
+    """A command whose program is on the PATH given in `env:` is accepted unchanged."""
+    program = tmp_path / "bin" / "trainer"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    config = parse_config({"command": ["trainer"], "env": {"PATH": str(program.parent)}})
+    assert check_launchable(config, tmp_path) == config
+
+
+@pytest.mark.parametrize(("mode", "problem"), [(None, "not found"), (0o644, "is not executable")])
+def test_command_program_path_must_be_an_executable_file(tmp_path, mode, problem):
+    """A command program given as a relative path must exist and be executable."""
+    if mode is not None:
+        (tmp_path / "run.sh").write_text("#!/bin/sh\n")
+        (tmp_path / "run.sh").chmod(mode)
+    with pytest.raises(ConfigError) as info:
+        check_launchable(parse_config({"command": ["./run.sh"]}), tmp_path)
+    assert str(info.value) == f"./run.sh {problem} (relative paths are taken from the working directory {tmp_path})"
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def trainwarden_run(config: Path, run_dir: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir)],
+                          cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def test_cli_fifo_config_exits_78_and_launches_nothing(tmp_path):
+    """`trainwarden run FIFO` exits 78 at once with a one-line message, and creates no run dir."""
+    config = tmp_path / "job.yaml"
+    os.mkfifo(config)
+    done = trainwarden_run(config, tmp_path / "run", tmp_path)
+    assert (done.returncode, done.stdout) == (78, "")
+    assert done.stderr == f"trainwarden: config error: {config}: cannot read config: not a regular file (a FIFO)\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_missing_script_exits_78_and_launches_nothing(tmp_path):
+    """`trainwarden run` with a missing relative script exits 78 naming the working directory, launching nothing."""
+    config = write(tmp_path, "script: missing.py\nnproc_per_node: 2\n")
+    done = trainwarden_run(config, tmp_path / "run", tmp_path)
+    assert (done.returncode, done.stdout) == (78, "")
+    assert done.stderr == ("trainwarden: cannot launch: missing.py not found (relative paths are taken from the "
+                           f"working directory {tmp_path})\n")
+    assert not (tmp_path / "run").exists()

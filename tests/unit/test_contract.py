@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from worker.contract import (
-    ENV_WORKER_CONFIG,
-    RunLayout,
-    WorkerConfig,
-    atomic_write_bytes,
-    atomic_write_json,
-    read_json,
-)
+from worker.contract import ENV_WORKER_CONFIG, RunLayout, WorkerConfig
 from worker.faults import ENV_FAULTS, Fault, FaultPlan, parse_faults
 
 
@@ -134,44 +126,6 @@ def test_complete_checkpoint_steps_matches_prefix_exactly(tmp_path):
         save(layout, rank, 20, prefix="my_demo")
     assert layout.checkpoints.complete_steps(2, "demo") == [10]
     assert layout.checkpoints.complete_steps(2, "my_demo") == [20]
-
-
-# ---- atomic files -----------------------------------------------------------------------------
-
-
-def test_atomic_write_json_replaces_content_and_leaves_no_temp(tmp_path):
-    """Writing twice leaves exactly the target file holding the second value."""
-    path = tmp_path / "state.json"
-    atomic_write_json(path, {"step": 1})
-    atomic_write_json(path, {"step": 2, "ranks": [0, 1]})
-    assert os.listdir(tmp_path) == ["state.json"]
-    assert read_json(path) == {"step": 2, "ranks": [0, 1]}
-
-
-def test_atomic_write_json_creates_parent_dirs(tmp_path):
-    """The parent directories of the target are created as needed."""
-    path = tmp_path / "a" / "b" / "meta.json"
-    atomic_write_json(path, [1, 2], durable=False)
-    assert json.loads(path.read_text()) == [1, 2]
-    assert os.listdir(path.parent) == ["meta.json"]
-
-
-def test_atomic_write_failure_keeps_old_content_and_no_temp(tmp_path):
-    """A write that fails midway leaves the old content in place and no temporary file."""
-    path = tmp_path / "state.json"
-    atomic_write_json(path, {"step": 1})
-    with pytest.raises(TypeError):
-        atomic_write_bytes(path, "not bytes")  # type: ignore[arg-type]
-    assert os.listdir(tmp_path) == ["state.json"]
-    assert read_json(path) == {"step": 1}
-
-
-def test_read_json_garbage_raises_value_error(tmp_path):
-    """A garbled JSON file raises ValueError."""
-    path = tmp_path / "x.json"
-    path.write_text('{"step": ')
-    with pytest.raises(ValueError):
-        read_json(path)
 
 
 # ---- worker config ----------------------------------------------------------------------------

@@ -387,6 +387,23 @@ def test_backoff_grows_exponentially_to_cap():
     assert [POLICY.backoff_s(n) for n in range(6)] == [0.0, 1.0, 2.0, 4.0, 5.0, 5.0]
 
 
+@pytest.mark.parametrize("restarts", [1000, 1025, 10**6, 10**18])
+def test_backoff_after_very_many_restarts_is_the_cap(restarts):
+    """However many restarts were done, the delay is backoff_max_s: factor ** n past a float never raises."""
+    assert POLICY.backoff_s(restarts) == 5.0
+
+
+def test_backoff_with_the_largest_factor_is_the_cap():
+    """A factor of 2**53 with a 10^7 s start reaches the cap at once and never overflows."""
+    policy = replace(POLICY, backoff_initial_s=1e7, backoff_factor=2.0**53, backoff_max_s=60.0)
+    assert [policy.backoff_s(n) for n in (0, 1, 2, 100, 10**6)] == [0.0, 60.0, 60.0, 60.0, 60.0]
+
+
+def test_backoff_from_zero_stays_zero():
+    """With backoff_initial_s 0 every relaunch is immediate, even after the factor's power overflows."""
+    assert replace(POLICY, backoff_initial_s=0.0).backoff_s(10**6) == 0.0
+
+
 def test_restarts_exhausted_fails_after_ranks_down():
     """A crash with no restarts left stops the other ranks, then FAILs naming the crash and the count."""
     state, actions = decide(running(restarts=3), ChildExited(3, 0, 3), NOW)

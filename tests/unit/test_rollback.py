@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
+from supervisor.rollback import MAX_WINDOW_STEPS, AbortInfo, AnomalyPolicy, Rollback, plan_rollback
 
 POLICY = AnomalyPolicy(rollback_steps=100, skip_after_steps=200, max_tries=3, widen_factor=2.0)
 FIRST = AbortInfo(first_step=500, abort_step=509, first_batch=520, abort_batch=529)
@@ -94,3 +94,29 @@ def test_fractional_widen_factor_rounds_distances():
     previous = plan_rollback(policy, None, FIRST)
     again = plan_rollback(policy, previous, AbortInfo(500, 502, 560, 562))
     assert (again.tries, again.resume_at_most, again.skip_after, again.skip_to_batch) == (2, 500 - 22, 38, 562 + 1 + 38)
+
+
+def test_huge_widen_factor_caps_distances_instead_of_overflowing():
+    """A widen_factor of 1e308 caps both widened distances at MAX_WINDOW_STEPS (2**53) rather than raising."""
+    policy = AnomalyPolicy(rollback_steps=100, skip_after_steps=200, max_tries=2**53, widen_factor=1e308)
+    second = plan_rollback(policy, plan_rollback(policy, None, FIRST), AbortInfo(450, 459, 780, 789))
+    assert second == Rollback(abort=AbortInfo(450, 459, 780, 789), tries=2, resume_at_most=0,
+                              skip_to_batch=789 + 1 + MAX_WINDOW_STEPS, skip_after=MAX_WINDOW_STEPS)
+
+
+def test_tries_near_max_tries_plan_capped_then_give_up():
+    """With max_tries 2**53, the last try is planned with capped distances and the one after gives up."""
+    policy = AnomalyPolicy(rollback_steps=2**53, skip_after_steps=2**53, max_tries=2**53, widen_factor=2.0**53)
+    previous = Rollback(abort=FIRST, tries=2**53 - 1, resume_at_most=0, skip_to_batch=530, skip_after=2**53)
+    last = plan_rollback(policy, previous, FIRST)
+    assert (last.tries, last.resume_at_most, last.skip_after) == (2**53, 0, MAX_WINDOW_STEPS)
+    assert plan_rollback(policy, last, FIRST) is None
+
+
+def test_zero_distances_stay_zero_under_a_huge_widen_factor():
+    """Zero distances stay zero however far they are widened (0 * inf is never computed)."""
+    policy = AnomalyPolicy(rollback_steps=0, skip_after_steps=0, max_tries=10**6, widen_factor=1e308)
+    previous = Rollback(abort=FIRST, tries=10**5, resume_at_most=500, skip_to_batch=530, skip_after=0)
+    again = AbortInfo(first_step=500, abort_step=509, first_batch=520, abort_batch=529)
+    assert plan_rollback(policy, previous, again) == Rollback(
+        abort=again, tries=10**5 + 1, resume_at_most=500, skip_to_batch=530, skip_after=0)

@@ -33,7 +33,9 @@ def test_accepted_content(content: bytes, step: int | None, exit: bool) -> None:
         (b"--3", "got '--3'"),
         (b"500 600", "got '500 600'"),
         (b"\xff\xfe5", "not text (not UTF-8)"),
-        (b"5\x00", "not text (NUL bytes)"),
+        (b"5\x00", "not text (control characters)"),
+        (b"\x01\x02\x1b[2J", "not text (control characters)"),  # no digit, yet not a kill switch either
+        (b"stop\x7f", "not text (control characters)"),
         (b"1" * (MAX_STOP_FILE_BYTES + 1), f"{MAX_STOP_FILE_BYTES + 1} bytes"),
     ],
 )

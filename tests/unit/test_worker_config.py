@@ -274,3 +274,20 @@ def test_feature_value_check_travels_to_the_worker(monkeypatch):
     worker = parse_config({"script": "t.py", "worker": {"feature_value_check": {"level": 3, "layers": ["x"]}}}).worker
     monkeypatch.setenv(ENV_WORKER_CONFIG, worker.to_env())
     assert WorkerConfig.from_env().feature_value_check == FeatureValueConfig(level=3, layers=["x"])
+
+
+# ---- weights_only ------------------------------------------------------------------------------
+
+
+def test_weights_only_defaults_to_true_and_false_reaches_the_worker(monkeypatch):
+    """`worker.weights_only` is true unless the config says false, and a false one is what the rank reads back."""
+    assert parse_config({"script": "t.py"}).worker.weights_only is True
+    worker = parse_config({"script": "t.py", "worker": {"weights_only": False}}).worker
+    monkeypatch.setenv(ENV_WORKER_CONFIG, worker.to_env())
+    assert WorkerConfig.from_env().weights_only is False
+
+
+def test_weights_only_that_is_not_a_boolean_is_refused():
+    """A `weights_only` given as the string 'false' is refused by key rather than read as true."""
+    assert refusal({"worker": {"weights_only": "false"}}) == (
+        "job.yaml: 'worker.weights_only' must be true or false, got 'false'")

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from tests.worker.test_guard import bitwise_equal, events
+from tests.checkpoint_files import bitwise_equal
+from tests.worker.test_guard import events
 from worker.contract import EXIT_ANOMALY, RunLayout, WorkerConfig
 from worker.feature_rule import FeatureValueConfig
 

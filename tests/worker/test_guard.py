@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.checkpoint_files import bitwise_equal
 from tests.worker.conftest import MAX_NORM
 from worker.anomaly import MonitorConfig
 from worker.contract import (
@@ -16,18 +17,6 @@ from worker.contract import (
     RunLayout,
     WorkerConfig,
 )
-
-
-def bitwise_equal(a: Any, b: Any) -> bool:
-    """Whether two nested state dicts hold the same structure, values and tensor bytes."""
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def events(tmp_path: Path, name: str) -> list[dict[str, Any]]:

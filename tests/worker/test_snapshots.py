@@ -48,3 +48,19 @@ def test_without_a_supervisor_the_newest_snapshot_is_resumed_exactly(loop, tmp_p
         assert torch.equal(resumed["model"][key], value)
     assert resumed["optimizer"]["state"][0]["exp_avg"].equal(trained["optimizer"]["state"][0]["exp_avg"])
     assert resumed["scheduler"] == trained["scheduler"]
+
+
+def test_reusing_a_slot_deletes_only_our_own_files(loop, tmp_path: Path) -> None:
+    """Files in a snapshot slot that the library did not write (notes, other prefixes, a directory) survive reuse."""
+    slot = RunLayout(tmp_path).snapshot_slot(1).rank_dir(0)
+    slot.mkdir(parents=True)
+    strangers = [slot / "notes.txt", slot / "other_rank_0-2.ckpt", slot / "ckpt_rank_1-2.ckpt"]
+    for path in strangers:
+        path.write_text("not yours")
+    (slot / "keep").mkdir()
+    run = loop(config=SNAPSHOTTING)
+    for _ in range(2):
+        run.train_batch()  # step 2 is saved into slot 1, which is emptied first
+    assert sorted(p.name for p in slot.iterdir()) == sorted(
+        ["ckpt_rank_0-2.ckpt", "ckpt_rank_0-2.json", "meta.json", "keep", *(p.name for p in strangers)])
+    assert all(path.read_text() == "not yours" for path in strangers)

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from tests.worker.test_guard import events
-from worker.contract import ENV_RESUME_STEP, RunLayout, StopOrder, WorkerConfig, atomic_write_json
+from worker.contract import ENV_RESUME_STEP, RunLayout, StopOrder, WorkerConfig
+from worker.files import atomic_write_json
 
 CONFIG = WorkerConfig(save_checkpoint_steps=0)
 
 
 def order(tmp_path: Path, step: int, *, exit: bool, id: int = 1) -> None:
-    atomic_write_json(RunLayout(tmp_path).stop_order, asdict(StopOrder(id, step, exit)))
+    atomic_write_json(RunLayout(tmp_path).stop_order, asdict(StopOrder(id, step, exit)), root=tmp_path)
 
 
 def saved_steps(tmp_path: Path) -> list[int]:

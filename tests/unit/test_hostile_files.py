@@ -1,0 +1,206 @@
+"""Every reader of a run-dir file against a FIFO, directory, device, symlink or oversize file in its place, and
+every writer against symlinked directories: no reader blocks or raises, no write lands outside the run dir."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.checkpoints import Choice, choose_resume, write_health_file
+from supervisor.journal import open_journal
+from supervisor.rank_logs import last_event
+from supervisor.runner import _previous_step_gaps, _stop_file_signature, lock_run_dir
+from supervisor.stacks import MAX_DUMP_BYTES, _read_from
+from supervisor.status import StatusError, read_status, write_status
+from supervisor.stop_requests import MAX_STOP_FILE_BYTES
+from supervisor.trees import kill_predecessor_leftovers, record_pids
+from supervisor.watch import HeartbeatUnreadable, read_heartbeat
+from worker.contract import RunLayout
+from worker.events import open_event_log
+from worker.files import Refused
+from worker.heartbeat import Heartbeat
+from worker.orders import StopOrders
+
+KINDS = ["fifo", "directory", "symlink to /dev/zero", "symlink outside", "huge", "character device"]
+
+
+def plant(path: Path, kind: str, outside: Path) -> None:
+    """Put a hostile `kind` of file at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "symlink to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "symlink outside":
+        (outside / "secret").write_text('{"step": 1}')
+        path.symlink_to(outside / "secret")
+    elif kind == "huge":
+        with open(path, "wb") as f:
+            f.truncate(3 << 30)  # 3 GB, sparse: a reader without a cap would take it all in
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("creating a device node needs root")
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero's numbers
+
+
+def bounded(call: Callable[[], Any], timeout: float = 5.0) -> Any:
+    """What `call()` returns or raises, failing the test if it takes longer than `timeout` (it blocked)."""
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append(("returned", call()))
+        except BaseException as exc:  # noqa: BLE001 - the test judges what escaped
+            outcome.append(("raised", exc))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"blocked for more than {timeout} s"
+    return outcome[0]
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> RunLayout:
+    (tmp_path / "outside").mkdir()
+    return RunLayout(tmp_path / "run")
+
+
+def _outside(layout: RunLayout) -> Path:
+    return layout.root.parent / "outside"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_heartbeat_reader_refuses_without_blocking(layout: RunLayout, kind: str) -> None:
+    """A hostile heartbeat.json is reported unreadable, never read through or waited on."""
+    plant(layout.heartbeat(0), kind, _outside(layout))
+    how, what = bounded(lambda: read_heartbeat(layout.heartbeat(0), 0))
+    assert how == "raised" and isinstance(what, HeartbeatUnreadable), what
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_event_log_reader_finds_nothing_in_a_hostile_file(layout: RunLayout, kind: str) -> None:
+    """A hostile events.jsonl yields no event (the rank's exit is then taken at face value)."""
+    plant(layout.rank_events(0), kind, _outside(layout))
+    assert bounded(lambda: last_event(layout, 0, 0, "anomaly_abort")) == ("returned", None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_file_reader_reports_a_hostile_file_as_unreadable(layout: RunLayout, kind: str) -> None:
+    """A hostile stop file is read as 'cannot read it', so the operator gets a warning and no stop happens."""
+    plant(layout.default_stop_file, kind, _outside(layout))
+    how, (signature, content, _) = bounded(lambda: _stop_file_signature(layout.default_stop_file))
+    if kind == "huge":  # read up to one byte past the cap, which parse_stop_file refuses by its size
+        assert how == "returned" and len(content) == MAX_STOP_FILE_BYTES + 1
+        return
+    assert how == "returned" and isinstance(content, OSError), content
+    assert signature[0] == -1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_state_file_reader_refuses_a_hostile_file(layout: RunLayout, kind: str) -> None:
+    """`trainwarden status` and a restarted supervisor's calibration refuse a hostile state.json cleanly."""
+    plant(layout.state_file, kind, _outside(layout))
+    how, what = bounded(lambda: read_status(layout))
+    assert how == "raised" and isinstance(what, StatusError), what
+    assert bounded(lambda: _previous_step_gaps(layout, 100)) == ("returned", ())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pids_file_reader_kills_nothing_from_a_hostile_file(layout: RunLayout, kind: str) -> None:
+    """A hostile pids.json makes a new supervisor kill nothing."""
+    plant(layout.pids_file, kind, _outside(layout))
+    assert bounded(lambda: kill_predecessor_leftovers(layout)) == ("returned", [])
+
+
+@pytest.mark.parametrize("part", ["record", "file"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_reader_passes_over_a_hostile_record_or_file(layout: RunLayout, kind: str, part: str) -> None:
+    """A hostile completion record or checkpoint file makes its checkpoint passed over with a reason."""
+    store = layout.checkpoints
+    store.rank_dir(0).mkdir(parents=True)
+    data = b"checkpoint bytes"
+    if part == "record":
+        store.file(0, 10, "demo").write_bytes(data)
+        plant(store.record(0, 10, "demo"), kind, _outside(layout))
+    else:
+        store.record(0, 10, "demo").write_text(json.dumps({"size": len(data), "crc32": "00000000"}))
+        plant(store.file(0, 10, "demo"), kind, _outside(layout))
+    how, choice = bounded(lambda: choose_resume([store], 1, "demo"))
+    assert how == "returned" and isinstance(choice, Choice), choice
+    assert choice.step is None and [step for step, _ in choice.passed_over] == [10]
+    assert choice.passed_over[0][1].startswith(("unreadable", "incomplete", "truncated")), choice.passed_over
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_order_reader_in_the_worker_sees_no_order(layout: RunLayout, kind: str) -> None:
+    """A rank polling a hostile stop_order.json sees no order and trains on."""
+    plant(layout.stop_order, kind, _outside(layout))
+    assert bounded(lambda: StopOrders(layout.stop_order).poll()) == ("returned", None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stack_dump_reader_reads_nothing_from_a_hostile_file(layout: RunLayout, kind: str) -> None:
+    """A hostile stack dump file contributes no text to the hang's stacks (a huge one: its first MiB)."""
+    plant(layout.stack_dump(0, 0), kind, _outside(layout))
+    how, text = bounded(lambda: _read_from(layout.stack_dump(0, 0), 0))
+    assert how == "returned" and text == ("\0" * MAX_DUMP_BYTES if kind == "huge" else "")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink outside", "character device"])
+def test_supervisor_refuses_a_hostile_lock_or_journal(layout: RunLayout, kind: str) -> None:
+    """A FIFO, directory, device or symlink where the lock or journal goes is refused, not opened through."""
+    plant(layout.lock_file, kind, _outside(layout))
+    how, what = bounded(lambda: lock_run_dir(layout))
+    assert how == "raised" and isinstance(what, Refused), what
+    plant(layout.journal, kind, _outside(layout))
+    how, what = bounded(lambda: open_journal(layout.journal, root=layout.root, echo=None))
+    assert how == "raised" and isinstance(what, Refused), what
+    if kind == "symlink outside":
+        assert (_outside(layout) / "secret").read_text() == '{"step": 1}'
+
+
+# ---- writers ---------------------------------------------------------------------------------------
+
+WRITERS: dict[str, tuple[str, Callable[[RunLayout], Any]]] = {
+    "state.json": ("supervisor", lambda lo: write_status(lo, {"ranks": []}, durable=False)),
+    "pids.json": ("supervisor", lambda lo: record_pids(lo, [])),
+    "journal": ("supervisor", lambda lo: open_journal(lo.journal, root=lo.root, echo=None).close()),
+    "heartbeat": ("ranks", lambda lo: Heartbeat(lo.heartbeat(0), root=lo.root, rank=0, attempt=0,
+                                                interval_s=1).beat(1, "train", force=True)),
+    "rank event log": ("ranks", lambda lo: open_event_log(lo.rank_events(0), root=lo.root)[1].close()),
+    "health file": ("", lambda lo: write_health_file(lo, [])),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_no_write_follows_a_symlinked_directory_out_of_the_run_dir(layout: RunLayout, writer: str) -> None:
+    """With the writer's directory replaced by a symlink to elsewhere, nothing is written there."""
+    directory, write = WRITERS[writer]
+    outside = _outside(layout)
+    layout.root.mkdir()
+    if directory:
+        (layout.root / directory).symlink_to(outside, target_is_directory=True)
+    else:
+        (layout.root / "health_ckpts.json").symlink_to(outside / "victim")
+    with contextlib.suppress(OSError, ValueError):  # refusing is fine; writing outside is not
+        write(layout)
+    assert os.listdir(outside) == []
+
+
+def test_heartbeat_write_through_a_symlinked_dir_never_raises_into_training(layout: RunLayout) -> None:
+    """A rank whose ranks/ dir was swapped for a symlink keeps training: the beat is dropped, not raised."""
+    layout.root.mkdir()
+    (layout.root / "ranks").symlink_to(_outside(layout), target_is_directory=True)
+    Heartbeat(layout.heartbeat(0), root=layout.root, rank=0, attempt=0, interval_s=1).beat(1, "train", force=True)
+    assert os.listdir(_outside(layout)) == []
