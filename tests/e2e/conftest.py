@@ -39,6 +39,8 @@ def write_config(path: Path, **overrides: Any) -> Path:
     config["args"] = ["--steps", str(DEMO_STEPS)]
     config["worker"]["save_checkpoint_steps"] = DEMO_SAVE_EVERY
     config["restart"]["backoff_initial_s"] = 0.2
+    # A rank blocked in a gloo collective with a live peer (a hang) only dies by SIGKILL: do not wait 5 s for it.
+    config["stop"]["kill_grace_s"] = 1.0
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}

@@ -49,10 +49,10 @@ if attempt == 0 and rank == 0 and os.environ.get("PLANT"):
     for plant in plants:
         os.unlink(path)  # the last good beat
         plant()
-        time.sleep(1.3)
+        time.sleep(1.1)  # past one of the supervisor's once-a-second looks, whatever inotify says
         os.rmdir(path) if path.is_dir() and not path.is_symlink() else os.unlink(path)
         beat.beat(0, "train", force=True)  # readable again: the next plant is a new streak, warned anew
-        time.sleep(0.3)
+        time.sleep(0.2)
 for step in range(1, 11):
     beat.beat(step, "train")
     time.sleep(0.05)
