@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-import threading
 from pathlib import Path
 
 import pytest
 
+from tests.hostile import KINDS, bounded, plant
 from worker.files import (
     MAX_INT,
     Refused,
@@ -115,34 +115,13 @@ def test_open_append_creates_an_owner_only_file(tmp_path: Path) -> None:
     assert path.read_bytes() == b"one\n" and stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink to /dev/zero", "symlink to a file", "too large"])
-def test_read_bytes_refuses_what_is_not_a_small_regular_file(tmp_path: Path, kind: str) -> None:
-    """A FIFO, a directory, any symlink and a file over the cap are refused at once, without blocking."""
-    path = tmp_path / "heartbeat.json"
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "symlink to /dev/zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "symlink to a file":
-        (tmp_path / "real").write_text("{}")
-        path.symlink_to(tmp_path / "real")
-    else:
-        path.write_bytes(b" " * 4097)
-    outcome: list[BaseException | bytes] = []
-    reader = threading.Thread(target=lambda: outcome.append(_attempt(lambda: read_bytes(path, 4096))), daemon=True)
-    reader.start()
-    reader.join(timeout=5)
-    assert not reader.is_alive(), "the read blocked"
-    assert isinstance(outcome[0], Refused), outcome
-
-
-def _attempt(read: object) -> BaseException | bytes:
-    try:
-        return read()  # type: ignore[operator]
-    except BaseException as exc:  # noqa: BLE001 - the test inspects what was raised
-        return exc
+@pytest.mark.parametrize("kind", KINDS)
+def test_read_bytes_refuses_what_is_not_a_regular_file_within_its_cap(tmp_path: Path, kind: str) -> None:
+    """A FIFO, a directory, a device, any symlink and a file over the cap are refused at once, without blocking."""
+    (tmp_path / "outside").mkdir()
+    plant(tmp_path / "heartbeat.json", kind, tmp_path / "outside")
+    how, what = bounded(lambda: read_bytes(tmp_path / "heartbeat.json", 4096))
+    assert how == "raised" and isinstance(what, Refused), what
 
 
 def test_read_bytes_follows_symlinks_only_when_asked(tmp_path: Path) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import stat
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,51 +21,12 @@ from supervisor.status import StatusError, read_status, write_status
 from supervisor.stop_requests import MAX_STOP_FILE_BYTES
 from supervisor.trees import kill_predecessor_leftovers, record_pids
 from supervisor.watch import HeartbeatUnreadable, read_heartbeat
+from tests.hostile import KINDS, bounded, plant
 from worker.contract import RunLayout
 from worker.events import open_event_log
 from worker.files import Refused
 from worker.heartbeat import Heartbeat
 from worker.orders import StopOrders
-
-KINDS = ["fifo", "directory", "symlink to /dev/zero", "symlink outside", "huge", "character device"]
-
-
-def plant(path: Path, kind: str, outside: Path) -> None:
-    """Put a hostile `kind` of file at `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "symlink to /dev/zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "symlink outside":
-        (outside / "secret").write_text('{"step": 1}')
-        path.symlink_to(outside / "secret")
-    elif kind == "huge":
-        with open(path, "wb") as f:
-            f.truncate(3 << 30)  # 3 GB, sparse: a reader without a cap would take it all in
-    else:
-        if os.geteuid() != 0:
-            pytest.skip("creating a device node needs root")
-        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero's numbers
-
-
-def bounded(call: Callable[[], Any], timeout: float = 5.0) -> Any:
-    """What `call()` returns or raises, failing the test if it takes longer than `timeout` (it blocked)."""
-    outcome: list[Any] = []
-
-    def target() -> None:
-        try:
-            outcome.append(("returned", call()))
-        except BaseException as exc:  # noqa: BLE001 - the test judges what escaped
-            outcome.append(("raised", exc))
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert not thread.is_alive(), f"blocked for more than {timeout} s"
-    return outcome[0]
 
 
 @pytest.fixture
