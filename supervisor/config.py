@@ -184,13 +184,22 @@ def _parse_yaml(text: str, source: str) -> Any:
     """The YAML document in `text`, after checking its shape; ConfigError for anything the parser refuses."""
     try:
         _check_shape(text, source)
-        return yaml.load(text, Loader=_LOADER)
+        return _safe_load(text)
     except ConfigError:
         raise
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {_one_line(exc)}") from None
     except Exception as exc:  # PyYAML's constructors raise ValueError, AttributeError... on odd tagged scalars
         raise ConfigError(f"{source}: not valid YAML: {_brief(str(exc) or type(exc).__name__)}") from None
+
+
+def _safe_load(text: str) -> Any:
+    """yaml.safe_load, through libyaml when it is built in (plain Python types only, no tags that run code)."""
+    loader = _LOADER(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _check_shape(text: str, source: str) -> None:
