@@ -4,6 +4,10 @@ Each rank writes its checkpoint file, then a completion record (size, CRC-32 che
 it. A candidate is passed over, with the reason logged, when a rank lacks either, when a file's size or
 checksum differs from its record (truncated, corrupted), or when a rank tagged its part unhealthy.
 `health_ckpts.json` (seed 000's format, `is_health` 0 = healthy) lists every complete checkpoint.
+
+Checkpoints are per rank, so only a run with the same number of ranks can resume them: each completion
+record names the world size that wrote it (older records do not; then the rank dirs holding the step tell).
+Checkpoints of another world size are never resumed, rotated or listed.
 """
 
 from __future__ import annotations
@@ -12,17 +16,19 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.config import MAX_NPROC
 from worker.contract import SNAPSHOT_DIR, CheckpointStore, RunLayout
 from worker.files import atomic_write_json, open_regular, read_json
 
 __all__ = [
     "Choice",
     "Junk",
+    "WorldSizeMismatch",
     "choose_explicit",
     "choose_resume",
     "file_crc32",
@@ -30,6 +36,8 @@ __all__ = [
     "find_junk",
     "health_entries",
     "rotation",
+    "world_size_mismatch",
+    "world_sizes",
     "write_health_file",
 ]
 
@@ -88,6 +96,11 @@ def _problem(store: CheckpointStore, world_size: int, prefix: str, step: int, re
             return f"incomplete: rank {rank} has no completion record"
         except (OSError, ValueError) as exc:
             return f"unreadable completion record on rank {rank}: {exc}"
+        written = _declared_world_size(record)
+        if written is not None and written != world_size:  # checked before the checksum: no big read for nothing
+            return f"written by {written} ranks (rank {rank}'s record says); this run has {world_size}"
+        if rank == 0 and written is None and step in store.steps(world_size, prefix):  # a record from before
+            return f"written by more than {world_size} ranks (rank {world_size} has it too); this run has {world_size}"
         try:
             size, crc = file_crc32(store.file(rank, step, prefix), limit=record["size"])
         except FileNotFoundError:
@@ -113,6 +126,65 @@ def read_record(store: CheckpointStore, rank: int, step: int, prefix: str) -> di
     if not isinstance(record.get("crc32"), str):
         raise ValueError(f"'crc32' is {str(record.get('crc32'))[:40]!r}, not a checksum")
     return record
+
+
+def _declared_world_size(record: dict[str, Any]) -> int | None:
+    """The world size a completion record says wrote it; None for records from before they said so."""
+    written = record.get("world_size")
+    return written if type(written) is int and 1 <= written <= MAX_NPROC else None
+
+
+def world_sizes(store: CheckpointStore, steps: Iterable[int], prefix: str) -> dict[int, int | None]:
+    """How many ranks wrote each step's checkpoint: what rank 0's completion record says, or (older records) how
+    many rank dirs in a row hold the step complete; None where rank 0's record cannot be read."""
+    held: dict[int, set[int]] = {}
+
+    def holds(rank: int, step: int) -> bool:
+        if rank not in held:
+            held[rank] = store.steps(rank, prefix)
+        return step in held[rank]
+
+    sizes: dict[int, int | None] = {}
+    for step in steps:
+        try:
+            sizes[step] = _declared_world_size(read_record(store, 0, step, prefix))
+        except (OSError, ValueError):
+            sizes[step] = None
+            continue
+        if sizes[step] is None:
+            sizes[step] = next(n for n in range(1, MAX_NPROC + 2) if n > MAX_NPROC or not holds(n, step))
+    return sizes
+
+
+@dataclass(frozen=True)
+class WorldSizeMismatch:
+    """The newest checkpoint of the resume stores was written by `written_by` ranks, and none by this run's
+    `world_size`: resuming would restore only some ranks' state (or silently start over)."""
+
+    store: CheckpointStore
+    step: int
+    written_by: int
+    world_size: int
+
+    def message(self) -> str:
+        return (f"the checkpoints in {self.store.root} were written by {self.written_by} ranks (newest: step "
+                f"{self.step}), but this job runs {self.world_size} (nproc_per_node: {self.world_size}); "
+                f"use a new --run-dir (this one stays as it is), or set worker.resume_training: false to start "
+                f"from scratch here")
+
+
+def world_size_mismatch(stores: list[CheckpointStore], world_size: int, prefix: str) -> WorldSizeMismatch | None:
+    """Why resuming must be refused: the stores hold checkpoints, but none written by `world_size` ranks (then
+    the newest of them); None when one was (resume picks it, passing over the others with their reason)."""
+    found = [(step, -i, size) for i, store in enumerate(stores)
+             for step, size in world_sizes(store, store.steps(0, prefix), prefix).items()]
+    if any(size == world_size for *_, size in found):
+        return None
+    others = [f for f in found if f[2] is not None]
+    if not others:
+        return None
+    step, negative_index, size = max(others)
+    return WorldSizeMismatch(stores[-negative_index], step, size, world_size)
 
 
 def _health_reasons(record: dict[str, Any]) -> str:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from supervisor.config import ConfigError, check_launchable, load_config
+from supervisor.core import Phase, State
 from supervisor.journal import open_journal
 from supervisor.runner import RunDirBusy, Supervisor, lock_run_dir
 from supervisor.status import StatusError, read_status, render
@@ -20,7 +22,15 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone early (`status | head -1`) shows up here, not as a traceback at exit
+    except BrokenPipeError:
+        # Python's advice (signal module docs, SIGPIPE): point stdout at devnull so the flush at exit stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1  # as Python itself exits on EPIPE
+    return code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,9 +88,22 @@ def _run(args: argparse.Namespace) -> int:
         journal.close()
         lock.close()
     if code != 0:
-        logs = layout.attempt_log(supervisor.state.attempt, 0, "err").parent
-        print(f"trainwarden: run failed: {supervisor.state.reason} (rank logs: {logs})", file=sys.stderr)
+        _say_why(supervisor.state, layout)
     return code
+
+
+def _say_why(state: State, layout: RunLayout) -> None:
+    """The reason and where the rank logs are; then, on a line of its own, the cause of the last failed attempt."""
+    logs = layout.attempt_log(state.attempt, 0, "err").parent
+    reason = state.reason or ""
+    cause = state.cause if state.failures and state.failures[-1].attempt == state.attempt else None  # not a launch's
+    if cause and reason.endswith(f": {cause}"):  # a crash loop's reason ends with the cause: say it once
+        reason = reason.removesuffix(f": {cause}")
+    outcome = "run stopped" if state.phase is Phase.STOPPED else "run failed"
+    where = f" (rank logs: {logs})" if logs.is_dir() else ""  # a run refused before launching has none
+    print(f"trainwarden: {outcome}: {reason}{where}", file=sys.stderr)
+    if cause:
+        print(f"trainwarden: cause: {cause}", file=sys.stderr)
 
 
 def _unusable(layout: RunLayout, exc: OSError) -> int:

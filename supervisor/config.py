@@ -57,6 +57,7 @@ class RestartConfig:
     """When and how fast crashed ranks are relaunched."""
 
     max_restarts: int = 3
+    crash_loop_attempts: int = 3  # stop early after this many failed attempts in a row alike or without progress
     backoff_initial_s: float = 1.0
     backoff_factor: float = 2.0
     backoff_max_s: float = 60.0
@@ -106,6 +107,7 @@ class JobConfig:
             stop_timeout_s=self.stop.timeout_s,
             hang=self.hang,
             anomaly=self.anomaly,
+            crash_loop_attempts=self.restart.crash_loop_attempts,
         )
 
 
@@ -115,6 +117,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "nproc_per_node": (lambda v: 1 <= v <= MAX_NPROC, f"between 1 and {MAX_NPROC}"),
     "env": (lambda v: all(k and "=" not in k for k in v), "a mapping of variable names (non-empty, no '=')"),
     "restart.max_restarts": (lambda v: v >= 0, "0 or more"),
+    "restart.crash_loop_attempts": (lambda v: v == 0 or v >= 2, "0 (off) or at least 2"),
     "restart.backoff_initial_s": (lambda v: v >= 0, "0 or more"),
     "restart.backoff_factor": (lambda v: v >= 1, "at least 1"),
     "restart.backoff_max_s": (lambda v: v >= 0, "0 or more"),

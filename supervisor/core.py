@@ -5,25 +5,34 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
 
     STARTING --RanksLaunched--> RUNNING
     RUNNING  --ChildExited(0), last rank--> FINISHED
-    RUNNING  --ChildExited(!=0)--> STOPPING (then relaunch, or fail when restarts are exhausted)
-    RUNNING  --ChildExited(EXIT_ANOMALY, abort info)--> STOPPING (then roll back past the bad data, or fail)
+    RUNNING  --ChildExited(!=0)--> STOPPING (then relaunch, or fail: on a crash loop with EXIT_CRASH_LOOP, when
+             restarts are exhausted, at once with EXIT_CONFIG when its cause is not retryable)
+    RUNNING  --ChildExited(EXIT_ANOMALY, or any failure; abort info of some rank)--> STOPPING (then roll back past
+             the bad data, or fail); a peer may die of the abort (SIGABRT) before the aborting rank exits
     RUNNING  --ChildExited(EXIT_CONFIG)--> STOPPING (then fail with EXIT_CONFIG: a relaunch cannot help)
     RUNNING  --ChildExited(EXIT_CHECKPOINT_REFUSED, or killed while leaving; refusal)--> STOPPING (then relaunch
              passing over the refused step, or fail when restarts are exhausted; fail with EXIT_CONFIG if
              worker.resume_training named it)
-    RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang)
+    RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang; a crash loop fails)
     RUNNING  --SignalReceived or StopRequested--> RUNNING with a stop order: every rank saves at the agreed
              step, then exits (--all exited 0--> STOPPED) or goes on; no rank reporting steps: STOPPING
-    RUNNING  --stop order's timeout (Tick), or a second SIGINT--> STOPPING (then stopped)
-    STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED
+    RUNNING  --stop order's timeout (Tick), or a second SIGINT--> STOPPING (then stopped); while a rank is saving,
+             the second SIGINT only SIGTERMs (the save finishes first, bounded by its save timeout), a third kills
+    STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED (EXIT_SAVE_LOST when a rank went down inside a save)
     STOPPING --ChildExited(refusal)--> STOPPING, the refused step passed over from now on
+    STOPPING --ChildExited(abort info), a relaunch pending--> STOPPING, the relaunch now a rollback (or fail)
     STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL);
     TERM lasts the kill grace, or until every save in flight is past its save timeout, whichever is later
     STOPPING --deadline in KILL--> FAILED (a rank survived SIGKILL)
-    STOPPING --second SIGINT of the run--> SIGKILL now; a stop request cancels a pending relaunch
+    STOPPING --second SIGINT of the run--> SIGKILL now (a save in flight: at the third); a stop request cancels a
+             pending relaunch
     BACKOFF  --deadline--> STARTING (next attempt)
     BACKOFF  --SignalReceived--> STOPPED
-    STARTING --LaunchFailed--> FAILED
+    STARTING --LaunchFailed--> FAILED (with EXIT_CONFIG if not retryable)
+
+Every failed attempt leaves a `Failure` (the rank that failed first, the step it reached, the cause). The crash-loop
+breaker ends the run with EXIT_CRASH_LOOP once the last `crash_loop_attempts` attempts failed with the same cause at
+the same step, or none of them got past the step it resumed from (see `crash_loop`).
 """
 
 from __future__ import annotations
@@ -33,10 +42,11 @@ import signal
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from supervisor.causes import Cause, CauseKind, explain_exit
 from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
 from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
 from supervisor.stop_requests import StopRequest, agreed_step
-from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_FAILED, StopOrder
+from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_SAVE_LOST, StopOrder
 
 __all__ = [
     "Action",
@@ -44,6 +54,8 @@ __all__ = [
     "ChildExited",
     "DumpStacks",
     "Event",
+    "FAILURES_KEPT",
+    "Failure",
     "Hang",
     "HeartbeatSeen",
     "KillLeftovers",
@@ -67,6 +79,7 @@ __all__ = [
     "stopping_on_request",
     "Then",
     "Tick",
+    "crash_loop",
     "decide",
     "describe_exit",
     "initial_state",
@@ -130,10 +143,11 @@ class RanksLaunched:
 
 @dataclass(frozen=True)
 class LaunchFailed:
-    """The ranks of `attempt` could not be started at all (none is left running)."""
+    """The ranks of `attempt` could not be started at all (none is left running); `retryable` False: never will."""
 
     attempt: int
     error: str
+    retryable: bool = True  # False: fail with EXIT_CONFIG (the run dir's checkpoints need another world size)
 
 
 @dataclass(frozen=True)
@@ -149,7 +163,8 @@ class CheckpointRefusal:
 class ChildExited:
     """A rank's leader process exited; a negative code is the killing signal, as in Popen.
 
-    `abort` is what the rank logged when it exited with EXIT_ANOMALY; `refused` what it logged when it refused its
+    `abort` is what a rank of the attempt logged when it aborted on anomalies (this one, exiting EXIT_ANOMALY, or a
+    peer: this one may die of the abort first, by SIGABRT); `refused` what it logged when it refused its
     resume checkpoint (it then exits EXIT_CHECKPOINT_REFUSED, unless a peer's stop kills it on its way out).
     """
 
@@ -159,6 +174,8 @@ class ChildExited:
     abort: AbortInfo | None = None
     stopped_at: int | None = None  # the step of the stop order the rank carried out before exiting 0
     refused: CheckpointRefusal | None = None
+    cause: Cause | None = None  # why it failed, from its stderr; None: only the returncode is known
+    step: int | None = None  # the newest step the rank logged (truer than its throttled heartbeat)
 
 
 @dataclass(frozen=True)
@@ -284,6 +301,7 @@ class Policy:
     stop_timeout_s: float = 300.0  # a graceful stop (save at the next agreed step) may take this long
     hang: HangPolicy = field(default_factory=HangPolicy)
     anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
+    crash_loop_attempts: int = 3  # this many failed attempts in a row, the same way or without progress: stop (0: off)
 
     def backoff_s(self, restarts_done: int) -> float:
         """Delay before the next relaunch: none for the first, then exponential up to the cap."""
@@ -329,6 +347,21 @@ class Hang:
 
 
 @dataclass(frozen=True)
+class Failure:
+    """One failed attempt: the rank that failed first, the step it reached, the step it resumed from, and why."""
+
+    attempt: int
+    rank: int
+    step: int | None  # the newest step the rank reported; None: none
+    resume_step: int | None
+    cause: Cause
+    progressed: bool | None  # some rank got past `resume_step`; None: cannot tell (no rank reports steps)
+
+
+FAILURES_KEPT = 10  # the failure history in the state (and status): the newest ones
+
+
+@dataclass(frozen=True)
 class State:
     """Everything the supervisor knows about the run."""
 
@@ -359,11 +392,19 @@ class State:
     resume_named: bool = False  # the current attempt resumed from the checkpoint worker.resume_training names
     refused_steps: tuple[tuple[int, str], ...] = ()  # checkpoints a rank refused to load, and why: never resumed from
     last_failure: str | None = None
+    failures: tuple[Failure, ...] = ()  # the newest FAILURES_KEPT failed attempts, oldest first
+    saves_lost: tuple[tuple[int, int | None], ...] = ()  # (rank, step): went down inside a save, this attempt
     reason: str | None = None
 
     @property
     def exit_code(self) -> int | None:
-        return {Phase.FINISHED: 0, Phase.STOPPED: 0, Phase.FAILED: self.failure_code}.get(self.phase)
+        stopped = EXIT_SAVE_LOST if self.saves_lost else 0  # a stop that lost a save is not a clean one
+        return {Phase.FINISHED: 0, Phase.STOPPED: stopped, Phase.FAILED: self.failure_code}.get(self.phase)
+
+    @property
+    def cause(self) -> str | None:
+        """Why the newest failed attempt failed, in one line."""
+        return self.failures[-1].cause.text if self.failures else None
 
 
 def initial_state(policy: Policy, step_gaps: tuple[float, ...] = ()) -> State:
@@ -437,8 +478,11 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
 
 
 def _on_launch_failed(state: State, event: LaunchFailed, now: float) -> tuple[State, list[Action]]:
-    reason = f"could not launch ranks: {event.error}"
-    return _fail(state, reason), [_record("launch_failed", level="error", attempt=event.attempt, error=event.error)]
+    record = _record("launch_failed", level="error", attempt=event.attempt, error=event.error,
+                     retryable=event.retryable)
+    if not event.retryable:
+        return replace(_fail(state, f"not launched: {event.error}"), failure_code=EXIT_CONFIG), [record]
+    return _fail(state, f"could not launch ranks: {event.error}"), [record]
 
 
 def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
@@ -446,6 +490,7 @@ def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[Stat
         return state, []
     if not state.ranks[event.rank].running:
         return state, []
+    state = _note_lost_save(state, event)
     state = _update_rank(state, event.rank, returncode=event.returncode)
     if state.phase is Phase.RUNNING:
         if event.returncode == 0:
@@ -456,12 +501,24 @@ def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[Stat
             return _on_config_error(state, event, now)
         if event.refused is not None:
             return _on_checkpoint_refused(state, event, event.refused, now)
+        if event.abort is not None:  # a peer's abort killed this rank first (SIGABRT when its connection closed)
+            return _on_anomaly_abort(state, event, event.abort, now)
         return _on_crash(state, event, now)
     if state.phase is Phase.STOPPING:
         if event.refused is not None:  # a peer went down first (its gloo connection to this rank closed)
             return _refused_while_stopping(state, event, event.refused, now)
+        if event.abort is not None and state.then is Then.RELAUNCH and not state.rollback_pending:
+            return _abort_while_stopping(state, event, event.abort, now)
         return _after_rank_down(state, event, now)
     return state, []
+
+
+def _note_lost_save(state: State, event: ChildExited) -> State:
+    """A rank that goes down while its newest heartbeat says it is saving takes that checkpoint with it."""
+    rank = state.ranks[event.rank]
+    if event.returncode == 0 or rank.heartbeat_phase != SAVE_PHASE:
+        return state
+    return replace(state, saves_lost=(*state.saves_lost, (rank.rank, rank.step)))
 
 
 def _on_clean_exit(state: State, event: ChildExited) -> tuple[State, list[Action]]:
@@ -479,58 +536,101 @@ def _on_clean_exit(state: State, event: ChildExited) -> tuple[State, list[Action
 
 
 def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
+    """The attempt's first failure: relaunch, or give up (a cause no relaunch can fix, a crash loop, no restarts)."""
     failure = f"rank {event.rank} {describe_exit(event.returncode)} in attempt {event.attempt}"
-    then = Then.STOP if stopping_on_request(state) else _failure_outcome(state)
-    state = replace(state, last_failure=failure)
+    cause = event.cause or explain_exit(event.returncode)
+    state = _note_failure(replace(state, last_failure=failure), event.rank, cause, event.step)
     actions: list[Action] = [
         _record("rank_crashed", level="error", rank=event.rank, attempt=event.attempt, returncode=event.returncode,
-                description=describe_exit(event.returncode)),
+                description=describe_exit(event.returncode), step=state.failures[-1].step, cause=cause.text),
     ]
+    if not cause.retryable:  # a model that does not fit its checkpoint fails the same way on every relaunch
+        state = replace(state, failure_code=EXIT_CONFIG,
+                        give_up=f"not retryable: rank {event.rank} failed in attempt {event.attempt}: {cause.text}")
+        state, stop = _begin_stop(state, Then.FAIL, now)
+        return state, [*actions, _record("not_retryable", level="error", rank=event.rank, cause=cause.text), *stop]
+    then, verdict = Then.STOP, []  # a stop on request is carried out; the failure changes nothing
+    if not stopping_on_request(state):
+        state, then, verdict = _after_failure(state)
     state, stop_actions = _begin_stop(state, then, now)
-    return state, actions + _exhausted_records(state, then) + stop_actions
+    return state, actions + verdict + stop_actions
 
 
 def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: float) -> tuple[State, list[Action]]:
+    failure = _abort_failure(event, abort)
+    state = _note_failure(replace(state, last_failure=failure), event.rank, Cause(CauseKind.ANOMALY, failure),
+                          abort.abort_step)
+    state, then, actions = _rollback_or_fail(state, event, abort, failure)
+    state, stop = _begin_stop(state, then, now)
+    return state, [*actions, *stop]
+
+
+def _abort_while_stopping(state: State, event: ChildExited, abort: AbortInfo, now: float) -> tuple[State, list[Action]]:
+    """An abort seen only once the stop began (a peer died of it first, taken for a crash): roll back after all."""
+    failure = _abort_failure(event, abort)
+    state = _revise_failure(replace(state, last_failure=failure), event.rank, Cause(CauseKind.ANOMALY, failure),
+                            abort.abort_step)
+    state, then, actions = _rollback_or_fail(state, event, abort, failure)
+    state, down = _after_rank_down(replace(state, then=then), event, now)
+    return state, [*actions, *down]
+
+
+def _abort_failure(event: ChildExited, abort: AbortInfo) -> str:
     what = "anomalies" if not abort.suspect_ranks else (
         f"a feature-value fault seen by rank {', '.join(map(str, abort.suspect_ranks))} (suspect hardware)")
-    failure = (f"rank {event.rank} aborted on {what} in steps {abort.first_step}-{abort.abort_step} "
-               f"(batches {abort.first_batch}-{abort.abort_batch}) in attempt {event.attempt}")
-    plan = plan_rollback(state.policy.anomaly, state.rollback, abort)
-    state = replace(state, last_failure=failure)
+    how = "aborted" if event.returncode == EXIT_ANOMALY else f"{describe_exit(event.returncode)} after an abort"
+    return (f"rank {event.rank} {how} on {what} in steps {abort.first_step}-{abort.abort_step} "
+            f"(batches {abort.first_batch}-{abort.abort_batch}) in attempt {event.attempt}")
+
+
+def _rollback_or_fail(state: State, event: ChildExited, abort: AbortInfo,
+                      failure: str) -> tuple[State, Then, list[Action]]:
+    """Roll back past the abort's data on the next launch; fail if this region was rolled back too often
+    (EXIT_ANOMALY) or no relaunch is left."""
     record = _record("anomaly_abort", level="error", rank=event.rank, attempt=event.attempt,
                      first_step=abort.first_step, abort_step=abort.abort_step, first_batch=abort.first_batch,
                      abort_batch=abort.abort_batch, suspect_ranks=list(abort.suspect_ranks))
+    plan = plan_rollback(state.policy.anomaly, state.rollback, abort)
     if plan is None:
         tries = state.policy.anomaly.max_tries
         times = "once" if tries == 1 else f"{tries} times"
         state = replace(state, give_up=f"{failure}; this region was already rolled back {times}",
                         failure_code=EXIT_ANOMALY)
-        state, stop = _begin_stop(state, Then.FAIL, now)
-        return state, [record, _record("rollbacks_exhausted", level="error", tries=tries), *stop]
+        return state, Then.FAIL, [record, _record("rollbacks_exhausted", level="error", tries=tries)]
     then = _failure_outcome(state)
     if then is Then.FAIL:  # no relaunch left to roll back with
-        state, stop = _begin_stop(state, then, now)
-        return state, [record, *_exhausted_records(state, then), *stop]
+        return state, then, [record, *_exhausted_records(state, then)]
     state = replace(state, rollback=plan, rollback_pending=True)
     decision = _record("rollback_scheduled", resume_at_most=plan.resume_at_most, skip_to_batch=plan.skip_to_batch,
                        tries=plan.tries, skip_after=plan.skip_after)
-    state, stop = _begin_stop(state, then, now)
-    return state, [record, decision, *stop]
+    return state, then, [record, decision]
+
+
+def _revise_failure(state: State, rank: int, cause: Cause, step: int | None) -> State:
+    """This attempt's failure was taken for something else (a peer's crash): the history says what it was."""
+    if not state.failures or state.failures[-1].attempt != state.attempt:
+        return _note_failure(state, rank, cause, step)
+    revised = replace(state.failures[-1], rank=rank, step=step, cause=cause)
+    return replace(state, failures=(*state.failures[:-1], revised))
 
 
 def _on_config_error(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
     failure = (f"rank {event.rank} exited with code {EXIT_CONFIG} (its configuration is invalid) "
                f"in attempt {event.attempt}")
+    cause = event.cause or explain_exit(EXIT_CONFIG)
     state = replace(state, last_failure=failure, give_up=f"{failure}; relaunching cannot help",
                     failure_code=EXIT_CONFIG)
+    state = _note_failure(state, event.rank, cause, event.step)
     state, stop = _begin_stop(state, Then.FAIL, now)
-    return state, [_record("rank_config_error", level="error", rank=event.rank, attempt=event.attempt), *stop]
+    return state, [_record("rank_config_error", level="error", rank=event.rank, attempt=event.attempt,
+                           cause=cause.text), *stop]
 
 
 def _on_checkpoint_refused(state: State, event: ChildExited, refusal: CheckpointRefusal,
                            now: float) -> tuple[State, list[Action]]:
     """Relaunch like after a crash, but never again from the refused step (an attacker may have crafted it)."""
     failure = f"rank {event.rank} refused checkpoint {refusal.step} in attempt {event.attempt}: {refusal.error}"
+    state = _note_failure(state, event.rank, Cause(CauseKind.CHECKPOINT_REFUSED, failure), event.step)
     state, actions = _note_refusal(replace(state, last_failure=failure), event, refusal)
     if state.resume_named:  # the person asked for exactly this checkpoint: an older one is not what they meant
         state, stop = _begin_stop(state, Then.FAIL, now)
@@ -622,6 +722,52 @@ def _failure_outcome(state: State) -> Then:
     return Then.FAIL if state.restarts >= state.policy.max_restarts else Then.RELAUNCH
 
 
+def _note_failure(state: State, rank: int, cause: Cause, step: int | None = None) -> State:
+    """Add this attempt's failure to the history: did any rank get past the step the attempt resumed from?"""
+    step = state.ranks[rank].step if step is None else step
+    reached = max((s for s in (step, *(r.step for r in state.ranks)) if s is not None), default=None)
+    reports_steps = (state.heartbeats_seen or state.policy.hang.heartbeat == "required"
+                     or any(f.step is not None for f in state.failures))  # the script uses the worker library
+    progressed = None if reached is None and not reports_steps else (
+        reached is not None and reached > (state.resume_step or 0))
+    failure = Failure(state.attempt, rank, step, state.resume_step, cause, progressed)
+    return replace(state, failures=(*state.failures, failure)[-FAILURES_KEPT:])
+
+
+def crash_loop(state: State) -> str | None:
+    """Why relaunching is pointless after the newest `crash_loop_attempts` failures, or None.
+
+    Two rules: they all failed with the same cause at the same step (a script that raises at step 40 every
+    time), or none got past the step it resumed from (NVRx's "cycles without progress"; hangs and kills
+    count here, but only a cause the script itself gives, never a bare signal, can make them "the same").
+    """
+    n = state.policy.crash_loop_attempts
+    recent = state.failures[-n:]
+    if n < 2 or len(recent) < n or recent[-1].attempt - recent[0].attempt != n - 1:  # 0: off; attempts in a row
+        return None
+    if not all(f.cause.breakable for f in recent):  # anomaly rollbacks and refused checkpoints have their own bounds
+        return None
+    last = recent[-1]
+    if all(f.cause.repeatable and (f.cause.same_as, f.step) == (last.cause.same_as, last.step) for f in recent):
+        at = "" if last.step is None else f" at step {last.step}"
+        return f"crash loop: {n} attempts in a row failed the same way{at}: {last.cause.text}"
+    if all(f.progressed is False for f in recent):
+        past = "completing a step" if not last.resume_step else f"getting past step {last.resume_step}"
+        return f"no progress: {n} attempts in a row failed before {past}: {last.cause.text}"
+    return None
+
+
+def _after_failure(state: State) -> tuple[State, Then, list[Action]]:
+    """After an attempt's first failure: fail on a crash loop (EXIT_CRASH_LOOP) or exhausted restarts, or relaunch."""
+    loop = crash_loop(state)
+    if loop is not None:
+        attempts = [f.attempt for f in state.failures[-state.policy.crash_loop_attempts:]]
+        state = replace(state, give_up=loop, failure_code=EXIT_CRASH_LOOP)
+        return state, Then.FAIL, [_record("crash_loop", level="error", attempts=attempts, reason=loop)]
+    then = _failure_outcome(state)
+    return state, then, _exhausted_records(state, then)
+
+
 def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = False) -> tuple[State, list[Action]]:
     state = replace(state, phase=Phase.STOPPING, then=then)
     if not any(r.running for r in state.ranks):
@@ -675,18 +821,33 @@ def _all_down(state: State, now: float) -> tuple[State, list[Action]]:
     actions: list[Action] = [KillLeftovers(state.attempt)]
     state = replace(state, stop_stage=None)
     if state.then is Then.STOP:
+        if state.saves_lost:
+            return _stopped_losing_saves(state, actions)
         state = replace(state, phase=Phase.STOPPED, deadline=None, reason="stopped on request")
         return state, actions + [_record("run_stopped", attempt=state.attempt)]
     if state.then is Then.FAIL:
         exhausted = f"{state.last_failure}; restarts exhausted ({state.restarts}/{state.policy.max_restarts})"
         return _fail(state, state.give_up or exhausted), actions
     delay = state.policy.backoff_s(state.restarts)
-    state = replace(state, phase=Phase.BACKOFF, deadline=now + delay)
+    # A save lost to a crash is the relaunch's to make good (it resumes from an older checkpoint), not a stop's.
+    state = replace(state, phase=Phase.BACKOFF, deadline=now + delay, saves_lost=())
     actions.append(_record("relaunch_scheduled", attempt=state.attempt + 1, backoff_s=delay))
     if delay <= 0:
         state, launch = _relaunch(state)
         actions += launch
     return state, actions
+
+
+def _stopped_losing_saves(state: State, actions: list[Action]) -> tuple[State, list[Action]]:
+    """Stopped, but a rank went down inside a save: exit EXIT_SAVE_LOST, never the 0 of a clean stop."""
+    lost = ", ".join(f"rank {rank}" + ("" if step is None else f" (step {step})") for rank, step in state.saves_lost)
+    reason = (f"stopped on request, but the checkpoint save in flight was lost: {lost} went down inside it; "
+              "the newest complete checkpoint is older")
+    state = replace(state, phase=Phase.STOPPED, deadline=None, reason=reason)
+    return state, [*actions, _record("save_lost", level="error", attempt=state.attempt,
+                                     ranks=[rank for rank, _ in state.saves_lost],
+                                     steps=[step for _, step in state.saves_lost]),
+                   _record("run_stopped", attempt=state.attempt, exit_code=EXIT_SAVE_LOST)]
 
 
 def _relaunch(state: State) -> tuple[State, list[Action]]:
@@ -745,7 +906,8 @@ def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tu
     if event.attempt != state.attempt or state.stop_stage is not StopStage.STACKS:
         return state, []
     if state.hang is not None:
-        state = replace(state, hang=_refine_hang(state, state.hang, event))
+        hang = _refine_hang(state, state.hang, event)
+        state = _revise_hang_failure(replace(state, hang=hang, last_failure=_hang_failure(hang)), hang)
     state, actions = _terminate(state, now)
     record = _record("stacks_collected", attempt=event.attempt, paths=list(event.paths), culprit=event.culprit,
                      last_steps=dict(event.last_steps))
@@ -772,7 +934,7 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
     if state.phase is Phase.RUNNING:
         if interrupts >= 2:  # a second Ctrl-C means now
             state, stop = _begin_stop(state, Then.STOP, now)
-            state, kill = _kill(state, now) if state.phase is Phase.STOPPING else (state, [])
+            state, kill = _at_once(state, now)
             return state, actions + stop + kill
         if stopping_on_request(state):
             return state, actions
@@ -781,8 +943,8 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
     if state.phase is Phase.STOPPING:
         # A stop request cancels a pending relaunch, but a run already failing still fails.
         state = replace(state, then=Then.FAIL if state.then is Then.FAIL else Then.STOP)
-        if interrupts >= 2 and state.stop_stage is not StopStage.KILL:  # a second Ctrl-C means now
-            state, kill = _kill(state, now)
+        if interrupts >= 2:  # a second Ctrl-C means now
+            state, kill = _at_once(state, now)
             actions += kill
         return state, actions
     if state.phase is Phase.BACKOFF:
@@ -790,6 +952,19 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
         return state, actions + [_record("run_stopped", attempt=state.attempt)]
     state, stop = _begin_stop(state, Then.STOP, now)
     return state, actions + stop
+
+
+def _at_once(state: State, now: float) -> tuple[State, list[Action]]:
+    """SIGKILL a stopping attempt now; but at the second Ctrl-C a save in flight still gets its save timeout (it is
+    already SIGTERMed, and the worker finishes the save first), and only a third one abandons it."""
+    if state.phase is not Phase.STOPPING or state.stop_stage is StopStage.KILL:
+        return state, []
+    savers = saving(state)
+    if state.interrupts == 2 and savers:
+        return state, [_record("save_in_flight", level="warning", ranks=[r.rank for r in savers],
+                               steps=[r.step for r in savers], wait_s=round(saves_end(state, now) - now, 3),
+                               message="saving, press Ctrl-C again to abandon the save")]
+    return _kill(state, now)
 
 
 def _signal_name(signum: int) -> str:
@@ -830,18 +1005,45 @@ def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:
     if deadline is None or now < deadline:
         return state, []
     watched = [r for r in state.ranks if rank_deadline(state, r) is not None]
-    rank = min(watched, key=lambda r: r.heartbeat_monotonic if r.heartbeat_monotonic is not None else -math.inf)
+    rank = min(watched, key=_silent_since)
     hang = _describe_hang(state, rank, now)
-    where = "before its first heartbeat" if rank.heartbeat_phase is None else f"in phase {hang.phase}"
-    after = "" if hang.step is None else f" (last heartbeat at step {hang.step})"
-    failure = (f"rank {rank.rank} hung {where}{after}: no heartbeat for {hang.silent_s:.1f} s "
-               f"(timeout {hang.timeout_s:g} s) in attempt {state.attempt}")
-    then = _failure_outcome(state)
-    state = replace(state, hang=hang, last_failure=failure)
+    cause = _hang_cause(hang)
+    state = _note_failure(replace(state, hang=hang, last_failure=_hang_failure(hang)), rank.rank, cause, hang.step)
+    state, then, verdict = _after_failure(state)
     record = _record("hang_detected", level="error", rank=rank.rank, attempt=state.attempt, phase=hang.phase,
-                     step=hang.step, silent_s=round(hang.silent_s, 3), timeout_s=hang.timeout_s)
+                     step=hang.step, silent_s=round(hang.silent_s, 3), timeout_s=hang.timeout_s, cause=cause.text)
     state, stop = _begin_stop(state, then, now, stacks_first=True)
-    return state, [record, *_exhausted_records(state, then), *stop]
+    return state, [record, *verdict, *stop]
+
+
+def _silent_since(rank: RankState) -> tuple[float, int]:
+    """Who went silent first; on a tie (seen at the same poll) the rank behind, which its peers wait for."""
+    seen = rank.heartbeat_monotonic if rank.heartbeat_monotonic is not None else -math.inf
+    return seen, rank.step if rank.step is not None else -1
+
+
+def _hang_failure(hang: Hang) -> str:
+    """The hang as `last_failure` says it; the same words before and after the stacks name the culprit."""
+    where = "before its first heartbeat" if hang.phase == "launch" else f"in phase {hang.phase}"
+    after = "" if hang.step is None else f" (last heartbeat at step {hang.step})"
+    return (f"rank {hang.rank} hung {where}{after}: no heartbeat for {hang.silent_s:.1f} s "
+            f"(timeout {hang.timeout_s:g} s) in attempt {hang.attempt}")
+
+
+def _hang_cause(hang: Hang) -> Cause:
+    where = "before its first heartbeat" if hang.phase == "launch" else f"in phase {hang.phase}"
+    after = "" if hang.step is None else f" after step {hang.step}"
+    named = " (the only rank outside a collective)" if hang.named_by == "stacks" else ""
+    return Cause(CauseKind.HANG, f"hang: rank {hang.rank}{named} silent {where}{after} "
+                                 f"for {hang.silent_s:.1f} s (timeout {hang.timeout_s:g} s)")
+
+
+def _revise_hang_failure(state: State, hang: Hang) -> State:
+    """The stacks named another rank or step: the failure history says what the hang record says."""
+    if not state.failures or state.failures[-1].attempt != hang.attempt:
+        return state
+    revised = replace(state.failures[-1], rank=hang.rank, step=hang.step, cause=_hang_cause(hang))
+    return replace(state, failures=(*state.failures[:-1], revised))
 
 
 def _describe_hang(state: State, rank: RankState, now: float) -> Hang:

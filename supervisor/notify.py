@@ -245,6 +245,8 @@ def _finished(state: State) -> str:
 
 
 def _stopped(state: State) -> str:
+    if state.saves_lost and state.reason:  # never a clean stop's words for a stop that lost a save
+        return state.reason
     return "stopped on request" + ("" if state.stopped_at is None else f" at step {state.stopped_at}")
 
 

@@ -1,6 +1,6 @@
-"""Reading the newest events of a rank's JSON-lines log from its end (logs grow by a line per step).
+"""Reading the newest events of a rank's JSON-lines log from its end (logs grow by a line per step); its stderr's tail.
 
-The log is the rank's to write, so nothing in it is trusted: the tail is read bounded from a regular
+The logs are the rank's to write, so nothing in them is trusted: the tail is read bounded from a regular
 file only, lines that are not strict JSON objects are skipped, and numbers are checked before use.
 """
 
@@ -13,7 +13,7 @@ from supervisor.rollback import AbortInfo
 from worker.contract import RunLayout
 from worker.files import open_regular, parse_json
 
-__all__ = ["abort_info", "count", "last_event", "last_step"]
+__all__ = ["abort_info", "count", "last_event", "last_step", "stderr_tail"]
 
 TAIL_BYTES = 65536
 
@@ -39,6 +39,21 @@ def last_event(layout: RunLayout, rank: int, attempt: int, name: str) -> dict[st
         if isinstance(event, dict) and event.get("event") == name and event.get("attempt") == attempt:
             return event
     return None
+
+
+def stderr_tail(layout: RunLayout, rank: int, attempt: int) -> bytes:
+    """The last TAIL_BYTES of what the rank wrote to stderr in `attempt` (empty if unreadable: a symlink, a FIFO)."""
+    try:
+        fd = open_regular(layout.attempt_log(attempt, rank, "err"))
+    except OSError:
+        return b""
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, TAIL_BYTES, max(0, size - TAIL_BYTES))
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def count(event: dict[str, Any], key: str) -> int:

@@ -18,13 +18,17 @@ from typing import IO, Any
 
 import psutil
 
+from supervisor.causes import explain, oom_kill_count
 from supervisor.checkpoints import (
     Choice,
+    WorldSizeMismatch,
     choose_explicit,
     choose_resume,
     find_junk,
     health_entries,
     rotation,
+    world_size_mismatch,
+    world_sizes,
     write_health_file,
 )
 from supervisor.config import JobConfig
@@ -47,6 +51,7 @@ from supervisor.core import (
     Started,
     State,
     StopRequested,
+    Then,
     Tick,
     decide,
     initial_state,
@@ -54,7 +59,7 @@ from supervisor.core import (
 )
 from supervisor.journal import Journal
 from supervisor.notify import Notifier, ServiceReporter
-from supervisor.rank_logs import abort_info, count, last_event
+from supervisor.rank_logs import abort_info, count, last_event, last_step, stderr_tail
 from supervisor.ranks import Ranks, launch_ranks
 from supervisor.stacks import start_stack_collection
 from supervisor.status import StatusError, read_status, snapshot, write_status
@@ -77,13 +82,14 @@ from worker.contract import (
     parse_checkpoint_name,
     resume_stores,
 )
-from worker.files import DIR_MODE, atomic_write_json, open_in, open_regular, unlink_quietly
+from worker.files import DIR_MODE, atomic_write_json, open_in, open_regular, read_bytes, unlink_quietly
 
 __all__ = ["LeftoversSurvived", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
 POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the state file, this often
 MAX_LOGGED_CHARS = 500  # of a path or error a rank logged, as it reaches the journal and the status
 STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -145,9 +151,11 @@ class Supervisor:
         self._unreadable: set[int] = set()
         self._started_at = time.time()
         self._recorded_pids: set[int] = set()
-        self._health_steps: list[int] | None = None
+        self._health_seen: list[int] | None = None  # complete checkpoints when health and rotation were last done
+        self._health_steps: list[int] = []  # those of them this world size wrote, less the rotated ones
         self._reported_junk: set[Any] = set()
         self._systemd = ServiceReporter(Notifier.from_environ(log=self.log))  # a no-op outside systemd
+        self._oom_kills_at_launch: int | None = None  # the cgroup's OOM-kill count when the attempt started
 
     def run(self) -> int:
         """Supervise until the run finishes, fails or is stopped."""
@@ -223,15 +231,31 @@ class Supervisor:
         self._inbox.put_nowait(ChildExited(attempt, rank, returncode))
 
     def _with_abort_info(self, event: ChildExited) -> ChildExited:
-        """An anomaly exit carries what the rank logged about its streak (a crash, if it logged nothing usable)."""
-        if event.returncode != EXIT_ANOMALY:
+        """A failed rank carries what a rank of its attempt logged about an anomaly abort: its own (it exited
+        EXIT_ANOMALY) or a peer's (it died of the abort first, by SIGABRT). A crash, if none logged anything usable."""
+        if event.returncode == 0 or not self._abort_may_matter(event):
             return event
+        # Stopping, the rank that logged an abort brings it itself when it exits: only its own log is read then.
+        peers = range(self.config.nproc_per_node) if self.state.phase is Phase.RUNNING else ()
+        ranks = [event.rank, *(r for r in peers if r != event.rank)]
+        logged = next((e for r in ranks if (e := last_event(self.layout, r, event.attempt, "anomaly_abort"))), None)
         try:
-            abort = abort_info(last_event(self.layout, event.rank, event.attempt, "anomaly_abort"))
+            abort = abort_info(logged)
         except ValueError as exc:
-            self.log.warning("anomaly_abort_unreadable", rank=event.rank, attempt=event.attempt, error=str(exc))
+            if event.returncode == EXIT_ANOMALY:  # a peer's unusable event is reported when that peer exits
+                self.log.warning("anomaly_abort_unreadable", rank=event.rank, attempt=event.attempt, error=str(exc))
             return event
         return replace(event, abort=abort)
+
+    def _abort_may_matter(self, event: ChildExited) -> bool:
+        """Whether an abort could still change what follows this exit: its own 65, a failure while running, or one
+        while a plain relaunch is pending (log tails are read for it: keep it to those)."""
+        state = self.state
+        if event.returncode == EXIT_ANOMALY:
+            return True
+        if event.attempt != state.attempt or state.rollback_pending:
+            return False
+        return state.phase is Phase.RUNNING or (state.phase is Phase.STOPPING and state.then is Then.RELAUNCH)
 
     def _with_refusal(self, event: ChildExited) -> ChildExited:
         """A rank that refused its resume checkpoint carries what it logged about it: it exits
@@ -254,6 +278,15 @@ class Supervisor:
             return event
         # The rank's log is not trusted: bounded, like everything else read from it.
         return replace(event, refused=CheckpointRefusal(step, path[:MAX_LOGGED_CHARS], error[:MAX_LOGGED_CHARS]))
+
+    def _with_cause(self, event: ChildExited) -> ChildExited:
+        """The first failure of an attempt carries why (from the tail of the rank's stderr) and the step it logged."""
+        if event.returncode == 0 or self.state.phase is not Phase.RUNNING or event.attempt != self.state.attempt:
+            return event  # later exits of a stopping attempt are consequences, not causes
+        before, now = self._oom_kills_at_launch, _oom_kills()
+        oom = event.returncode == -signal.SIGKILL and before is not None and now is not None and now > before
+        cause = explain(stderr_tail(self.layout, event.rank, event.attempt), event.returncode, oom_killed=oom)
+        return replace(event, cause=cause, step=last_step(self.layout, event.rank, event.attempt))
 
     def _with_stop_info(self, event: ChildExited) -> ChildExited:
         """A clean exit after carrying out a stop-and-exit order carries its step (read from the rank's log)."""
@@ -303,7 +336,8 @@ class Supervisor:
             self._track_processes()
             return [*self._read_heartbeats(range(self.config.nproc_per_node)), *self._read_stop_file(), item]
         if isinstance(item, ChildExited):
-            return [self._with_stop_info(self._with_abort_info(self._with_refusal(item)))]
+            beat = self._read_heartbeats([item.rank]) if item.returncode else []  # the step it reached, fresh
+            return [*beat, self._with_cause(self._with_stop_info(self._with_abort_info(self._with_refusal(item))))]
         if isinstance(item, LaunchPrepared):
             return self._launch_prepared(item)
         if isinstance(item, LeftoversSurvived):
@@ -409,11 +443,25 @@ class Supervisor:
         """Off the main loop, which keeps answering signals and the watchdog: choose the resume point
         (reading every candidate's files for their checksums can take minutes for big checkpoints)."""
         try:
+            mismatch = self._world_size_mismatch(action.attempt)
+            if mismatch is not None:  # before anything is launched, and without a retry: no relaunch can fix it
+                self._inbox.put_nowait(LaunchFailed(action.attempt, mismatch.message(), retryable=False))
+                return
             choice = self._choose_resume(action.attempt, action.resume_at_most, action.refused)
         except Exception as exc:  # noqa: BLE001 - whatever it is, the run must not wait forever in STARTING
             self._inbox.put_nowait(LaunchFailed(action.attempt, f"choosing a checkpoint failed: {exc!r}"))
             return
         self._inbox.put_nowait(LaunchPrepared(action, choice))
+
+    def _world_size_mismatch(self, attempt: int) -> WorldSizeMismatch | None:
+        """The first launch refuses checkpoints that only another world size wrote. Relaunches pass them over:
+        the first launch found one of this world size, or started from scratch on purpose (resume_training: false)."""
+        worker = self.config.worker
+        if attempt != 0 or worker.resume_training is False:
+            return None
+        named = self._names_resume(attempt)
+        stores = [named_store(self.layout, worker)] if named else resume_stores(self.layout, worker)
+        return world_size_mismatch(stores, self.config.nproc_per_node, worker.prefix)
 
     def _launch_prepared(self, prepared: LaunchPrepared) -> list[Event]:
         action, choice = prepared.action, prepared.choice
@@ -448,6 +496,7 @@ class Supervisor:
                                        skip_to_batch=action.skip_to_batch, on_exit=self._on_child_exit)
         except OSError as exc:
             return LaunchFailed(attempt, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        self._oom_kills_at_launch = _oom_kills()
         source = None if store is None or store == self.layout.checkpoints else store.label
         return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step, choice.passed_over,
                              source, resume_named=self._names_resume(attempt) and resume_step is not None)
@@ -486,16 +535,24 @@ class Supervisor:
             self._ranks.signal(signal.SIGKILL, only=lambda rank: self._ranks.procs[rank].poll() is None)
         sigkill(descendants())
 
-    def _record_health(self, steps: list[int]) -> None:
-        """Rotate, then keep health_ckpts.json (seed 000) listing every complete checkpoint, when that set changes."""
-        if steps == self._health_steps:
-            return
+    def _record_health(self, steps: list[int]) -> list[int]:
+        """Rotate, then keep health_ckpts.json (seed 000) listing every complete checkpoint of this world size, when
+        the set of complete checkpoints changes; returns those left."""
+        if steps == self._health_seen:
+            return self._health_steps
         prefix, world = self.config.worker.prefix, self.config.nproc_per_node
-        entries = health_entries(self.layout.checkpoints, world, prefix, steps)
-        doomed = self._rotate(steps, {e["step"] for e in entries if e["is_health"] == 0})
-        self._health_steps = [step for step in steps if step not in doomed]
+        sizes = world_sizes(self.layout.checkpoints, steps, prefix)
+        ours = [step for step in steps if sizes[step] in (world, None)]  # another world size's: not ours to rotate
+        entries = health_entries(self.layout.checkpoints, world, prefix, ours)
+        doomed = self._rotate(ours, {e["step"] for e in entries if e["is_health"] == 0})
+        self._health_seen = [step for step in steps if step not in doomed]
+        self._health_steps = [step for step in ours if step not in doomed]
+        self._write_health_file([e for e in entries if e["step"] not in doomed])
+        return self._health_steps
+
+    def _write_health_file(self, entries: list[dict[str, Any]]) -> None:
         try:
-            write_health_file(self.layout, [e for e in entries if e["step"] not in doomed])
+            write_health_file(self.layout, entries)
         except OSError as exc:
             self.log.error("health_file_write_failed", error=str(exc))
 
@@ -512,8 +569,8 @@ class Supervisor:
         return doomed
 
     def _write_status(self, *, durable: bool) -> None:
-        steps = self.layout.checkpoints.complete_steps(self.config.nproc_per_node, self.config.worker.prefix)
-        self._record_health(steps)
+        steps = self._record_health(
+            self.layout.checkpoints.complete_steps(self.config.nproc_per_node, self.config.worker.prefix))
         extra = {
             "run_dir": str(self.layout.root),
             "config": self._config_path,
@@ -537,6 +594,33 @@ def _previous_step_gaps(layout: RunLayout, window: int) -> tuple[float, ...]:
         return tuple(float(g) for g in gaps if type(g) in (int, float) and g > 0)[-window:]
     except (StatusError, AttributeError, TypeError):
         return ()
+
+
+def _oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in our cgroup (the ranks are in it): cgroup v2's
+    memory.events or v1's memory.oom_control; None where neither can be read (then no kill is called OOM)."""
+    try:
+        entries = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for entry in entries:  # "ID:CONTROLLERS:PATH"; v2 is "0::PATH"
+        parts = entry.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, relative = parts[1], parts[2].lstrip("/")
+        if controllers == "":
+            candidates += [CGROUP_ROOT / base / relative / "memory.events" for base in ("", "unified")]
+        elif "memory" in controllers.split(","):
+            candidates.append(CGROUP_ROOT / "memory" / relative / "memory.oom_control")
+    for candidate in candidates:
+        try:
+            kills = oom_kill_count(read_bytes(candidate, 4096).decode("ascii", errors="replace"))
+        except OSError:
+            continue
+        if kills is not None:
+            return kills
+    return None
 
 
 def _stop_file_signature(path: Path) -> tuple[tuple[int, ...], bytes | OSError, float] | None:

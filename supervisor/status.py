@@ -7,12 +7,14 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from supervisor.core import State
+from supervisor.core import Failure, State
 from supervisor.hangs import TRAIN_PHASE, phase_timeout
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, read_json
 
-__all__ = ["StatusError", "read_status", "render", "snapshot", "write_status"]
+__all__ = ["FAILURES_SHOWN", "StatusError", "read_status", "render", "snapshot", "write_status"]
+
+FAILURES_SHOWN = 5  # the newest failed attempts in `status`: enough to see a crash loop
 
 
 class StatusError(Exception):
@@ -24,6 +26,12 @@ def _resumed_from(state: State) -> dict[str, Any] | None:
         return None
     source = {} if state.resume_source is None else {"source": state.resume_source}
     return {"step": state.resume_step, **source}
+
+
+def _failure(failure: Failure) -> dict[str, Any]:
+    return {"attempt": failure.attempt, "rank": failure.rank, "step": failure.step,
+            "resume_step": failure.resume_step, "progressed": failure.progressed, "kind": failure.cause.kind.value,
+            "cause": failure.cause.text}
 
 
 def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, Any]:
@@ -39,7 +47,8 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "restarts": state.restarts,
         "max_restarts": state.policy.max_restarts,
         "ranks": ranks,
-        "heartbeats": "on" if any(r.heartbeat_seq is not None for r in state.ranks) else "off",
+        "heartbeats": "on" if state.heartbeats_seen else "off",  # some rank of the run beat: not only this attempt's
+        "heartbeat_mode": state.policy.hang.heartbeat,
         "resumed_from": _resumed_from(state),
         "passed_over": [{"step": step, "reason": reason} for step, reason in state.resume_passed_over],
         "hang": None if state.hang is None else {**asdict(state.hang), "silent_s": round(state.hang.silent_s, 3)},
@@ -53,6 +62,8 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
             "step_gaps": [round(g, 4) for g in state.step_gaps],
         },
         "last_failure": state.last_failure,
+        "cause": state.cause,
+        "failures": [_failure(f) for f in state.failures[-FAILURES_SHOWN:]],
         "reason": state.reason,
         "updated_at": time.time(),
         **extra,
@@ -73,14 +84,13 @@ def read_status(layout: RunLayout) -> dict[str, Any]:
         raise StatusError(f"{layout.state_file}: unreadable: {exc}") from None
     if not isinstance(status, dict) or not isinstance(status.get("ranks"), list):
         raise StatusError(f"{layout.state_file}: not a trainwarden state file")
-    alive = _pid_alive(status.get("supervisor_pid"))
-    status["supervisor_alive"] = alive
+    status["supervisor_alive"] = _pid_alive(status.get("supervisor_pid"))
     try:
-        if alive:  # ages were true when written; add the time since
-            since = max(0.0, time.time() - status.get("updated_at", time.time()))
-            for rank in status["ranks"]:
-                if rank.get("heartbeat_age_s") is not None:
-                    rank["heartbeat_age_s"] = round(rank["heartbeat_age_s"] + since, 3)
+        # Ages were true when written; a beat only gets older, whether the supervisor lives to rewrite them or not.
+        since = max(0.0, time.time() - status.get("updated_at", time.time()))
+        for rank in status["ranks"]:
+            if rank.get("heartbeat_age_s") is not None:
+                rank["heartbeat_age_s"] = round(rank["heartbeat_age_s"] + since, 3)
         render(status)  # a state file we cannot summarise is not one we wrote
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise StatusError(f"{layout.state_file}: not a trainwarden state file ({type(exc).__name__}: {exc})") from None
@@ -98,8 +108,7 @@ def render(status: dict[str, Any]) -> str:
                  + (f"; resumed from step {status['resumed_from']['step']}" if status.get("resumed_from") else ""))
     for skipped in status.get("passed_over") or []:
         lines.append(f"  passed over step {skipped['step']}: {skipped['reason']}")
-    if status.get("heartbeats") == "off":
-        lines.append("  heartbeats: none seen (script does not use the worker library?): hang detection is off")
+    lines += _heartbeat_lines(status)
     for rank in status["ranks"]:
         age = rank["heartbeat_age_s"]
         beat = "no heartbeat" if age is None else f"heartbeat {age:.1f} s ago ({rank.get('heartbeat_phase')})"
@@ -122,9 +131,37 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  stop order ({order['source']}): checkpoint at step {order['step']}, then {then}")
     if status.get("last_failure"):
         lines.append(f"  last failure: {status['last_failure']}")
+    if status.get("cause"):
+        lines.append(f"  cause: {status['cause']}")
+    lines += _failure_lines(status.get("failures") or [])
     if status.get("reason"):
         lines.append(f"  reason: {status['reason']}")
     return "\n".join(lines)
+
+
+def _heartbeat_lines(status: dict[str, Any]) -> list[str]:
+    """Whether hangs can be detected, said only where it is news: not while ranks are being (re)launched, nor once
+    any rank of the run has beaten (a relaunch's new ranks have not yet)."""
+    mode = status.get("heartbeat_mode")
+    if mode == "off":
+        return ["  hang detection is off (hang.heartbeat: off)"]
+    if status.get("heartbeats") != "off" or not any(rank.get("pid") for rank in status["ranks"]):
+        return []
+    if mode == "required":
+        return ["  heartbeats: none seen yet (hang.heartbeat: required: a rank silent past first_heartbeat_s hangs)"]
+    return ["  heartbeats: none seen (script does not use the worker library?): hang detection is off"]
+
+
+def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
+    """The newest failed attempts, one line each, where each stopped and why; one failure is the cause line alone."""
+    if len(failures) < 2:
+        return []
+    lines = ["  failed attempts:"]
+    for failure in failures:
+        at = "" if failure.get("step") is None else f" at step {failure['step']}"
+        resumed = "" if failure.get("resume_step") is None else f" (resumed from {failure['resume_step']})"
+        lines.append(f"    attempt {failure['attempt']}: rank {failure['rank']}{at}{resumed}: {failure['cause']}")
+    return lines
 
 
 def _pid_alive(pid: Any) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import StopConfig
-from worker.contract import EXIT_CONFIG
+from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_CRASH_LOOP
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = REPO / "systemd" / "trainwarden@.service"
@@ -52,12 +52,13 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 def test_unit_is_a_notify_service_that_restarts_on_failure_but_not_on_config_errors() -> None:
-    """Type=notify for the main process only, restart on failure, never after exit 78, one instance per config."""
+    """Type=notify for the main process only, restart on failure, never after exit 65, 70 or 78, one per config."""
     service = service_section()
 
     assert (service["Type"], service["NotifyAccess"]) == ("notify", "main")
     assert service["Restart"] == "on-failure" and seconds(service["RestartSec"]) >= 5
-    assert str(EXIT_CONFIG) in service["RestartPreventExitStatus"].split()
+    assert {str(code) for code in (EXIT_ANOMALY, EXIT_CRASH_LOOP, EXIT_CONFIG)} <= set(
+        service["RestartPreventExitStatus"].split())
     assert service["ExecStart"] == f"{INSTALLED_COMMAND} run /etc/trainwarden/%i.yaml"
     assert seconds(service["WatchdogSec"]) > 0
 

@@ -165,7 +165,8 @@ def save_checkpoint(
 ) -> Path:
     """Write this rank's checkpoint of `step` atomically, then its completion record, then `meta.json`.
 
-    The completion record (size, checksum, health) is written last: without it the file does not count.
+    The completion record (size, checksum, health, and the payload's `world_size`, which the supervisor reads
+    without torch) is written last: without it the file does not count.
     """
     import torch
 
@@ -177,7 +178,8 @@ def save_checkpoint(
         torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, hashing)
 
     atomic_write(path, write, root=store.write_root, before_rename=before_rename)
-    record = {"step": step, "file": path.name, "size": hashing.size, "crc32": hashing.hexdigest(), **health}
+    world = {"world_size": payload["world_size"]} if "world_size" in payload else {}
+    record = {"step": step, "file": path.name, "size": hashing.size, "crc32": hashing.hexdigest(), **world, **health}
     atomic_write_json(store.record(rank, step, prefix), record, root=store.write_root)
     meta = {"last_epoch": 0, "last_step": step, "last_ckpt_file": path.name}  # seed 001; epochs are not tracked
     atomic_write_json(store.meta(rank), meta, root=store.write_root)

@@ -26,7 +26,9 @@ __all__ = [
     "EXIT_ANOMALY",
     "EXIT_CHECKPOINT_REFUSED",
     "EXIT_CONFIG",
+    "EXIT_CRASH_LOOP",
     "EXIT_FAILED",
+    "EXIT_SAVE_LOST",
     "STACK_DUMP_SIGNAL",
     "RunLayout",
     "StopOrder",
@@ -59,6 +61,11 @@ EXIT_FAILED = 1  # retryable: restarts exhausted, a rank could not be stopped (s
 EXIT_ANOMALY = 65  # rank: aborted on anomalies (relaunch past the bad data); supervisor: rollbacks exhausted
 EXIT_CHECKPOINT_REFUSED = 66  # rank: its resume checkpoint is unsafe to load (sysexits EX_NOINPUT): use an older one
 EXIT_CONFIG = 78  # the job config (supervisor) or the rank's settings are invalid: retrying cannot help
+# Supervisor only (sysexits EX_SOFTWARE): attempts failed the same way, or made no progress, N times in a row.
+EXIT_CRASH_LOOP = 70
+# Supervisor only (sysexits EX_IOERR): stopped on request, but a rank went down inside a checkpoint save, so the
+# newest checkpoint is older than the stop (a rerun resumes from it); never the 0 of a clean stop.
+EXIT_SAVE_LOST = 74
 
 SNAPSHOT_DIR = "snapshot"  # checkpoint/snapshot/{0,1}/rank_R/...
 SNAPSHOT_SLOTS = (0, 1)

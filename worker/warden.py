@@ -143,6 +143,7 @@ class Warden:
             return 0
         store, step = found
         state = self._load(store, step)
+        self._check_world_size(state, store, step)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
@@ -168,6 +169,18 @@ class Warden:
         except CheckpointRefused as exc:
             self.log.error("checkpoint_refused", step=step, path=str(exc.path), error=exc.reason, source=store.label)
             leave(EXIT_CHECKPOINT_REFUSED)
+
+    def _check_world_size(self, state: dict[str, Any], store: CheckpointStore, step: int) -> None:
+        """A checkpoint another number of ranks wrote holds only some ranks' state: end with EXIT_CONFIG (plain
+        torchrun; the supervisor refuses such a resume before launching)."""
+        saved = state.get("world_size")
+        if type(saved) is int and saved != self.world_size:
+            self.log.error("world_size_changed", step=step, saved_world_size=saved, world_size=self.world_size,
+                           directory=str(store.root))
+            print(f"trainwarden: checkpoint {step} in {store.root} was written by {saved} ranks, this job has "
+                  f"{self.world_size}: use a new run dir, or resume_training: false to start from scratch",
+                  file=sys.stderr)
+            leave(EXIT_CONFIG)
 
     def _resumed_position(self, saved: int, saved_batch_size: int | None) -> int:
         """Seed 001: continue the data where the checkpoint left it, unless the dataset or batch size changed."""

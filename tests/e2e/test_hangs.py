@@ -49,6 +49,11 @@ def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(tmp_path: 
     hang = status["hang"]
     # Heartbeats cannot tell a collective hang's culprit from its victims; the stacks can.
     assert (hang["attempt"], hang["rank"], hang["named_by"], hang["step"]) == (0, 1, "stacks", 25)
+    # last_failure, the failure history and the cause name the same rank as the hang record.
+    assert status["last_failure"].startswith("rank 1 hung in phase train (last heartbeat at step 25): ")
+    assert [(f["rank"], f["step"], f["kind"]) for f in status["failures"]] == [(1, 25, "hang")]
+    assert status["cause"].startswith("hang: rank 1 (the only rank outside a collective) silent in phase train "
+                                      "after step 25 for ")
     assert (hang["phase"], hang["timeout_s"]) == ("train", 3.0)
     assert 3.0 <= hang["silent_s"] < 5.0
     faulthandler = {rank: run_dir / "ranks" / f"rank_{rank}" / "stacks_attempt_0.txt" for rank in (0, 1)}

@@ -12,7 +12,16 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_until
-from tests.e2e.conftest import REPO, finish, heartbeat, journal, run_supervisor, start_supervisor, write_config
+from tests.e2e.conftest import (
+    REPO,
+    finish,
+    heartbeat,
+    journal,
+    run_supervisor,
+    start_supervisor,
+    write_config,
+)
+from worker.contract import EXIT_SAVE_LOST
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -188,3 +197,30 @@ def test_a_second_sigint_stops_at_once(tmp_path: Path) -> None:
     assert done.status()["state"] == "stopped"
     assert [e["signal"] for e in events_named(run_dir, "ranks_signalled")] == ["SIGTERM", "SIGKILL"]
     assert rank_events(run_dir, 0, "stop_order_done") == []
+
+
+def test_a_second_sigint_during_a_save_waits_for_it_and_a_third_abandons_it_saying_so(tmp_path: Path) -> None:
+    """Ctrl-C twice while rank 0 is in a 60 s save: SIGTERM only and one `save_in_flight` warning; a third Ctrl-C
+    SIGKILLs, and the run ends stopped with EXIT_SAVE_LOST and a reason naming the lost save, never exit 0."""
+    run_dir = tmp_path / "run"
+    config = long_job(tmp_path, env={"TRAINWARDEN_FAULTS": "0:slow_save@20:60", "OMP_NUM_THREADS": "1"})
+    proc = start_supervisor(config, run_dir)
+    wait_until(lambda: (hb := heartbeat(run_dir, 0)) and hb["phase"] == "save" and hb["step"] == 20, timeout=90,
+               what="rank 0 saving step 20")
+    proc.send_signal(signal.SIGINT)
+    wait_until(lambda: events_named(run_dir, "stop_ordered"), timeout=30, what="the stop order")
+    state_file = run_dir / "supervisor" / "state.json"  # replaced atomically: always whole
+    wait_until(lambda: json.loads(state_file.read_text())["ranks"][0]["heartbeat_phase"] == "save", timeout=30,
+               what="the supervisor seeing rank 0's save")
+    proc.send_signal(signal.SIGINT)
+    (warned,) = wait_until(lambda: events_named(run_dir, "save_in_flight"), timeout=30, what="the warning")
+    assert (warned["ranks"], warned["message"]) == ([0], "saving, press Ctrl-C again to abandon the save")
+    assert [e["signal"] for e in events_named(run_dir, "ranks_signalled")] == ["SIGTERM"]
+    proc.send_signal(signal.SIGINT)
+    done = finish(proc, run_dir, timeout=60)
+
+    assert done.returncode == EXIT_SAVE_LOST, done.stderr[-3000:]
+    status = done.status()
+    assert status["state"] == "stopped" and "rank 0 (step 20) went down inside it" in status["reason"]
+    assert [e["signal"] for e in events_named(run_dir, "ranks_signalled")] == ["SIGTERM", "SIGKILL"]
+    assert 20 not in checkpoint_steps(run_dir, 0)

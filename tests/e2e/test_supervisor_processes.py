@@ -66,16 +66,20 @@ def test_script_without_worker_library_gets_crash_relaunch(tmp_path: Path) -> No
 
 
 def test_restarts_exhausted_exit_nonzero_with_one_line_reason(tmp_path: Path) -> None:
-    """A rank that always crashes is relaunched max_restarts times, then the supervisor exits 1 and says why."""
-    done = run_supervisor(job(tmp_path, ALWAYS_CRASH), tmp_path / "run")
+    """With the crash-loop breaker off, a rank that always crashes is relaunched max_restarts times, then the
+    supervisor exits 1 and says why, with the cause on a line of its own."""
+    no_breaker = {"max_restarts": 2, "backoff_initial_s": 0.1, "crash_loop_attempts": 0}
+    config = job(tmp_path, ALWAYS_CRASH, restart=no_breaker)
+    done = run_supervisor(config, tmp_path / "run")
 
     assert done.returncode == 1
     status = done.status()
     assert (status["state"], status["restarts"]) == ("failed", 2)
     assert "exited with code 7" in status["reason"] and "restarts exhausted (2/2)" in status["reason"]
-    last_line = done.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("trainwarden: run failed: ") and "restarts exhausted" in last_line
-    assert "logs/attempt_2" in last_line
+    reason_line, cause_line = done.stderr.strip().splitlines()[-2:]
+    assert reason_line.startswith("trainwarden: run failed: ") and "restarts exhausted" in reason_line
+    assert "logs/attempt_2" in reason_line
+    assert cause_line == "trainwarden: cause: exited with code 7"
     for rank in (0, 1):
         assert (tmp_path / "run" / "logs" / "attempt_2" / f"rank_{rank}.err").exists()
 

@@ -97,11 +97,12 @@ def test_policy_carries_restart_and_stop_knobs():
     """`JobConfig.policy()` hands every restart and stop knob to the core."""
     config = parse_config({
         "script": "t.py", "nproc_per_node": 4,
-        "restart": {"max_restarts": 7, "backoff_initial_s": 0.5, "backoff_factor": 3, "backoff_max_s": 9},
+        "restart": {"max_restarts": 7, "backoff_initial_s": 0.5, "backoff_factor": 3, "backoff_max_s": 9,
+                    "crash_loop_attempts": 5},
         "stop": {"kill_grace_s": 2, "sigkill_wait_s": 1.5},
     })
     assert config.policy() == Policy(nproc=4, max_restarts=7, backoff_initial_s=0.5, backoff_factor=3.0,
-                                     backoff_max_s=9.0, kill_grace_s=2.0, sigkill_wait_s=1.5)
+                                     backoff_max_s=9.0, kill_grace_s=2.0, sigkill_wait_s=1.5, crash_loop_attempts=5)
 
 
 def test_ints_accepted_for_float_fields(tmp_path):
@@ -235,6 +236,7 @@ def test_top_level_list_refused(tmp_path):
     [
         ("nproc_per_node: 0", "'nproc_per_node' must be between 1 and 1024, got 0"),
         ("restart: {max_restarts: -1}", "'restart.max_restarts' must be 0 or more, got -1"),
+        ("restart: {crash_loop_attempts: 1}", "'restart.crash_loop_attempts' must be 0 (off) or at least 2, got 1"),
         ("restart: {backoff_factor: 0.5}", "'restart.backoff_factor' must be at least 1, got 0.5"),
         ("restart: {backoff_initial_s: -1}", "'restart.backoff_initial_s' must be 0 or more, got -1"),
         ("stop: {kill_grace_s: -0.5}", "'stop.kill_grace_s' must be 0 or more, got -0.5"),

@@ -594,7 +594,9 @@ def test_all_ranks_past_train_timeout_declares_hang():
     detected = record(actions, "hang_detected")
     assert detected.level == "error"
     assert dict(detected.fields) == {"rank": 0, "attempt": 0, "phase": "train", "step": 10, "silent_s": 305.0,
-                                     "timeout_s": 300.0}
+                                     "timeout_s": 300.0,
+                                     "cause": "hang: rank 0 silent in phase train after step 10 for 305.0 s "
+                                              "(timeout 300 s)"}
 
 
 def test_tick_one_instant_before_hang_deadline_does_nothing():
@@ -647,8 +649,9 @@ def test_required_heartbeat_first_beat_timeout_declares_hang():
     assert state.last_failure.startswith("rank 0 hung before its first heartbeat:")
     assert state.last_failure.endswith(": no heartbeat for 900.0 s (timeout 900 s) in attempt 0")
     assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=())]
-    assert dict(record(actions, "hang_detected").fields) == {"rank": 0, "attempt": 0, "phase": "launch",
-                                                             "step": None, "silent_s": 900.0, "timeout_s": 900.0}
+    assert dict(record(actions, "hang_detected").fields) == {
+        "rank": 0, "attempt": 0, "phase": "launch", "step": None, "silent_s": 900.0, "timeout_s": 900.0,
+        "cause": "hang: rank 0 silent before its first heartbeat for 900.0 s (timeout 900 s)"}
 
 
 def test_first_heartbeat_hang_failure_names_no_step():

@@ -121,7 +121,8 @@ def test_exit_anomaly_without_abort_info_is_a_crash():
     assert state.last_failure == "rank 0 exited with code 65 in attempt 0"
     assert shape(actions) == ["rank_crashed", SignalRanks(0, signal.SIGTERM)]
     assert dict(record(actions, "rank_crashed").fields) == {"rank": 0, "attempt": 0, "returncode": 65,
-                                                           "description": "exited with code 65"}
+                                                           "description": "exited with code 65", "step": None,
+                                                           "cause": "exited with code 65"}
     state, actions = decide(state, ChildExited(0, 1, -signal.SIGTERM), NOW + 1)
     assert actions[-1] == LaunchRanks(1)
 
@@ -135,12 +136,51 @@ def test_second_abort_in_same_region_widens_the_rollback():
                                                                  "tries": 2, "skip_after": 400}
 
 
-def test_anomaly_abort_while_stopping_is_a_rank_going_down():
-    """An EXIT_ANOMALY exit while another failure is already stopping the attempt schedules no rollback."""
-    state, _ = decide(running(), ChildExited(0, 1, 3), NOW)
+def test_abort_after_a_peer_died_of_it_turns_the_pending_relaunch_into_the_rollback():
+    """Rank 1 dies by SIGABRT (taken for a crash), then rank 0 exits 65: the relaunch rolls back past the data."""
+    state, _ = decide(running(), ChildExited(0, 1, -signal.SIGABRT), NOW)
+    assert (state.then, state.rollback_pending) == (Then.RELAUNCH, False)
     state, actions = decide(state, ChildExited(0, 0, EXIT_ANOMALY, ABORT), NOW + 1)
-    assert (state.rollback, state.rollback_pending) == (None, False)
-    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled", LaunchRanks(1)]
+    assert (state.rollback, state.attempt, state.restarts) == (PLAN, 1, 1)
+    assert shape(actions) == ["anomaly_abort", "rollback_scheduled", "rank_stopped", KillLeftovers(0),
+                              "relaunch_scheduled", LaunchRanks(1, resume_at_most=400, skip_to_batch=730)]
+    assert state.last_failure == "rank 0 aborted on anomalies in steps 500-509 (batches 520-529) in attempt 0"
+    (failure,) = state.failures
+    assert (failure.rank, failure.step, failure.cause.kind.value) == (0, 509, "anomaly")
+
+
+def test_a_peer_dying_of_the_abort_first_carries_it_and_rolls_back_once():
+    """Rank 1's SIGABRT exit carries the abort a peer logged: rollback at once; rank 0's exit 65 plans no second."""
+    state, actions = decide(running(), ChildExited(0, 1, -signal.SIGABRT, ABORT), NOW)
+    assert (state.phase, state.then, state.rollback, state.rollback_pending) == (
+        Phase.STOPPING, Then.RELAUNCH, PLAN, True)
+    assert shape(actions) == ["anomaly_abort", "rollback_scheduled", SignalRanks(0, signal.SIGTERM)]
+    assert state.last_failure == ("rank 1 killed by SIGABRT after an abort on anomalies in steps 500-509 "
+                                  "(batches 520-529) in attempt 0")
+    state, actions = decide(state, ChildExited(0, 0, EXIT_ANOMALY, ABORT), NOW + 1)
+    assert state.rollback == PLAN  # tries still 1
+    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled",
+                              LaunchRanks(1, resume_at_most=400, skip_to_batch=730)]
+
+
+def test_abort_after_a_peers_crash_in_a_region_rolled_back_too_often_fails_with_65():
+    """The late abort still counts: a region past `max_tries` rollbacks fails the run with EXIT_ANOMALY."""
+    state = relaunched(relaunched(relaunched(running(ROOMY), ABORT), AGAIN), THIRD)
+    fourth = AbortInfo(first_step=1500, abort_step=1509, first_batch=2400, abort_batch=2409)
+    state, _ = decide(state, ChildExited(3, 1, -signal.SIGABRT), NOW + 3)
+    state, actions = decide(state, ChildExited(3, 0, EXIT_ANOMALY, fourth), NOW + 4)
+    assert (state.phase, state.exit_code) == (Phase.FAILED, EXIT_ANOMALY)
+    assert shape(actions) == ["anomaly_abort", "rollbacks_exhausted", "rank_stopped", KillLeftovers(3)]
+
+
+def test_abort_seen_while_stopping_on_request_changes_nothing():
+    """A late abort while the run stops on request plans no rollback: nothing is relaunched anyway."""
+    state, _ = decide(running(), SignalReceived(signal.SIGTERM), NOW)
+    assert state.phase is Phase.STOPPING  # no rank reports steps: SIGTERM at once
+    state, _ = decide(state, ChildExited(0, 1, -signal.SIGTERM), NOW + 1)
+    state, actions = decide(state, ChildExited(0, 0, EXIT_ANOMALY, ABORT), NOW + 1)
+    assert (state.phase, state.exit_code, state.rollback) == (Phase.STOPPED, 0, None)
+    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "run_stopped"]
 
 
 def test_rollbacks_exhausted_for_region_fails():

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from supervisor.causes import explain
 from supervisor.checkpoints import Choice, choose_resume, write_health_file
 from supervisor.journal import open_journal
-from supervisor.rank_logs import last_event
+from supervisor.rank_logs import TAIL_BYTES, last_event, stderr_tail
 from supervisor.runner import _previous_step_gaps, _stop_file_signature, lock_run_dir
 from supervisor.stacks import MAX_DUMP_BYTES, _read_from
 from supervisor.status import StatusError, read_status, write_status
@@ -52,6 +53,15 @@ def test_rank_event_log_reader_finds_nothing_in_a_hostile_file(layout: RunLayout
     """A hostile events.jsonl yields no event (the rank's exit is then taken at face value)."""
     plant(layout.rank_events(0), kind, _outside(layout))
     assert bounded(lambda: last_event(layout, 0, 0, "anomaly_abort")) == ("returned", None)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_stderr_reader_reads_at_most_its_tail_from_a_hostile_file(layout: RunLayout, kind: str) -> None:
+    """A hostile rank_R.err gives nothing (or, oversized, only its last 64 KiB): the cause is the exit code alone."""
+    plant(layout.attempt_log(0, 0, "err"), kind, _outside(layout))
+    how, tail = bounded(lambda: stderr_tail(layout, 0, 0))
+    assert how == "returned" and tail == (b"\0" * TAIL_BYTES if kind == "huge" else b"")
+    assert explain(tail, 1).text == "exited with code 1"
 
 
 @pytest.mark.parametrize("kind", KINDS)

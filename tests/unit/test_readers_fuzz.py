@@ -121,7 +121,7 @@ def test_stop_file_parser_gives_a_request_or_says_why_not(data: bytes) -> None:
 
 STATUS_KEYS = ("state", "attempt", "restarts", "max_restarts", "ranks", "run_dir", "supervisor_pid", "updated_at",
                "last_checkpoint", "resumed_from", "passed_over", "heartbeats", "hang", "rollback", "stop_order",
-               "last_failure", "reason", "calibration")
+               "last_failure", "cause", "failures", "reason", "calibration")
 
 
 @FUZZ

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 
+from supervisor.causes import Cause, CauseKind
 from supervisor.core import (
     ChildExited,
     HeartbeatSeen,
@@ -17,12 +19,13 @@ from supervisor.core import (
     decide,
     initial_state,
 )
-from supervisor.status import StatusError, read_status, render, snapshot, write_status
+from supervisor.status import FAILURES_SHOWN, StatusError, read_status, render, snapshot, write_status
 from worker.contract import RunLayout
 
 NOW = 1000.0
 POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,
                 kill_grace_s=10.0)
+SOLO = replace(POLICY, nproc=1)
 
 
 def running(resume_step: int | None = None) -> State:
@@ -48,6 +51,7 @@ def test_snapshot_of_running_state_with_heartbeat():
              "returncode": None},
         ],
         "heartbeats": "on",
+        "heartbeat_mode": "auto",
         "resumed_from": {"step": 25},
         "passed_over": [],
         "hang": None,
@@ -56,6 +60,8 @@ def test_snapshot_of_running_state_with_heartbeat():
         "stopped_at": None,
         "calibration": {"enabled": False, "train_timeout_s": 300.0, "samples": 0, "step_gaps": []},
         "last_failure": None,
+        "cause": None,
+        "failures": [],
         "reason": None,
         "run_dir": "runs/x",
     }
@@ -155,7 +161,55 @@ def test_render_with_heartbeats_and_failure():
         "  rank 0: pid 100, step 40, heartbeat 1.5 s ago (train)",
         "  rank 1: pid 101, step None, no heartbeat, exit 3",
         "  last failure: rank 1 exited with code 3 in attempt 0",
+        "  cause: exited with code 3",
     ]
+
+
+def crash_looping() -> State:
+    """Two attempts of a 1-rank run that raised ValueError at step 40 after resuming from 25; the second is failing."""
+    boom = Cause(CauseKind.EXCEPTION, "ValueError: boom (train.py:12 in step)", "ValueError (train.py:12 in step)")
+    state, _ = decide(initial_state(SOLO), RanksLaunched(0, (100,), 25), NOW)
+    state, _ = decide(state, ChildExited(0, 0, 1, cause=boom, step=40), NOW + 1)
+    state, _ = decide(state, RanksLaunched(1, (200,), 25), NOW + 2)
+    state, _ = decide(state, ChildExited(1, 0, 1, cause=boom, step=40), NOW + 3)
+    return state
+
+
+def test_snapshot_carries_the_cause_and_the_failure_history():
+    """The snapshot has the newest cause in one line and each failed attempt: rank, step, resume step, cause."""
+    status = snapshot(crash_looping(), now=NOW + 4, extra={})
+    assert status["cause"] == "ValueError: boom (train.py:12 in step)"
+    assert status["failures"] == [
+        {"attempt": a, "rank": 0, "step": 40, "resume_step": 25, "progressed": True, "kind": "exception",
+         "cause": "ValueError: boom (train.py:12 in step)"} for a in (0, 1)]
+
+
+def test_snapshot_shows_only_the_newest_failures():
+    """Of a long failure history, the status shows the newest FAILURES_SHOWN."""
+    state = crash_looping()
+    many = tuple(replace(state.failures[0], attempt=a) for a in range(FAILURES_SHOWN + 3))
+    status = snapshot(replace(state, failures=many), now=NOW, extra={})
+    assert [f["attempt"] for f in status["failures"]] == list(range(3, FAILURES_SHOWN + 3))
+
+
+def test_render_lists_failed_attempts_after_the_cause():
+    """With more than one failed attempt, the summary lists each one's rank, step and cause under the cause."""
+    status = {**snapshot(crash_looping(), now=NOW + 4, extra={"run_dir": "runs/x", "last_checkpoint": None}),
+              "supervisor_alive": True}
+    assert render(status).splitlines()[-5:] == [
+        "  last failure: rank 0 exited with code 1 in attempt 1",
+        "  cause: ValueError: boom (train.py:12 in step)",
+        "  failed attempts:",
+        "    attempt 0: rank 0 at step 40 (resumed from 25): ValueError: boom (train.py:12 in step)",
+        "    attempt 1: rank 0 at step 40 (resumed from 25): ValueError: boom (train.py:12 in step)",
+    ]
+
+
+def test_render_of_an_older_state_file_without_causes():
+    """A state file written before causes existed (no `cause`, no `failures`) still renders."""
+    status = {**snapshot(running(), now=NOW, extra={}), "supervisor_alive": True}
+    del status["cause"], status["failures"]
+    assert "cause" not in render(status)
 
 
 def test_render_flags_stale_state_of_dead_supervisor():

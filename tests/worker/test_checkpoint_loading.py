@@ -19,7 +19,7 @@ from tests.checkpoint_files import CRAFTED_REFUSAL, assert_bitwise_equal, load_s
 from tests.worker.conftest import GUARDED
 from tests.worker.test_guard import events
 from worker.checkpoint import CheckpointRefused, capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from worker.contract import ENV_RESUME_STEP, EXIT_CHECKPOINT_REFUSED, CheckpointStore, RunLayout
+from worker.contract import ENV_RESUME_STEP, EXIT_CHECKPOINT_REFUSED, EXIT_CONFIG, CheckpointStore, RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
 # A NumPy global RNG state as capture_rng stores it, for checkpoints written where NumPy may not be installed.
@@ -131,6 +131,22 @@ def test_a_refused_resume_checkpoint_is_logged_and_exits_66(loop, tmp_path, monk
         "event": "checkpoint_refused", "level": "error", "rank": 0, "attempt": 0, "step": 2, "path": str(path),
         "error": CRAFTED_REFUSAL, "source": "checkpoint"}]
     assert not (tmp_path / "marker").exists()
+
+
+def test_a_checkpoint_of_another_world_size_ends_the_rank_with_78_restoring_nothing(loop, tmp_path, monkeypatch):
+    """Saved by a 1-rank job, resumed by rank 0 of 2: `world_size_changed` naming both sizes, exit EXIT_CONFIG."""
+    run, _ = trained_and_saved(loop)
+    run.warden.finish()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    again = resumed(loop, monkeypatch, 2)
+    before = again.snapshot()
+    with pytest.raises(SystemExit) as exited:
+        again.warden.resume()
+    assert exited.value.code == EXIT_CONFIG == 78
+    (changed,) = events(tmp_path, "world_size_changed")
+    assert (changed["step"], changed["saved_world_size"], changed["world_size"]) == (2, 1, 2)
+    assert_bitwise_equal(again.snapshot(), before)  # nothing of the checkpoint was loaded
 
 
 def test_weights_only_false_loads_the_users_own_objects_with_one_warning(loop, tmp_path, monkeypatch):

@@ -54,6 +54,7 @@ def test_completion_record_checksum_and_size_match_the_file(tmp_path, monkeypatc
     data = RunLayout(tmp_path).checkpoints.file(0, 1, "ckpt").read_bytes()
     assert (record["size"], record["crc32"]) == (len(data), f"{zlib.crc32(data):08x}")
     assert (record["is_health"], record["health_monitored"]) == (0, False)
+    assert record["world_size"] == 1  # the supervisor tells checkpoints of another world size apart without torch
 
 
 def test_embedding_gradient_above_threshold_is_unhealthy(tmp_path, monkeypatch):
