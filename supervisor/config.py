@@ -196,9 +196,24 @@ def _parse_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: not valid YAML: {_brief(str(exc) or type(exc).__name__)}") from None
 
 
+class _UniqueKeyLoader(_LOADER):  # type: ignore[misc, valid-type]
+    """The safe loader, refusing a key given twice in one mapping (YAML would keep the last one silently);
+    a key merged in with `<<: *anchor` may still be overridden."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[str] = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{_brief(key.value)}'",
+                                                            key.start_mark)
+                seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+
 def _safe_load(text: str) -> Any:
     """yaml.safe_load, through libyaml when it is built in (plain Python types only, no tags that run code)."""
-    loader = _LOADER(text)
+    loader = _UniqueKeyLoader(text)
     try:
         return loader.get_single_data()
     finally:

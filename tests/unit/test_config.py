@@ -349,6 +349,19 @@ def test_symlinked_config_loads(tmp_path):
     assert load_config(link) == JobConfig(script="t.py")
 
 
+def test_duplicate_key_refused_naming_it_and_its_line(tmp_path):
+    """A key given twice in one mapping is refused, not silently overridden by the second."""
+    message = refusal(tmp_path, "script: t.py\nrestart:\n  max_restarts: 3\nrestart:\n  max_restarts: 0\n")
+    assert message.endswith(": not valid YAML: duplicate key 'restart' (line 4, column 1)")
+
+
+def test_merge_key_may_be_overridden(tmp_path):
+    """`<<:` merged keys given again after the merge are YAML's override, not a duplicate."""
+    path = write(tmp_path, "script: t.py\nhang:\n  phase_timeouts_s:\n    <<: {train: 30, save: 60}\n    train: 10\n")
+    timeouts = load_config(path).hang.phase_timeouts_s
+    assert (timeouts["train"], timeouts["save"]) == (10.0, 60.0)
+
+
 @pytest.mark.timeout(10)
 def test_yaml_alias_bomb_refused(tmp_path):
     """A "billion laughs" document (9 aliases per level, 10 levels) is refused before anything walks it."""
