@@ -31,6 +31,12 @@ def long_job(tmp_path: Path, steps: int = 2000, **overrides: Any) -> Path:
     return write_config(tmp_path / "job.yaml", args=["--steps", str(steps)], **overrides)
 
 
+def wait_for_save(run_dir: Path, rank: int, step: int) -> None:
+    """Block until `rank`'s heartbeat says it is inside its save of `step`."""
+    wait_until(lambda: (hb := heartbeat(run_dir, rank)) and hb["phase"] == "save" and hb["step"] == step,
+               timeout=90, what=f"rank {rank} saving step {step}")
+
+
 def wait_for_step(run_dir: Path, step: int) -> int:
     """Block until both ranks have passed `step`; returns the furthest step seen."""
     def reached() -> int | None:
@@ -168,8 +174,7 @@ def test_sigterm_during_a_checkpoint_save_stops_gracefully_and_a_rerun_resumes_f
     run_dir = tmp_path / "run"
     config = long_job(tmp_path, env={"TRAINWARDEN_FAULTS": "0:slow_save@20:3", "OMP_NUM_THREADS": "1"})
     proc = start_supervisor(config, run_dir)
-    wait_until(lambda: (hb := heartbeat(run_dir, 0)) and hb["phase"] == "save" and hb["step"] == 20, timeout=90,
-               what="rank 0 saving step 20")
+    wait_for_save(run_dir, 0, 20)
     proc.send_signal(signal.SIGTERM)
     done = finish(proc, run_dir)
 
@@ -205,8 +210,7 @@ def test_a_second_sigint_during_a_save_waits_for_it_and_a_third_abandons_it_sayi
     run_dir = tmp_path / "run"
     config = long_job(tmp_path, env={"TRAINWARDEN_FAULTS": "0:slow_save@20:60", "OMP_NUM_THREADS": "1"})
     proc = start_supervisor(config, run_dir)
-    wait_until(lambda: (hb := heartbeat(run_dir, 0)) and hb["phase"] == "save" and hb["step"] == 20, timeout=90,
-               what="rank 0 saving step 20")
+    wait_for_save(run_dir, 0, 20)
     proc.send_signal(signal.SIGINT)
     wait_until(lambda: events_named(run_dir, "stop_ordered"), timeout=30, what="the stop order")
     state_file = run_dir / "supervisor" / "state.json"  # replaced atomically: always whole
