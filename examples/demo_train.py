@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from worker import Warden
+from worker.exact import average_gradients_in_rank_order
 
 TEXT = Path(__file__).parent / "data" / "sonnets.txt"
 
@@ -87,6 +88,7 @@ def main() -> None:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = CharTransformer(len(vocab), d_model=64, n_head=4, n_layer=2, block=args.block)
     ddp = DistributedDataParallel(model, broadcast_buffers=False)  # the only buffer is a constant mask
+    average_gradients_in_rank_order(ddp)  # bitwise-exact resume with 3+ ranks too (worker/exact.py says why)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     torch.manual_seed(args.seed + 1 + rank)  # distinct dropout masks per rank

@@ -67,6 +67,7 @@ class CauseKind(Enum):
     HANG = "hang"
     ANOMALY = "anomaly"  # an anomaly abort (exit 65): rolled back, bounded by anomaly.max_tries
     CHECKPOINT_REFUSED = "checkpoint_refused"  # exit 66: relaunched from an older checkpoint
+    NODE_LOST = "node_lost"  # its node went silent or its node agent died: relaunched without that node
 
 
 # A repeat of these at the same step is the script failing the same way: a crash loop.

@@ -8,10 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-from supervisor.config import ConfigError, check_launchable, load_config
+from supervisor.config import ConfigError, JobConfig, check_launchable, load_config
 from supervisor.core import Phase, State
 from supervisor.journal import open_journal
-from supervisor.runner import RunDirBusy, Supervisor, lock_run_dir
+from supervisor.launcher import LocalLauncher
+from supervisor.runner import LauncherFactory, RunDirBusy, Supervisor, lock_run_dir
+from supervisor.slurm import SlurmError, SlurmLauncher, allocation, in_allocation
 from supervisor.status import StatusError, read_status, render
 from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
 from worker.files import atomic_write_bytes
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="where a run stands")
     status.add_argument("run_dir", help="the run directory")
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
+    status.add_argument("--excluded-nodes", action="store_true",
+                        help="print only the nodes a multi-node run excludes, comma-separated (for sbatch --exclude)")
     status.set_defaults(func=_status)
     stop = sub.add_parser("stop", help="ask a run to save a checkpoint and exit (or continue): writes its stop file")
     stop.add_argument("run_dir", help="the run directory")
@@ -67,6 +71,10 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"trainwarden: cannot launch: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    launcher = _launcher(config)
+    if isinstance(launcher, str):
+        print(f"trainwarden: cannot launch: {launcher}", file=sys.stderr)
+        return EXIT_CONFIG
     layout = RunLayout(Path(args.run_dir or config.run_dir).resolve())
     try:
         lock = lock_run_dir(layout)
@@ -78,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         journal = open_journal(layout.journal, root=layout.root)
         supervisor = Supervisor(config, layout, journal, config_path=args.config,
-                                ignore_stop_file=args.ignore_stop_file)
+                                ignore_stop_file=args.ignore_stop_file, launcher=launcher)
     except OSError as exc:  # a symlink, FIFO or directory where the supervisor's own files go
         lock.close()
         return _unusable(layout, exc)
@@ -90,6 +98,23 @@ def _run(args: argparse.Namespace) -> int:
     if code != 0:
         _say_why(supervisor.state, layout)
     return code
+
+
+def _launcher(config: JobConfig) -> LauncherFactory | str:
+    """Ranks on this machine, or node agents in Slurm job steps when the config asks for more than one node
+    (or spares); why neither can run the config, as a message."""
+    if config.nodes == 1 and config.spare_nodes == 0:
+        return LocalLauncher
+    wanted = f"nodes: {config.nodes}" + (f" and spare_nodes: {config.spare_nodes}" if config.spare_nodes else "")
+    if not in_allocation():
+        return f"{wanted} needs a Slurm allocation: run it inside sbatch or salloc (SLURM_JOB_ID is not set)"
+    try:
+        nodes = allocation()
+    except SlurmError as exc:
+        return str(exc)
+    if len(nodes) < config.nodes:
+        return f"{wanted}, but the allocation has {len(nodes)} node(s): {', '.join(nodes)}"
+    return SlurmLauncher
 
 
 def _say_why(state: State, layout: RunLayout) -> None:
@@ -119,7 +144,11 @@ def _status(args: argparse.Namespace) -> int:
     except StatusError as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(status, indent=1) if args.json else render(status))
+    if args.excluded_nodes:
+        nodes = status.get("excluded_nodes") or []
+        print(",".join(str(node) for node in nodes if isinstance(node, str) and node.isprintable()))
+    else:
+        print(json.dumps(status, indent=1) if args.json else render(status))
     return 0
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "ConfigError",
     "JobConfig",
     "RestartConfig",
+    "SlurmConfig",
     "StopConfig",
     "check_launchable",
     "load_config",
@@ -45,6 +46,7 @@ MAX_DEPTH = 32  # a job config nests 4 levels; deeper flow nesting only makes th
 MAX_NUMBER = 2**53  # every int and float: beyond it floats stop counting exactly and products may overflow
 MAX_SECONDS = 10**7  # every `*_s` value (~116 days): deadlines and queue timeouts stay far from overflow
 MAX_NPROC = 1024  # ranks on one machine: a typo like 1000000000 must not fork-bomb the node
+MAX_NODES = 4096
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built in: a 1 MiB file in 0.3 s, not 3 s
 
 
@@ -74,6 +76,16 @@ class StopConfig:
 
 
 @dataclass(frozen=True)
+class SlurmConfig:
+    """Multi-node runs in a Slurm allocation: how fast a silent node is given up, and when a node is excluded."""
+
+    node_timeout_s: float = 10.0  # a node agent silent this long is lost (its node died or is cut off)
+    max_node_failures: int = 2  # a node charged this often within node_failure_window_s is not used again
+    node_failure_window_s: float = 3600.0
+    srun_args: list[str] = field(default_factory=list)  # extra options for the agents' `srun` (e.g. --gpus-per-node)
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """One training job: what to run, on how many ranks, and how to keep it alive."""
 
@@ -81,6 +93,8 @@ class JobConfig:
     command: list[str] | None = None  # or any command line
     args: list[str] = field(default_factory=list)
     nproc_per_node: int = 1
+    nodes: int = 1  # more than 1: inside a Slurm allocation, one node agent per node
+    spare_nodes: int = 0  # allocated nodes held back to replace a failed one
     run_dir: str = "runs/default"
     master_addr: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)
@@ -89,6 +103,11 @@ class JobConfig:
     hang: HangPolicy = field(default_factory=HangPolicy)
     anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
 
     def stop_file(self, layout: RunLayout) -> Path:
         """Where stop requests are written: `stop.stop_file_path` (relative to the working dir) or RUN_DIR/stop."""
@@ -97,7 +116,7 @@ class JobConfig:
 
     def policy(self) -> Policy:
         return Policy(
-            nproc=self.nproc_per_node,
+            nproc=self.world_size,
             max_restarts=self.restart.max_restarts,
             backoff_initial_s=self.restart.backoff_initial_s,
             backoff_factor=self.restart.backoff_factor,
@@ -115,6 +134,11 @@ class JobConfig:
 # finite and at most MAX_NUMBER in size, every `*_s` value at most MAX_SECONDS, and no string holds NUL.
 _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "nproc_per_node": (lambda v: 1 <= v <= MAX_NPROC, f"between 1 and {MAX_NPROC}"),
+    "nodes": (lambda v: 1 <= v <= MAX_NODES, f"between 1 and {MAX_NODES}"),
+    "spare_nodes": (lambda v: 0 <= v <= MAX_NODES, f"between 0 and {MAX_NODES}"),
+    "slurm.node_timeout_s": (lambda v: v >= 2, "at least 2 (node agents report every second)"),
+    "slurm.max_node_failures": (lambda v: v >= 1, "at least 1"),
+    "slurm.node_failure_window_s": (lambda v: v > 0, "more than 0"),
     "env": (lambda v: all(k and "=" not in k for k in v), "a mapping of variable names (non-empty, no '=')"),
     "restart.max_restarts": (lambda v: v >= 0, "0 or more"),
     "restart.crash_loop_attempts": (lambda v: v == 0 or v >= 2, "0 (off) or at least 2"),

@@ -46,7 +46,15 @@ from supervisor.causes import Cause, CauseKind, explain_exit
 from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
 from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
 from supervisor.stop_requests import StopRequest, agreed_step
-from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_SAVE_LOST, StopOrder
+from worker.contract import (
+    EXIT_ANOMALY,
+    EXIT_CONFIG,
+    EXIT_CRASH_LOOP,
+    EXIT_FAILED,
+    EXIT_REQUEUE,
+    EXIT_SAVE_LOST,
+    StopOrder,
+)
 
 __all__ = [
     "Action",
@@ -148,6 +156,7 @@ class LaunchFailed:
     attempt: int
     error: str
     retryable: bool = True  # False: fail with EXIT_CONFIG (the run dir's checkpoints need another world size)
+    exit_code: int | None = None  # fail with this code instead (EXIT_REQUEUE: too few healthy nodes)
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,7 @@ class ChildExited:
     refused: CheckpointRefusal | None = None
     cause: Cause | None = None  # why it failed, from its stderr; None: only the returncode is known
     step: int | None = None  # the newest step the rank logged (truer than its throttled heartbeat)
+    node: str | None = None  # the host it ran on, in a multi-node run
 
 
 @dataclass(frozen=True)
@@ -356,6 +366,7 @@ class Failure:
     resume_step: int | None
     cause: Cause
     progressed: bool | None  # some rank got past `resume_step`; None: cannot tell (no rank reports steps)
+    node: str | None = None  # the host the rank ran on, in a multi-node run
 
 
 FAILURES_KEPT = 10  # the failure history in the state (and status): the newest ones
@@ -394,11 +405,12 @@ class State:
     last_failure: str | None = None
     failures: tuple[Failure, ...] = ()  # the newest FAILURES_KEPT failed attempts, oldest first
     saves_lost: tuple[tuple[int, int | None], ...] = ()  # (rank, step): went down inside a save, this attempt
+    stopped_code: int = 0  # the exit code of a clean stop: EXIT_REQUEUE when Slurm's time-limit warning asked
     reason: str | None = None
 
     @property
     def exit_code(self) -> int | None:
-        stopped = EXIT_SAVE_LOST if self.saves_lost else 0  # a stop that lost a save is not a clean one
+        stopped = EXIT_SAVE_LOST if self.saves_lost else self.stopped_code  # a stop that lost a save is not clean
         return {Phase.FINISHED: 0, Phase.STOPPED: stopped, Phase.FAILED: self.failure_code}.get(self.phase)
 
     @property
@@ -480,6 +492,8 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
 def _on_launch_failed(state: State, event: LaunchFailed, now: float) -> tuple[State, list[Action]]:
     record = _record("launch_failed", level="error", attempt=event.attempt, error=event.error,
                      retryable=event.retryable)
+    if event.exit_code is not None:
+        return replace(_fail(state, f"not launched: {event.error}"), failure_code=event.exit_code), [record]
     if not event.retryable:
         return replace(_fail(state, f"not launched: {event.error}"), failure_code=EXIT_CONFIG), [record]
     return _fail(state, f"could not launch ranks: {event.error}"), [record]
@@ -539,10 +553,11 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
     """The attempt's first failure: relaunch, or give up (a cause no relaunch can fix, a crash loop, no restarts)."""
     failure = f"rank {event.rank} {describe_exit(event.returncode)} in attempt {event.attempt}"
     cause = event.cause or explain_exit(event.returncode)
-    state = _note_failure(replace(state, last_failure=failure), event.rank, cause, event.step)
+    state = _note_failure(replace(state, last_failure=failure), event.rank, cause, event.step, node=event.node)
+    on = {} if event.node is None else {"node": event.node}
     actions: list[Action] = [
         _record("rank_crashed", level="error", rank=event.rank, attempt=event.attempt, returncode=event.returncode,
-                description=describe_exit(event.returncode), step=state.failures[-1].step, cause=cause.text),
+                description=describe_exit(event.returncode), step=state.failures[-1].step, cause=cause.text, **on),
     ]
     if not cause.retryable:  # a model that does not fit its checkpoint fails the same way on every relaunch
         state = replace(state, failure_code=EXIT_CONFIG,
@@ -722,7 +737,7 @@ def _failure_outcome(state: State) -> Then:
     return Then.FAIL if state.restarts >= state.policy.max_restarts else Then.RELAUNCH
 
 
-def _note_failure(state: State, rank: int, cause: Cause, step: int | None = None) -> State:
+def _note_failure(state: State, rank: int, cause: Cause, step: int | None = None, node: str | None = None) -> State:
     """Add this attempt's failure to the history: did any rank get past the step the attempt resumed from?"""
     step = state.ranks[rank].step if step is None else step
     reached = max((s for s in (step, *(r.step for r in state.ranks)) if s is not None), default=None)
@@ -730,7 +745,7 @@ def _note_failure(state: State, rank: int, cause: Cause, step: int | None = None
                      or any(f.step is not None for f in state.failures))  # the script uses the worker library
     progressed = None if reached is None and not reports_steps else (
         reached is not None and reached > (state.resume_step or 0))
-    failure = Failure(state.attempt, rank, step, state.resume_step, cause, progressed)
+    failure = Failure(state.attempt, rank, step, state.resume_step, cause, progressed, node)
     return replace(state, failures=(*state.failures, failure)[-FAILURES_KEPT:])
 
 
@@ -930,6 +945,8 @@ def _refine_hang(state: State, hang: Hang, event: StacksCollected) -> Hang:
 def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, list[Action]]:
     interrupts = state.interrupts + (event.signum == signal.SIGINT)
     state = replace(state, interrupts=interrupts)
+    if event.signum == signal.SIGUSR1:  # Slurm's warning before the time limit: save, stop, be requeued
+        state = replace(state, stopped_code=EXIT_REQUEUE)
     actions: list[Action] = [_record("signal_received", signal=_signal_name(event.signum), phase=state.phase.value)]
     if state.phase is Phase.RUNNING:
         if interrupts >= 2:  # a second Ctrl-C means now

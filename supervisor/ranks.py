@@ -26,37 +26,59 @@ from worker.contract import (
 )
 from worker.files import open_append
 
-__all__ = ["Ranks", "free_port", "launch_ranks", "rank_argv"]
+__all__ = ["Attempt", "Placement", "Ranks", "contract_env", "free_port", "launch_ranks", "local_env", "rank_argv",
+           "signal_group", "spawn_ranks"]
 
 # Never handed to ranks: a rank must not talk to systemd as if it were the service.
 _WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """What every rank of one attempt is told: which attempt, and where to resume from."""
+
+    number: int
+    resume_step: int | None = None
+    resume_dir: Path | None = None
+    skip_to_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank sits in the job, in torchrun's numbering: GROUP_RANK is the node's index."""
+
+    rank: int
+    local_rank: int
+    group_rank: int
+    world_size: int
+    local_world_size: int
+
+
 @dataclass
 class Ranks:
-    """The rank processes of one attempt."""
+    """The rank processes of one attempt on this machine, by global rank."""
 
     attempt: int
-    procs: list[subprocess.Popen]
+    procs: dict[int, subprocess.Popen]
 
     def signal(self, signum: int, only: Callable[[int], bool]) -> list[int]:
         """Send `signum` to the process group of each rank for which `only(rank)` holds; returns those ranks."""
-        sent = []
-        for rank, proc in enumerate(self.procs):
-            if not only(rank):
-                continue
-            try:
-                os.killpg(proc.pid, signum)  # the rank leader's pid is its group id
-                if signum == signal.SIGTERM:
-                    os.killpg(proc.pid, signal.SIGCONT)  # a frozen (SIGSTOPped) rank must be able to act on it
-                sent.append(rank)
-            except ProcessLookupError:
-                pass
-        return sent
+        return [rank for rank, proc in self.procs.items() if only(rank) and signal_group(proc.pid, signum)]
 
     @property
     def pids(self) -> set[int]:
-        return {proc.pid for proc in self.procs}
+        return {proc.pid for proc in self.procs.values()}
+
+
+def signal_group(leader: int, signum: int) -> bool:
+    """Signal a rank's process group (the leader's pid is its id); False when it is gone."""
+    try:
+        os.killpg(leader, signum)
+        if signum == signal.SIGTERM:
+            os.killpg(leader, signal.SIGCONT)  # a frozen (SIGSTOPped) rank must be able to act on it
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def free_port(host: str) -> int:
@@ -73,49 +95,54 @@ def rank_argv(config: JobConfig) -> list[str]:
     return [*config.command, *config.args]
 
 
-def rank_env(config: JobConfig, layout: RunLayout, *, rank: int, attempt: int, port: int,
-             resume_step: int | None, resume_dir: Path | None = None,
-             skip_to_batch: int | None = None) -> dict[str, str]:
-    """The environment torchrun would give this rank, plus trainwarden's contract variables."""
-    env = {k: v for k, v in os.environ.items() if k not in _WITHHELD_ENV}
-    env.update(config.env)
-    n = config.nproc_per_node
-    env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-        "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "ROLE_WORLD_SIZE": str(n),
-        "MASTER_ADDR": config.master_addr, "MASTER_PORT": str(port),
-        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+def contract_env(config: JobConfig, layout: RunLayout, place: Placement, attempt: Attempt, *,
+                 master_addr: str, port: int) -> dict[str, str]:
+    """The variables torchrun would set for this rank, trainwarden's contract variables, and the config's `env:`."""
+    return {
+        **config.env,
+        "RANK": str(place.rank), "LOCAL_RANK": str(place.local_rank), "GROUP_RANK": str(place.group_rank),
+        "ROLE_RANK": str(place.rank), "WORLD_SIZE": str(place.world_size),
+        "LOCAL_WORLD_SIZE": str(place.local_world_size), "ROLE_WORLD_SIZE": str(place.world_size),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt.number),
         "TORCHELASTIC_MAX_RESTARTS": str(config.restart.max_restarts),
-        ENV_RUN_DIR: str(layout.root), ENV_ATTEMPT: str(attempt),
-        ENV_RESUME_STEP: "" if resume_step is None else str(resume_step),
-        ENV_RESUME_DIR: "" if resume_dir is None else str(resume_dir),
+        ENV_RUN_DIR: str(layout.root), ENV_ATTEMPT: str(attempt.number),
+        ENV_RESUME_STEP: "" if attempt.resume_step is None else str(attempt.resume_step),
+        ENV_RESUME_DIR: "" if attempt.resume_dir is None else str(attempt.resume_dir),
         ENV_WORKER_CONFIG: config.worker.to_env(),
-        ENV_SKIP_TO_BATCH: "" if skip_to_batch is None else str(skip_to_batch),
-    })
-    return env
+        ENV_SKIP_TO_BATCH: "" if attempt.skip_to_batch is None else str(attempt.skip_to_batch),
+    }
 
 
-def launch_ranks(config: JobConfig, layout: RunLayout, *, attempt: int, resume_step: int | None,
-                 resume_dir: Path | None, skip_to_batch: int | None,
+def local_env(contract: dict[str, str]) -> dict[str, str]:
+    """This machine's environment (less what is only the service's) with the contract variables over it."""
+    return {**{k: v for k, v in os.environ.items() if k not in _WITHHELD_ENV}, **contract}
+
+
+def launch_ranks(config: JobConfig, layout: RunLayout, attempt: Attempt,
                  on_exit: Callable[[int, int, int], None]) -> Ranks:
-    """Start every rank in its own session; a waiter thread per rank reports `on_exit(attempt, rank, code)`.
-
-    If any rank fails to start, the ones already started are killed and the error is raised.
-    """
+    """Start every rank on this machine in its own session; a waiter thread per rank reports
+    `on_exit(attempt, rank, code)`. If any rank fails to start, the ones started are killed and the error raised."""
+    n = config.nproc_per_node
     port = free_port(config.master_addr)
-    argv = rank_argv(config)
-    ranks = Ranks(attempt, [])
+    envs = {rank: local_env(contract_env(config, layout, Placement(rank, rank, 0, n, n), attempt,
+                                         master_addr=config.master_addr, port=port)) for rank in range(n)}
+    return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit)
+
+
+def spawn_ranks(argv: list[str], envs: dict[int, dict[str, str]], layout: RunLayout, attempt: int,
+                on_exit: Callable[[int, int, int], None]) -> Ranks:
+    """Start one process per rank (`envs`: global rank -> its environment), then a waiter thread for each."""
+    ranks = Ranks(attempt, {})
     try:
-        for rank in range(config.nproc_per_node):
-            env = rank_env(config, layout, rank=rank, attempt=attempt, port=port, resume_step=resume_step,
-                           resume_dir=resume_dir, skip_to_batch=skip_to_batch)
-            ranks.procs.append(_spawn(argv, env, layout, attempt, rank))
+        for rank, env in envs.items():
+            ranks.procs[rank] = _spawn(argv, env, layout, attempt, rank)
     except BaseException:
         ranks.signal(signal.SIGKILL, only=lambda _: True)
-        for proc in ranks.procs:
+        for proc in ranks.procs.values():
             proc.wait(timeout=10)
         raise
-    for rank, proc in enumerate(ranks.procs):
+    for rank, proc in ranks.procs.items():
         threading.Thread(target=_wait, args=(proc, attempt, rank, on_exit), daemon=True,
                          name=f"wait-a{attempt}-r{rank}").start()
     return ranks
@@ -126,7 +153,7 @@ def _spawn(argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int
         out, err = (logs.enter_context(os.fdopen(open_append(layout.attempt_log(attempt, rank, stream),
                                                              root=layout.root), "ab")) for stream in ("out", "err"))
         # start_new_session: the rank leads its own process group, so killpg reaches its whole tree;
-        # die_with_parent: a SIGKILLed supervisor takes its ranks along.
+        # die_with_parent: a SIGKILLed supervisor (or node agent) takes its ranks along.
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                 start_new_session=True, preexec_fn=die_with_parent)
 

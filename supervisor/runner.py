@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import math
 import os
@@ -12,13 +11,12 @@ import threading
 import time
 import zlib
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
-import psutil
-
-from supervisor.causes import explain, oom_kill_count
+from supervisor.causes import explain
 from supervisor.checkpoints import (
     Choice,
     WorldSizeMismatch,
@@ -47,7 +45,6 @@ from supervisor.core import (
     Record,
     SignalRanks,
     SignalReceived,
-    StacksCollected,
     Started,
     State,
     StopRequested,
@@ -58,47 +55,32 @@ from supervisor.core import (
     next_deadline,
 )
 from supervisor.journal import Journal
+from supervisor.launcher import Launcher, LocalLauncher, Spawned
 from supervisor.notify import Notifier, ServiceReporter
 from supervisor.rank_logs import abort_info, count, last_event, last_step, stderr_tail
-from supervisor.ranks import Ranks, launch_ranks
-from supervisor.stacks import start_stack_collection
+from supervisor.ranks import Attempt
 from supervisor.status import StatusError, read_status, snapshot, write_status
 from supervisor.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
-from supervisor.trees import (
-    become_subreaper,
-    descendants,
-    kill_predecessor_leftovers,
-    reap_orphans,
-    record_pids,
-    sigkill,
-)
-from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, StopFileChanged, read_heartbeat
+from supervisor.trees import become_subreaper, kill_predecessor_leftovers
+from supervisor.watch import StopFileChanged, StopFileWatcher
 from worker.contract import (
     EXIT_ANOMALY,
     EXIT_CHECKPOINT_REFUSED,
     RunLayout,
-    StopOrder,
     named_store,
     parse_checkpoint_name,
     resume_stores,
 )
-from worker.files import DIR_MODE, atomic_write_json, open_in, open_regular, read_bytes, unlink_quietly
+from worker.files import DIR_MODE, open_in, open_regular, unlink_quietly
 
-__all__ = ["LeftoversSurvived", "RunDirBusy", "Supervisor", "lock_run_dir"]
+__all__ = ["LauncherFactory", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
 POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the state file, this often
 MAX_LOGGED_CHARS = 500  # of a path or error a rank logged, as it reaches the journal and the status
 STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-@dataclass(frozen=True)
-class LeftoversSurvived:
-    """Processes that were still alive `sigkill_wait_s` after SIGKILL (uninterruptible sleep)."""
-
-    attempt: int
-    processes: tuple[dict[str, Any], ...]
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: Slurm's time-limit warning
+# (config, layout, post, log) -> the launcher that starts and watches the ranks
+LauncherFactory = Callable[[JobConfig, RunLayout, Callable[[object], None], Any], Launcher]
 
 
 @dataclass(frozen=True)
@@ -134,7 +116,7 @@ class Supervisor:
     """Runs one job to its end and returns the exit code."""
 
     def __init__(self, config: JobConfig, layout: RunLayout, journal: Journal, *, config_path: str,
-                 ignore_stop_file: bool = False) -> None:
+                 ignore_stop_file: bool = False, launcher: LauncherFactory = LocalLauncher) -> None:
         self.config = config
         self.layout = layout
         self.stop_file = config.stop_file(layout)
@@ -145,24 +127,23 @@ class Supervisor:
         self.state: State = initial_state(config.policy(), step_gaps=gaps)
         self._config_path = config_path
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._ranks: Ranks | None = None
-        self._watcher = HeartbeatWatcher(layout, config.nproc_per_node, self._inbox.put_nowait, self.stop_file)
+        self._launcher = launcher(config, layout, self._inbox.put_nowait, self.log)
+        self._launching: LaunchPrepared | None = None  # what the ranks being started resume from
+        self._stop_watcher = StopFileWatcher(self.stop_file, self._inbox.put_nowait)
         self._next_poll = 0.0
-        self._unreadable: set[int] = set()
         self._started_at = time.time()
-        self._recorded_pids: set[int] = set()
         self._health_seen: list[int] | None = None  # complete checkpoints when health and rotation were last done
         self._health_steps: list[int] = []  # those of them this world size wrote, less the rotated ones
         self._reported_junk: set[Any] = set()
         self._systemd = ServiceReporter(Notifier.from_environ(log=self.log))  # a no-op outside systemd
-        self._oom_kills_at_launch: int | None = None  # the cgroup's OOM-kill count when the attempt started
 
     def run(self) -> int:
         """Supervise until the run finishes, fails or is stopped."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in HANDLED_SIGNALS}
-        self._watcher.start()
+        self._launcher.start()
+        self._stop_watcher.start()
         self.log.info("supervisor_started", pid=os.getpid(), config=self._config_path, run_dir=str(self.layout.root),
-                      nproc=self.config.nproc_per_node, subreaper=become_subreaper())
+                      nproc=self.config.nproc_per_node, nodes=self.config.nodes, subreaper=become_subreaper())
         for leftover in kill_predecessor_leftovers(self.layout):
             self.log.warning("predecessor_leftover_killed", **leftover)
         unlink_quietly(self.layout.stop_order)  # a predecessor's order is not ours to carry out
@@ -172,8 +153,8 @@ class Supervisor:
             while not self.state.phase.terminal:
                 self._handle(self._next_event())
         finally:
-            self._kill_leftovers()
-            self._watcher.stop()
+            self._launcher.close()  # on any way out, no process of the run outlives the supervisor
+            self._stop_watcher.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self.log.info("supervisor_exiting", state=self.state.phase.value, exit_code=self.state.exit_code,
@@ -236,7 +217,7 @@ class Supervisor:
         if event.returncode == 0 or not self._abort_may_matter(event):
             return event
         # Stopping, the rank that logged an abort brings it itself when it exits: only its own log is read then.
-        peers = range(self.config.nproc_per_node) if self.state.phase is Phase.RUNNING else ()
+        peers = range(self.config.world_size) if self.state.phase is Phase.RUNNING else ()
         ranks = [event.rank, *(r for r in peers if r != event.rank)]
         logged = next((e for r in ranks if (e := last_event(self.layout, r, event.attempt, "anomaly_abort"))), None)
         try:
@@ -283,8 +264,9 @@ class Supervisor:
         """The first failure of an attempt carries why (from the tail of the rank's stderr) and the step it logged."""
         if event.returncode == 0 or self.state.phase is not Phase.RUNNING or event.attempt != self.state.attempt:
             return event  # later exits of a stopping attempt are consequences, not causes
-        before, now = self._oom_kills_at_launch, _oom_kills()
-        oom = event.returncode == -signal.SIGKILL and before is not None and now is not None and now > before
+        if event.cause is not None:  # the launcher knows better (its node was lost)
+            return replace(event, step=last_step(self.layout, event.rank, event.attempt))
+        oom = event.returncode == -signal.SIGKILL and self._launcher.oom_killed()
         cause = explain(stderr_tail(self.layout, event.rank, event.attempt), event.returncode, oom_killed=oom)
         return replace(event, cause=cause, step=last_step(self.layout, event.rank, event.attempt))
 
@@ -323,120 +305,55 @@ class Supervisor:
         changed = (self.state.phase, self.state.attempt) != before
         if changed or isinstance(item, (Tick, Started)):  # Started: "starting" while checkpoints are verified
             self._write_status(durable=changed)
-            self._systemd.observe(self.state, time.monotonic(), launched=self._ranks is not None)
+            self._systemd.observe(self.state, time.monotonic(), launched=self._launcher.launched)
 
     def _translate(self, item: Any) -> list[Event]:
-        """Turn adapter hints into core events; a Tick also re-reads every heartbeat (hints can be lost)."""
-        if isinstance(item, HeartbeatChanged):
-            return self._read_heartbeats([item.rank])
+        """Turn adapter hints into core events; a Tick also polls the launcher (hints can be lost)."""
         if isinstance(item, StopFileChanged):
             return self._read_stop_file()
         if isinstance(item, Tick):
             self._next_poll = time.monotonic() + POLL_INTERVAL_S
-            self._track_processes()
-            return [*self._read_heartbeats(range(self.config.nproc_per_node)), *self._read_stop_file(), item]
+            return [*self._launcher.poll(), *self._read_stop_file(), item]
         if isinstance(item, ChildExited):
-            beat = self._read_heartbeats([item.rank]) if item.returncode else []  # the step it reached, fresh
-            return [*beat, self._with_cause(self._with_stop_info(self._with_abort_info(self._with_refusal(item))))]
+            beat = self._launcher.last_heartbeat(item.rank) if item.returncode else []  # the step it reached, fresh
+            return [*beat, self._explained(item)]
         if isinstance(item, LaunchPrepared):
             return self._launch_prepared(item)
-        if isinstance(item, LeftoversSurvived):
-            self.log.error("process_unkillable", attempt=item.attempt, processes=item.processes)
-            return []
-        return [item]
+        if isinstance(item, Spawned):
+            return self._spawned(item)
+        events = self._launcher.translate(item)
+        return [item] if events is None else [e for found in events for e in self._from_launcher(found)]
 
-    def _track_processes(self) -> None:
-        """Record the run's processes for a successor, and reap adopted orphans."""
-        managed = self._ranks.pids if self._ranks else set()
-        reap_orphans(managed)
-        procs = descendants()
-        pids = {proc.pid for proc in procs}
-        if pids != self._recorded_pids:
-            self._recorded_pids = pids
-            try:
-                record_pids(self.layout, procs)
-            except OSError as exc:
-                self.log.error("pids_write_failed", error=str(exc))
+    def _from_launcher(self, found: Event | Spawned) -> list[Event]:
+        if isinstance(found, Spawned):
+            return self._spawned(found)
+        return [self._explained(found) if isinstance(found, ChildExited) else found]
 
-    def _read_heartbeats(self, ranks: Any) -> list[Event]:
-        events: list[Event] = []
-        for rank in ranks:
-            try:
-                seen = read_heartbeat(self.layout.heartbeat(rank), rank)
-            except HeartbeatUnreadable as exc:
-                if rank not in self._unreadable:  # say it once per streak, not every second
-                    self.log.warning("heartbeat_unreadable", rank=rank, error=str(exc))
-                self._unreadable.add(rank)
-                continue
-            self._unreadable.discard(rank)
-            if seen is not None:
-                events.append(seen)
-        return events
+    def _explained(self, exited: ChildExited) -> ChildExited:
+        """A rank's exit with what its logs say about it."""
+        return self._with_cause(self._with_stop_info(self._with_abort_info(self._with_refusal(exited))))
 
     # ---- actions out ----
 
     def _execute(self, action: Action) -> list[Event]:
         if isinstance(action, Record):
             getattr(self.log, action.level)(action.event, **dict(action.fields))
-            return []
-        if isinstance(action, SignalRanks):
-            return self._signal_ranks(action)
-        if isinstance(action, LaunchRanks):
+        elif isinstance(action, SignalRanks):
+            running = {r.rank for r in self.state.ranks if r.running}
+            sent = self._launcher.signal(action.attempt, action.signum, running)
+            self.log.info("ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent,
+                          attempt=action.attempt)
+        elif isinstance(action, LaunchRanks):
             threading.Thread(target=self._prepare_launch, args=(action,), daemon=True).start()
-            return []
-        if isinstance(action, DumpStacks):
-            return self._dump_stacks(action)
-        if isinstance(action, KillLeftovers):
-            return self._kill_tree_leftovers(action.attempt)
-        if isinstance(action, PublishStopOrder):
-            self._publish(action.order)
-            return []
-        raise TypeError(f"unknown action {action!r}")
-
-    def _publish(self, order: StopOrder | None) -> None:
-        if order is None:
-            unlink_quietly(self.layout.stop_order)
-            return
-        try:
-            atomic_write_json(self.layout.stop_order, asdict(order), root=self.layout.root)
-        except OSError as exc:  # the ranks never hear of it: the stop timeout escalates
-            self.log.error("stop_order_write_failed", error=str(exc))
-
-    def _dump_stacks(self, action: DumpStacks) -> list[Event]:
-        if self._ranks is None or self._ranks.attempt != action.attempt:
-            return [StacksCollected(action.attempt, ())]
-        pids = {rank: self._ranks.procs[rank].pid for rank in action.ranks}
-        start_stack_collection(self.layout, action.attempt, pids, action.faulthandler_ranks, self._inbox.put_nowait)
-        return []
-
-    def _kill_tree_leftovers(self, attempt: int) -> list[Event]:
-        """SIGKILL every descendant that is not a rank leader; report (from a thread) any that survives."""
-        managed = self._ranks.pids if self._ranks else set()
-        for rank in (r for r in self.state.ranks if r.running and r.pid is not None):  # survived SIGKILL
-            with contextlib.suppress(psutil.Error):
-                status = psutil.Process(rank.pid).status()
-                self.log.error("rank_unkillable", rank=rank.rank, pid=rank.pid, status=status)
-        hit = sigkill(p for p in descendants() if p.pid not in managed)
-        if hit:
-            self.log.warning("leftovers_killed", attempt=attempt, pids=[p.pid for p in hit])
-            threading.Thread(target=self._await_leftovers, args=(attempt, hit), daemon=True).start()
-        return []
-
-    def _await_leftovers(self, attempt: int, procs: list[psutil.Process]) -> None:
-        _, alive = psutil.wait_procs(procs, timeout=self.config.stop.sigkill_wait_s)
-        survivors = []
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                survivors.append({"pid": proc.pid, "name": proc.name(), "status": proc.status()})
-        if survivors:
-            self._inbox.put_nowait(LeftoversSurvived(attempt, tuple(survivors)))
-
-    def _signal_ranks(self, action: SignalRanks) -> list[Event]:
-        if self._ranks is None or self._ranks.attempt != action.attempt:
-            return []
-        running = {r.rank for r in self.state.ranks if r.running}
-        sent = self._ranks.signal(action.signum, only=running.__contains__)
-        self.log.info("ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent, attempt=action.attempt)
+        elif isinstance(action, DumpStacks):
+            self._launcher.dump_stacks(action.attempt, action.ranks, action.faulthandler_ranks)
+        elif isinstance(action, KillLeftovers):
+            survivors = [r for r in self.state.ranks if r.running and r.pid is not None]
+            self._launcher.kill_leftovers(action.attempt, survivors)
+        elif isinstance(action, PublishStopOrder):
+            self._launcher.publish(action.order)
+        else:
+            raise TypeError(f"unknown action {action!r}")
         return []
 
     def _prepare_launch(self, action: LaunchRanks) -> None:
@@ -461,7 +378,7 @@ class Supervisor:
             return None
         named = self._names_resume(attempt)
         stores = [named_store(self.layout, worker)] if named else resume_stores(self.layout, worker)
-        return world_size_mismatch(stores, self.config.nproc_per_node, worker.prefix)
+        return world_size_mismatch(stores, self.config.world_size, worker.prefix)
 
     def _launch_prepared(self, prepared: LaunchPrepared) -> list[Event]:
         action, choice = prepared.action, prepared.choice
@@ -472,9 +389,10 @@ class Supervisor:
         if choice.step is None and choice.passed_over:
             self.log.error("no_usable_checkpoint", attempt=action.attempt, candidates=len(choice.passed_over),
                            then=self.config.worker.no_usable_checkpoint)
-        return [self._launch(action, choice)]
+        launched = self._launch(action, choice)
+        return [] if launched is None else [launched]
 
-    def _launch(self, action: LaunchRanks, choice: Choice) -> Event:
+    def _launch(self, action: LaunchRanks, choice: Choice) -> Event | None:
         attempt = action.attempt
         resume_step = choice.step
         if resume_step is None and choice.passed_over and attempt == 0 and isinstance(
@@ -486,24 +404,32 @@ class Supervisor:
             newest, why = choice.passed_over[0]
             return LaunchFailed(attempt, f"no usable checkpoint (newest, step {newest}: {why}); "
                                          "refusing to start from scratch (worker.no_usable_checkpoint: refuse)")
-        for rank in range(self.config.nproc_per_node):  # a beat from an earlier run must not pass for this one
+        for rank in range(self.config.world_size):  # a beat from an earlier run must not pass for this one
             unlink_quietly(self.layout.heartbeat(rank))
         self._sort_out_junk()
         store = choice.store
-        try:
-            self._ranks = launch_ranks(self.config, self.layout, attempt=attempt, resume_step=resume_step,
-                                       resume_dir=None if store is None else store.root,
-                                       skip_to_batch=action.skip_to_batch, on_exit=self._on_child_exit)
-        except OSError as exc:
-            return LaunchFailed(attempt, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
-        self._oom_kills_at_launch = _oom_kills()
+        self._launching = LaunchPrepared(action, choice)
+        spawned = self._launcher.launch(Attempt(attempt, resume_step, None if store is None else store.root,
+                                                action.skip_to_batch))
+        return spawned if spawned is None or isinstance(spawned, LaunchFailed) else self._ranks_launched(spawned)
+
+    def _spawned(self, spawned: Spawned) -> list[Event]:
+        """A launcher that starts ranks asynchronously is done: the core hears of it now."""
+        if self.state.phase is not Phase.STARTING or self.state.attempt != spawned.attempt:
+            return []  # stopped meanwhile: the launcher is told to kill them by the stop that ended the attempt
+        return [self._ranks_launched(spawned)]
+
+    def _ranks_launched(self, spawned: Spawned) -> RanksLaunched:
+        assert self._launching is not None and self._launching.action.attempt == spawned.attempt
+        choice, attempt = self._launching.choice, spawned.attempt
+        store = choice.store
         source = None if store is None or store == self.layout.checkpoints else store.label
-        return RanksLaunched(attempt, tuple(p.pid for p in self._ranks.procs), resume_step, choice.passed_over,
-                             source, resume_named=self._names_resume(attempt) and resume_step is not None)
+        return RanksLaunched(attempt, spawned.pids, choice.step, choice.passed_over, source,
+                             resume_named=self._names_resume(attempt) and choice.step is not None)
 
     def _sort_out_junk(self) -> None:
         """Before a launch (no save can be in flight): delete our torn temporaries, report anything foreign once."""
-        junk = find_junk(self.layout, self.config.nproc_per_node, self.config.worker.prefix)
+        junk = find_junk(self.layout, self.config.world_size, self.config.worker.prefix)
         for path in junk.torn:
             unlink_quietly(path)
             self.log.info("torn_temporary_removed", path=str(path))
@@ -519,7 +445,7 @@ class Supervisor:
     def _choose_resume(self, attempt: int, at_most: int | None, refused: tuple[tuple[int, str], ...] = ()) -> Choice:
         """Newest checkpoint complete, intact and healthy on every rank (at or before `at_most`, none `refused`),
         saying why newer ones were passed over; attempt 0 honours `worker.resume_training`."""
-        worker, world = self.config.worker, self.config.nproc_per_node
+        worker, world = self.config.worker, self.config.world_size
         if attempt == 0 and worker.resume_training is False:
             return Choice(None, ())
         if self._names_resume(attempt):
@@ -529,18 +455,12 @@ class Supervisor:
         return choose_resume(resume_stores(self.layout, worker), world, worker.prefix, at_most=at_most,
                              require_healthy=worker.use_checkpoint_health_monitor, refused=dict(refused))
 
-    def _kill_leftovers(self) -> None:
-        """On any way out, no process of the run outlives the supervisor."""
-        if self._ranks is not None:
-            self._ranks.signal(signal.SIGKILL, only=lambda rank: self._ranks.procs[rank].poll() is None)
-        sigkill(descendants())
-
     def _record_health(self, steps: list[int]) -> list[int]:
         """Rotate, then keep health_ckpts.json (seed 000) listing every complete checkpoint of this world size, when
         the set of complete checkpoints changes; returns those left."""
         if steps == self._health_seen:
             return self._health_steps
-        prefix, world = self.config.worker.prefix, self.config.nproc_per_node
+        prefix, world = self.config.worker.prefix, self.config.world_size
         sizes = world_sizes(self.layout.checkpoints, steps, prefix)
         ours = [step for step in steps if sizes[step] in (world, None)]  # another world size's: not ours to rotate
         entries = health_entries(self.layout.checkpoints, world, prefix, ours)
@@ -562,7 +482,7 @@ class Supervisor:
         protected = {self.state.resume_step} if resumed_here else set()
         doomed = rotation(steps, healthy, keep_max=self.config.worker.keep_checkpoint_max, protected=protected)
         for step in doomed:
-            for rank in range(self.config.nproc_per_node):
+            for rank in range(self.config.world_size):
                 unlink_quietly(self.layout.checkpoints.record(rank, step, self.config.worker.prefix))
                 unlink_quietly(self.layout.checkpoints.file(rank, step, self.config.worker.prefix))
             self.log.info("checkpoint_rotated", step=step)
@@ -570,7 +490,7 @@ class Supervisor:
 
     def _write_status(self, *, durable: bool) -> None:
         steps = self._record_health(
-            self.layout.checkpoints.complete_steps(self.config.nproc_per_node, self.config.worker.prefix))
+            self.layout.checkpoints.complete_steps(self.config.world_size, self.config.worker.prefix))
         extra = {
             "run_dir": str(self.layout.root),
             "config": self._config_path,
@@ -579,6 +499,7 @@ class Supervisor:
             "started_at": self._started_at,
             "last_checkpoint": {"step": steps[-1]} if steps else None,
             "logs": str(self.layout.attempt_log(self.state.attempt, 0, "err").parent),
+            **self._launcher.details(),
         }
         try:
             write_status(self.layout, snapshot(self.state, now=time.monotonic(), extra=extra), durable=durable)
@@ -594,33 +515,6 @@ def _previous_step_gaps(layout: RunLayout, window: int) -> tuple[float, ...]:
         return tuple(float(g) for g in gaps if type(g) in (int, float) and g > 0)[-window:]
     except (StatusError, AttributeError, TypeError):
         return ()
-
-
-def _oom_kills() -> int | None:
-    """How many processes the kernel's OOM killer has killed in our cgroup (the ranks are in it): cgroup v2's
-    memory.events or v1's memory.oom_control; None where neither can be read (then no kill is called OOM)."""
-    try:
-        entries = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    candidates = []
-    for entry in entries:  # "ID:CONTROLLERS:PATH"; v2 is "0::PATH"
-        parts = entry.split(":", 2)
-        if len(parts) != 3:
-            continue
-        controllers, relative = parts[1], parts[2].lstrip("/")
-        if controllers == "":
-            candidates += [CGROUP_ROOT / base / relative / "memory.events" for base in ("", "unified")]
-        elif "memory" in controllers.split(","):
-            candidates.append(CGROUP_ROOT / "memory" / relative / "memory.oom_control")
-    for candidate in candidates:
-        try:
-            kills = oom_kill_count(read_bytes(candidate, 4096).decode("ascii", errors="replace"))
-        except OSError:
-            continue
-        if kills is not None:
-            return kills
-    return None
 
 
 def _stop_file_signature(path: Path) -> tuple[tuple[int, ...], bytes | OSError, float] | None:

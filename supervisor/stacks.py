@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -26,7 +27,7 @@ from supervisor.rank_logs import last_step
 from worker.contract import STACK_DUMP_SIGNAL, RunLayout
 from worker.files import atomic_write_bytes, open_regular
 
-__all__ = ["find_pyspy", "outside_collectives", "start_stack_collection"]
+__all__ = ["StackDumps", "collect_stacks", "find_pyspy", "outside_collectives", "start_stack_collection"]
 
 PYSPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0
@@ -55,28 +56,45 @@ def start_stack_collection(
 
 def _collect(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler_ranks: tuple[int, ...],
              post: Callable[[object], None]) -> None:
-    dumps: dict[str, str] = {}  # path -> the text this collection added
+    dumps = StackDumps((), {}, ())
     try:
-        before = {rank: _size(layout.stack_dump(rank, attempt)) for rank in faulthandler_ranks}
-        for rank in faulthandler_ranks:
-            _request_dump(pids[rank])
-        pyspy = find_pyspy()
-        if pyspy is not None:
-            for rank, pid in pids.items():
-                if text := _pyspy_dump(pyspy, pid, layout.pyspy_dump(rank, attempt), layout.root):
-                    dumps[str(layout.pyspy_dump(rank, attempt))] = text
-        deadline = time.monotonic() + FAULTHANDLER_WAIT_S
-        for rank, size in before.items():
-            path = layout.stack_dump(rank, attempt)
-            while _size(path) <= size and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if _size(path) > size:
-                dumps[str(path)] = _read_from(path, size)
+        dumps = collect_stacks(layout, attempt, pids, faulthandler_ranks)
     finally:
-        by_rank = {rank: "".join(t for p, t in dumps.items() if Path(p).parent.name == f"rank_{rank}") for rank in pids}
-        last_steps = tuple((rank, step) for rank in pids if (step := last_step(layout, rank, attempt)) is not None)
-        post(StacksCollected(attempt, tuple(sorted(dumps)), culprit=outside_collectives(by_rank),
-                             last_steps=last_steps))
+        post(StacksCollected(attempt, dumps.paths, culprit=outside_collectives(dumps.by_rank),
+                             last_steps=dumps.last_steps))
+
+
+@dataclass(frozen=True)
+class StackDumps:
+    """What one collection found: the dump files written, each rank's stack text, and the step each rank logged."""
+
+    paths: tuple[str, ...]
+    by_rank: dict[int, str]
+    last_steps: tuple[tuple[int, int], ...]
+
+
+def collect_stacks(layout: RunLayout, attempt: int, pids: dict[int, int],
+                   faulthandler_ranks: tuple[int, ...]) -> StackDumps:
+    """Dump the stacks of `pids` (rank -> leader pid, on this machine): faulthandler, then py-spy if installed."""
+    dumps: dict[str, str] = {}  # path -> the text this collection added
+    before = {rank: _size(layout.stack_dump(rank, attempt)) for rank in faulthandler_ranks}
+    for rank in faulthandler_ranks:
+        _request_dump(pids[rank])
+    pyspy = find_pyspy()
+    if pyspy is not None:
+        for rank, pid in pids.items():
+            if text := _pyspy_dump(pyspy, pid, layout.pyspy_dump(rank, attempt), layout.root):
+                dumps[str(layout.pyspy_dump(rank, attempt))] = text
+    deadline = time.monotonic() + FAULTHANDLER_WAIT_S
+    for rank, size in before.items():
+        path = layout.stack_dump(rank, attempt)
+        while _size(path) <= size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _size(path) > size:
+            dumps[str(path)] = _read_from(path, size)
+    by_rank = {rank: "".join(t for p, t in dumps.items() if Path(p).parent.name == f"rank_{rank}") for rank in pids}
+    last_steps = tuple((rank, step) for rank in pids if (step := last_step(layout, rank, attempt)) is not None)
+    return StackDumps(tuple(sorted(dumps)), by_rank, last_steps)
 
 
 def outside_collectives(stacks: dict[int, str]) -> int | None:

@@ -29,9 +29,10 @@ def _resumed_from(state: State) -> dict[str, Any] | None:
 
 
 def _failure(failure: Failure) -> dict[str, Any]:
+    node = {} if failure.node is None else {"node": failure.node}
     return {"attempt": failure.attempt, "rank": failure.rank, "step": failure.step,
             "resume_step": failure.resume_step, "progressed": failure.progressed, "kind": failure.cause.kind.value,
-            "cause": failure.cause.text}
+            "cause": failure.cause.text, **node}
 
 
 def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, Any]:
@@ -88,9 +89,9 @@ def read_status(layout: RunLayout) -> dict[str, Any]:
     try:
         # Ages were true when written; a beat only gets older, whether the supervisor lives to rewrite them or not.
         since = max(0.0, time.time() - status.get("updated_at", time.time()))
-        for rank in status["ranks"]:
-            if rank.get("heartbeat_age_s") is not None:
-                rank["heartbeat_age_s"] = round(rank["heartbeat_age_s"] + since, 3)
+        for entry in status["ranks"] + (status.get("nodes") or []):
+            if entry.get("heartbeat_age_s") is not None:
+                entry["heartbeat_age_s"] = round(entry["heartbeat_age_s"] + since, 3)
         render(status)  # a state file we cannot summarise is not one we wrote
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise StatusError(f"{layout.state_file}: not a trainwarden state file ({type(exc).__name__}: {exc})") from None
@@ -109,6 +110,7 @@ def render(status: dict[str, Any]) -> str:
     for skipped in status.get("passed_over") or []:
         lines.append(f"  passed over step {skipped['step']}: {skipped['reason']}")
     lines += _heartbeat_lines(status)
+    lines += _node_lines(status)
     for rank in status["ranks"]:
         age = rank["heartbeat_age_s"]
         beat = "no heartbeat" if age is None else f"heartbeat {age:.1f} s ago ({rank.get('heartbeat_phase')})"
@@ -139,6 +141,21 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _node_lines(status: dict[str, Any]) -> list[str]:
+    """Multi-node runs: one line per node of the allocation, and where the last failure was."""
+    lines = []
+    if status.get("slurm_job"):
+        failed = f"; last failure on {status['failed_on']}" if status.get("failed_on") else ""
+        lines.append(f"  slurm job {status['slurm_job']}{failed}")
+    for node in status.get("nodes") or []:
+        ranks = f", ranks {node['ranks'][0]}-{node['ranks'][-1]}" if node.get("ranks") else ""
+        age = node.get("heartbeat_age_s")
+        heard = "" if age is None else f", agent heard {age:.1f} s ago"
+        why = f" ({node['why']})" if node.get("why") else ""
+        lines.append(f"  node {node['node']}: {node['state']}{why}{ranks}{heard}")
+    return lines
+
+
 def _heartbeat_lines(status: dict[str, Any]) -> list[str]:
     """Whether hangs can be detected, said only where it is news: not while ranks are being (re)launched, nor once
     any rank of the run has beaten (a relaunch's new ranks have not yet)."""
@@ -160,7 +177,8 @@ def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
     for failure in failures:
         at = "" if failure.get("step") is None else f" at step {failure['step']}"
         resumed = "" if failure.get("resume_step") is None else f" (resumed from {failure['resume_step']})"
-        lines.append(f"    attempt {failure['attempt']}: rank {failure['rank']}{at}{resumed}: {failure['cause']}")
+        on = f" on {failure['node']}" if failure.get("node") else ""
+        lines.append(f"    attempt {failure['attempt']}: rank {failure['rank']}{on}{at}{resumed}: {failure['cause']}")
     return lines
 
 

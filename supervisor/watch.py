@@ -23,7 +23,8 @@ from supervisor.core import HeartbeatSeen
 from worker.contract import RunLayout
 from worker.files import ensure_dir, read_json
 
-__all__ = ["HeartbeatChanged", "HeartbeatUnreadable", "HeartbeatWatcher", "StopFileChanged", "read_heartbeat"]
+__all__ = ["HeartbeatChanged", "HeartbeatUnreadable", "HeartbeatWatcher", "StopFileChanged", "StopFileWatcher",
+           "read_heartbeat"]
 
 
 @dataclass(frozen=True)
@@ -56,27 +57,42 @@ class _Handler(FileSystemEventHandler):
             self._post(hint)
 
 
-class HeartbeatWatcher:
-    """Watches `ranks/` under the run dir, and the stop file's directory when it exists, posting
-    HeartbeatChanged and StopFileChanged hints from the observer thread."""
+class _Watcher:
+    """A watchdog observer thread posting hints for writes to watched paths."""
 
-    def __init__(self, layout: RunLayout, nproc: int, post: Callable[[object], None], stop_file: Path) -> None:
-        for rank in range(nproc):
-            ensure_dir(layout.root, layout.rank_dir(rank))
+    def __init__(self) -> None:
         self._observer = Observer()
         self._observer.daemon = True
-        beats = {str(layout.heartbeat(rank)): HeartbeatChanged(rank) for rank in range(nproc)}
-        self._observer.schedule(_Handler(beats, post), str(layout.root / "ranks"), recursive=True)
-        if stop_file.parent.is_dir():  # elsewhere the main loop's once-a-second look is all there is
-            stop = {str(stop_file): StopFileChanged()}
-            self._observer.schedule(_Handler(stop, post), str(stop_file.parent), recursive=False)
 
     def start(self) -> None:
         self._observer.start()
 
     def stop(self) -> None:
-        self._observer.stop()
-        self._observer.join(timeout=5)
+        if self._observer.is_alive():
+            self._observer.stop()
+            self._observer.join(timeout=5)
+
+
+class HeartbeatWatcher(_Watcher):
+    """Watches `ranks/` under the run dir, posting HeartbeatChanged hints from the observer thread."""
+
+    def __init__(self, layout: RunLayout, nproc: int, post: Callable[[object], None]) -> None:
+        super().__init__()
+        for rank in range(nproc):
+            ensure_dir(layout.root, layout.rank_dir(rank))
+        beats = {str(layout.heartbeat(rank)): HeartbeatChanged(rank) for rank in range(nproc)}
+        self._observer.schedule(_Handler(beats, post), str(layout.root / "ranks"), recursive=True)
+
+
+class StopFileWatcher(_Watcher):
+    """Watches the stop file's directory when it exists (elsewhere the main loop's once-a-second look is all
+    there is), posting StopFileChanged hints."""
+
+    def __init__(self, stop_file: Path, post: Callable[[object], None]) -> None:
+        super().__init__()
+        if stop_file.parent.is_dir():
+            stop = {str(stop_file): StopFileChanged()}
+            self._observer.schedule(_Handler(stop, post), str(stop_file.parent), recursive=False)
 
 
 MAX_HEARTBEAT_BYTES = 4096  # a record is about 150 bytes

@@ -28,6 +28,7 @@ __all__ = [
     "EXIT_CONFIG",
     "EXIT_CRASH_LOOP",
     "EXIT_FAILED",
+    "EXIT_REQUEUE",
     "EXIT_SAVE_LOST",
     "STACK_DUMP_SIGNAL",
     "RunLayout",
@@ -66,6 +67,9 @@ EXIT_CRASH_LOOP = 70
 # Supervisor only (sysexits EX_IOERR): stopped on request, but a rank went down inside a checkpoint save, so the
 # newest checkpoint is older than the stop (a rerun resumes from it); never the 0 of a clean stop.
 EXIT_SAVE_LOST = 74
+# Supervisor only (sysexits EX_TEMPFAIL): requeue me, the job is fine. Stopped for Slurm's time-limit warning
+# (SIGUSR1) with the save done, or too few healthy nodes left in the allocation (the bad ones named).
+EXIT_REQUEUE = 75
 
 SNAPSHOT_DIR = "snapshot"  # checkpoint/snapshot/{0,1}/rank_R/...
 SNAPSHOT_SLOTS = (0, 1)
@@ -157,6 +161,11 @@ class RunLayout:
     @property
     def journal(self) -> Path:
         return self.root / "supervisor" / "events.jsonl"
+
+    @property
+    def node_ledger(self) -> Path:
+        """Multi-node runs: the nodes that failed this run, and when (a requeued job refuses the bad ones)."""
+        return self.root / "supervisor" / "nodes.json"
 
     @property
     def stop_order(self) -> Path:

@@ -634,3 +634,33 @@ def test_cli_missing_script_exits_78_and_launches_nothing(tmp_path):
     assert done.stderr == ("trainwarden: cannot launch: missing.py not found (relative paths are taken from the "
                            f"working directory {tmp_path})\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_multi_node_keys_set_the_world_size_and_the_slurm_section(tmp_path):
+    config = load_config(write(tmp_path, "script: t.py\nnodes: 3\nnproc_per_node: 4\nspare_nodes: 1\n"
+                                         "slurm: {node_timeout_s: 5, max_node_failures: 1, srun_args: [--gpus=8]}\n"))
+    assert (config.world_size, config.policy().nproc, config.spare_nodes) == (12, 12, 1)
+    assert (config.slurm.node_timeout_s, config.slurm.max_node_failures, config.slurm.srun_args) == (5, 1, ["--gpus=8"])
+    assert load_config(write(tmp_path, "script: t.py\n")).world_size == 1  # one node unless asked
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("nodes: 0", "'nodes' must be between 1 and 4096"),
+    ("spare_nodes: -1", "'spare_nodes' must be between 0 and 4096"),
+    ("slurm: {node_timeout_s: 1}", "'slurm.node_timeout_s' must be at least 2"),
+    ("slurm: {max_node_failures: 0}", "'slurm.max_node_failures' must be at least 1"),
+    ("slurm: {node_timout_s: 5}", "did you mean 'node_timeout_s'"),
+])
+def test_bad_multi_node_keys_are_refused_by_name(tmp_path, text, named):
+    assert named in refusal(tmp_path, f"script: t.py\n{text}\n")
+
+
+def test_a_multi_node_config_outside_slurm_is_refused_before_anything_starts(tmp_path):
+    (tmp_path / "t.py").write_text("")
+    config = write(tmp_path, f"script: {tmp_path / 't.py'}\nnodes: 2\nrun_dir: {tmp_path / 'run'}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    done = subprocess.run([sys.executable, "-m", "supervisor", "run", str(config)], capture_output=True, text=True,
+                          env=env, timeout=60, cwd=REPO)
+    assert done.returncode == 78
+    assert "nodes: 2 needs a Slurm allocation: run it inside sbatch or salloc" in done.stderr
+    assert not (tmp_path / "run").exists()

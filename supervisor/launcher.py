@@ -1,0 +1,257 @@
+"""How an attempt's ranks are started, signalled and watched, behind one small interface.
+
+The runner drives a Launcher and the decision core never learns which: `LocalLauncher` runs the ranks as
+children of the supervisor on this machine and reads their heartbeat files; `SlurmLauncher` (slurm.py) runs
+one node agent per node in a Slurm job step, which does the same on its node and reports over TCP.
+Everything a launcher learns reaches the main loop through `post` (the supervisor's inbox).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from supervisor.causes import oom_kill_count
+from supervisor.config import JobConfig
+from supervisor.core import ChildExited, Event, LaunchFailed, RankState, StacksCollected
+from supervisor.ranks import Attempt, Ranks, launch_ranks
+from supervisor.stacks import start_stack_collection
+from supervisor.trees import descendants, reap_orphans, record_pids, sigkill
+from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
+from worker.contract import RunLayout, StopOrder
+from worker.files import atomic_write_json, read_bytes, unlink_quietly
+
+__all__ = ["Launcher", "LocalLauncher", "Spawned", "publish_order"]
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """Every rank of `attempt` was started; `pids` in rank order (on another node, as that node sees them)."""
+
+    attempt: int
+    pids: tuple[int, ...]
+
+
+class Launcher(Protocol):
+    """Starts, signals and watches the ranks of one attempt at a time."""
+
+    def start(self) -> None:
+        """Begin watching (before the first launch)."""
+
+    def close(self) -> None:
+        """Kill whatever is left of the run, ranks included: nothing outlives the supervisor."""
+
+    def launch(self, attempt: Attempt) -> Spawned | LaunchFailed | None:
+        """Start every rank; the outcome now, or None when it will be posted."""
+
+    def signal(self, attempt: int, signum: int, ranks: Collection[int]) -> list[int]:
+        """Signal the process group of each of `ranks`; returns those reached."""
+
+    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...]) -> None:
+        """Collect the ranks' Python stacks; posts StacksCollected."""
+
+    def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
+        """SIGKILL what is left of an attempt whose ranks exited (their grandchildren)."""
+
+    def publish(self, order: StopOrder | None) -> None:
+        """Make the stop order visible to every rank (None: withdraw it)."""
+
+    def translate(self, item: object) -> list[Event | Spawned] | None:
+        """Core events (or Spawned) for one of this launcher's own inbox items; None when `item` is not one."""
+
+    def last_heartbeat(self, rank: int) -> list[Event]:
+        """The rank's newest heartbeat, read now (a failed rank's step, fresh)."""
+
+    def poll(self) -> list[Event]:
+        """Once a second: what the hints may have missed (heartbeats), and liveness."""
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer struck the ranks since the launch."""
+
+    def details(self) -> dict[str, Any]:
+        """Launcher-specific facts for the status file."""
+
+    @property
+    def launched(self) -> bool:
+        """Some attempt's ranks were started (systemd's watchdog waits for that)."""
+
+
+def publish_order(layout: RunLayout, order: StopOrder | None, log: Any) -> None:
+    """Write (or remove) the stop order file every rank polls."""
+    if order is None:
+        unlink_quietly(layout.stop_order)
+        return
+    try:
+        atomic_write_json(layout.stop_order, asdict(order), root=layout.root)
+    except OSError as exc:  # the ranks never hear of it: the stop timeout escalates
+        log.error("stop_order_write_failed", error=str(exc))
+
+
+@dataclass(frozen=True)
+class _LeftoversSurvived:
+    """Processes still alive `sigkill_wait_s` after SIGKILL (uninterruptible sleep)."""
+
+    attempt: int
+    processes: tuple[dict[str, Any], ...]
+
+
+class LocalLauncher:
+    """Ranks as child processes of the supervisor on this machine; heartbeats read from their files."""
+
+    def __init__(self, config: JobConfig, layout: RunLayout, post: Callable[[object], None], log: Any) -> None:
+        self._config = config
+        self._layout = layout
+        self._post = post
+        self._log = log
+        self._ranks: Ranks | None = None
+        self._watcher = HeartbeatWatcher(layout, config.nproc_per_node, post)
+        self._unreadable: set[int] = set()
+        self._recorded_pids: set[int] = set()
+        self._oom_kills_at_launch: int | None = None  # the cgroup's OOM-kill count when the attempt started
+
+    def start(self) -> None:
+        self._watcher.start()
+
+    def close(self) -> None:
+        if self._ranks is not None:
+            ranks = self._ranks
+            ranks.signal(signal.SIGKILL, only=lambda rank: ranks.procs[rank].poll() is None)
+        sigkill(descendants())
+        self._watcher.stop()
+
+    def launch(self, attempt: Attempt) -> Spawned | LaunchFailed:
+        def on_exit(number: int, rank: int, code: int) -> None:
+            self._post(ChildExited(number, rank, code))
+
+        try:
+            self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit)
+        except OSError as exc:
+            return LaunchFailed(attempt.number, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        self._oom_kills_at_launch = _oom_kills()
+        return Spawned(attempt.number, tuple(self._ranks.procs[rank].pid for rank in sorted(self._ranks.procs)))
+
+    @property
+    def launched(self) -> bool:
+        return self._ranks is not None
+
+    def signal(self, attempt: int, signum: int, ranks: Collection[int]) -> list[int]:
+        if self._ranks is None or self._ranks.attempt != attempt:
+            return []
+        return self._ranks.signal(signum, only=ranks.__contains__)
+
+    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...]) -> None:
+        if self._ranks is None or self._ranks.attempt != attempt:
+            self._post(StacksCollected(attempt, ()))
+            return
+        pids = {rank: self._ranks.procs[rank].pid for rank in ranks}
+        start_stack_collection(self._layout, attempt, pids, faulthandler_ranks, self._post)
+
+    def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
+        """SIGKILL every descendant that is not a rank leader; report (from a thread) any that survives."""
+        managed = self._ranks.pids if self._ranks else set()
+        for rank in survivors:  # survived SIGKILL
+            with contextlib.suppress(psutil.Error):
+                status = psutil.Process(rank.pid).status()
+                self._log.error("rank_unkillable", rank=rank.rank, pid=rank.pid, status=status)
+        hit = sigkill(p for p in descendants() if p.pid not in managed)
+        if hit:
+            self._log.warning("leftovers_killed", attempt=attempt, pids=[p.pid for p in hit])
+            threading.Thread(target=self._await_leftovers, args=(attempt, hit), daemon=True).start()
+
+    def _await_leftovers(self, attempt: int, procs: list[psutil.Process]) -> None:
+        _, alive = psutil.wait_procs(procs, timeout=self._config.stop.sigkill_wait_s)
+        survivors = []
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                survivors.append({"pid": proc.pid, "name": proc.name(), "status": proc.status()})
+        if survivors:
+            self._post(_LeftoversSurvived(attempt, tuple(survivors)))
+
+    def publish(self, order: StopOrder | None) -> None:
+        publish_order(self._layout, order, self._log)
+
+    def translate(self, item: object) -> list[Event] | None:
+        if isinstance(item, HeartbeatChanged):
+            return self._read_heartbeats([item.rank])
+        if isinstance(item, _LeftoversSurvived):
+            self._log.error("process_unkillable", attempt=item.attempt, processes=item.processes)
+            return []
+        return None
+
+    def last_heartbeat(self, rank: int) -> list[Event]:
+        return self._read_heartbeats([rank])
+
+    def poll(self) -> list[Event]:
+        self._track_processes()
+        return self._read_heartbeats(range(self._config.nproc_per_node))
+
+    def oom_killed(self) -> bool:
+        before, now = self._oom_kills_at_launch, _oom_kills()
+        return before is not None and now is not None and now > before
+
+    def details(self) -> dict[str, Any]:
+        return {}
+
+    def _track_processes(self) -> None:
+        """Record the run's processes for a successor, and reap adopted orphans."""
+        managed = self._ranks.pids if self._ranks else set()
+        reap_orphans(managed)
+        procs = descendants()
+        pids = {proc.pid for proc in procs}
+        if pids != self._recorded_pids:
+            self._recorded_pids = pids
+            try:
+                record_pids(self._layout, procs)
+            except OSError as exc:
+                self._log.error("pids_write_failed", error=str(exc))
+
+    def _read_heartbeats(self, ranks: Iterable[int]) -> list[Event]:
+        events: list[Event] = []
+        for rank in ranks:
+            try:
+                seen = read_heartbeat(self._layout.heartbeat(rank), rank)
+            except HeartbeatUnreadable as exc:
+                if rank not in self._unreadable:  # say it once per streak, not every second
+                    self._log.warning("heartbeat_unreadable", rank=rank, error=str(exc))
+                self._unreadable.add(rank)
+                continue
+            self._unreadable.discard(rank)
+            if seen is not None:
+                events.append(seen)
+        return events
+
+
+def _oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in our cgroup (the ranks are in it): cgroup v2's
+    memory.events or v1's memory.oom_control; None where neither can be read (then no kill is called OOM)."""
+    try:
+        entries = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for entry in entries:  # "ID:CONTROLLERS:PATH"; v2 is "0::PATH"
+        parts = entry.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, relative = parts[1], parts[2].lstrip("/")
+        if controllers == "":
+            candidates += [CGROUP_ROOT / base / relative / "memory.events" for base in ("", "unified")]
+        elif "memory" in controllers.split(","):
+            candidates.append(CGROUP_ROOT / "memory" / relative / "memory.oom_control")
+    for candidate in candidates:
+        try:
+            kills = oom_kill_count(read_bytes(candidate, 4096).decode("ascii", errors="replace"))
+        except OSError:
+            continue
+        if kills is not None:
+            return kills
+    return None
