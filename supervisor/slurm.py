@@ -38,6 +38,7 @@ from supervisor.ranks import Attempt, Placement, contract_env, rank_argv
 from supervisor.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, outside_collectives
 from supervisor.wire import Peer, WireError
 from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
+from worker.files import open_append
 
 __all__ = ["SlurmError", "SlurmLauncher", "allocation", "in_allocation"]
 
@@ -119,6 +120,7 @@ class SlurmLauncher:
         self._token = secrets.token_hex(16)
         self._server = socket.create_server(("0.0.0.0", 0), backlog=64)
         self._attempt: int | None = None
+        self._pending = Attempt(0)  # the attempt being placed
         self._nodes: dict[str, _Node] = {}
         self._srun: list[subprocess.Popen] = []
         self._hello_deadline: float | None = None
@@ -179,8 +181,8 @@ class SlurmLauncher:
         argv = self._srun_argv(attempt.number, nodes)
         env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": self._token}
         try:
-            log = os.open(self._layout.root / "supervisor" / f"srun_attempt_{attempt.number}.log",
-                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            log = open_append(self._layout.root / "supervisor" / f"srun_attempt_{attempt.number}.log",
+                              root=self._layout.root)  # the agents' stderr, labelled by srun
             try:
                 self._srun.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                                    start_new_session=True))
@@ -336,6 +338,9 @@ class SlurmLauncher:
         return [ChildExited(self._attempt or 0, rank, code, node=node.name)]
 
     def _forwarded_signal(self, signum: int) -> list[Event]:
+        """Slurm signalled the step: USR1 is the time-limit warning, anything else a stop (never a second
+        Ctrl-C, which would kill at once: the same signal may reach the supervisor itself too)."""
+        signum = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
         now = time.monotonic()
         if now - self._forwarded.get(signum, -SIGNAL_DEDUP_S) < SIGNAL_DEDUP_S:
             return []
@@ -351,6 +356,8 @@ class SlurmLauncher:
             self._failed_on = node.name
         self._log.error("node_lost", node=node.name, attempt=self._attempt, why=why, ranks=list(node.ranks))
         self._charge(node.name, f"lost: {why}", fatal=True)
+        if any(n.state == "starting" for n in self._nodes.values()):  # no rank runs yet: start over without it
+            return self._launch_again()
         cause = Cause(CauseKind.NODE_LOST, f"node {node.name} lost: {why}")
         events: list[Event] = []
         for rank in node.ranks:
@@ -361,6 +368,12 @@ class SlurmLauncher:
             node.stacks = {"paths": [], "stacks": {}, "last_steps": []}
             events += self._stacks_if_all_in()
         return events
+
+    def _launch_again(self) -> list[Event]:
+        """The attempt lost a node before its ranks started: the same attempt on the nodes left (each retry
+        excludes a node for good, so this ends: at worst with too few nodes)."""
+        failed = self.launch(self._pending)
+        return [] if failed is None else [failed]
 
     def _charge(self, node: str, reason: str, *, fatal: bool) -> None:
         self._ledger = self._ledger.charged(NodeFault(node, time.time(), reason, fatal))
@@ -444,10 +457,9 @@ class SlurmLauncher:
             self._hello_deadline = None
             missing = [n.name for n in self._nodes.values() if n.peer is None]
             for name in missing:
-                self._charge(name, "its agent never connected", fatal=False)
-            self._kill_steps()
-            events.append(LaunchFailed(self._attempt or 0, f"node agents on {', '.join(missing)} did not connect "
-                                                           f"within {HELLO_TIMEOUT_S:g} s"))
+                self._log.error("node_lost", node=name, attempt=self._attempt, why="its agent never connected")
+                self._charge(name, f"lost: its agent did not connect within {HELLO_TIMEOUT_S:g} s", fatal=True)
+            events += self._launch_again()
         if self._stacks_deadline is not None and now > self._stacks_deadline:
             events += self._stacks_if_all_in(timed_out=True)
         timeout = self._config.slurm.node_timeout_s
