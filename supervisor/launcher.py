@@ -9,6 +9,7 @@ Everything a launcher learns reaches the main loop through `post` (the superviso
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 from collections.abc import Callable, Collection, Iterable
@@ -72,7 +73,10 @@ class Launcher(Protocol):
         """The rank's newest heartbeat, read now (a failed rank's step, fresh)."""
 
     def poll(self) -> list[Event]:
-        """Once a second: what the hints may have missed (heartbeats), and liveness."""
+        """Once a second and at `next_deadline`: what the hints may have missed (heartbeats), and liveness."""
+
+    def next_deadline(self) -> float:
+        """When (monotonic) `poll` must run next at the latest to keep a deadline of the launcher's own."""
 
     def oom_killed(self) -> bool:
         """Whether the kernel's OOM killer struck the ranks since the launch."""
@@ -193,6 +197,9 @@ class LocalLauncher:
     def poll(self) -> list[Event]:
         self._track_processes()
         return self._read_heartbeats(range(self._config.nproc_per_node))
+
+    def next_deadline(self) -> float:
+        return math.inf  # heartbeat deadlines are the core's
 
     def oom_killed(self) -> bool:
         before, now = self._oom_kills_at_launch, _oom_kills()

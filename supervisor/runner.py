@@ -287,7 +287,7 @@ class Supervisor:
         now = time.monotonic()
         deadline = next_deadline(self.state)
         wake = self._next_poll if deadline is None else min(self._next_poll, deadline)
-        wake = min(wake, self._systemd.next_ping())
+        wake = min(wake, self._systemd.next_ping(), self._launcher.next_deadline())
         if now >= wake:
             return Tick()
         try:

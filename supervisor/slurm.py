@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import math
 import os
 import secrets
 import shutil
@@ -197,8 +198,14 @@ class SlurmLauncher:
     def _srun_argv(self, attempt: int, nodes: list[str]) -> list[str]:
         srun = shutil.which("srun") or "srun"
         fence_s = max(1.0, self._config.slurm.node_timeout_s / 2)  # fenced well before it is declared lost
+        # srun does not inherit the job's CPUs per task (Slurm 21.08+): the agent, parent of every rank of its
+        # node, asks for what the job got on this node, or Slurm would confine the node's ranks to one CPU.
+        cpus = os.environ.get("SLURM_CPUS_ON_NODE", "")
         return [srun, "--overlap", "--no-kill", "--kill-on-bad-exit=0", "--unbuffered", "--label",
-                f"--nodes={len(nodes)}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
+                *([f"--cpus-per-task={cpus}"] if cpus.isdigit() else []),
+                # --ntasks too: srun otherwise takes the job's SLURM_NTASKS (sbatch --ntasks-per-node=1 -N3: 3)
+                f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+                f"--nodelist={','.join(nodes)}",
                 f"--job-name=trainwarden-attempt-{attempt}", *self._config.slurm.srun_args,
                 sys.executable, "-m", "supervisor.agent", "--connect", self._advertised(),
                 "--run-dir", str(self._layout.root), "--attempt", str(attempt), "--fence-s", f"{fence_s:g}"]
@@ -472,6 +479,13 @@ class SlurmLauncher:
                 if node.peer is not None and node.state in ("starting", "running"):
                     node.peer.send({"type": "ping"})
         return events
+
+    def next_deadline(self) -> float:
+        """The moment the quietest node's agent has been silent for the node timeout: it is declared lost then,
+        not at the next once-a-second tick."""
+        timeout = self._config.slurm.node_timeout_s
+        heard = [n.heard for n in self._nodes.values() if n.peer is not None and n.state in ("starting", "running")]
+        return min(heard) + timeout + 0.01 if heard else math.inf
 
     def oom_killed(self) -> bool:
         return False  # another node's cgroup is not ours to read

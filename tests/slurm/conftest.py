@@ -1,0 +1,55 @@
+"""Fixtures for tests on the simulated Slurm cluster (tests/slurm/sim; helpers in cluster.py).
+
+    pytestmark = pytest.mark.slurm     # plain `pytest` deselects these; run: pytest -m slurm tests/slurm
+
+    def test_x(slurm, tmp_path):       # slurm is the cluster module
+        job = slurm.sbatch(["-N2"], script, cwd=tmp_path)
+
+`slurm` (session) skips the test when the cluster cannot run here (not root, no apt-get, ...),
+else makes sure a 3-node cluster is up and idle, and tears it down at the end only if it started
+it. After each test that used it, every job is cancelled and every node restored, healed, idle.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+from tests.slurm import cluster
+
+_ready: list[bool] = []  # the session fixture got a cluster up (else there is nothing to reset)
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[ModuleType]:
+    reason = cluster.available()
+    if reason:
+        pytest.skip(reason)
+    # one test session at a time on the cluster: another one's reset() would cancel our jobs
+    lock = cluster.lock_session(timeout=120)
+    try:
+        started = cluster.ensure_up(cluster.NODES)
+    except BaseException as e:
+        lock.close()
+        if isinstance(e, RuntimeError) and not shutil.which("slurmd"):  # apt-get install failed (offline?)
+            pytest.skip(f"slurm-wlm could not be installed: {str(e)[-500:]}")
+        raise
+    _ready.append(True)
+    try:
+        yield cluster
+    finally:
+        _ready.clear()
+        if started:
+            cluster.down()
+        lock.close()
+
+
+@pytest.fixture(autouse=True)
+def _slurm_reset(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used `slurm`: no job, crashed node or partition leaks into the next."""
+    yield
+    if _ready and "slurm" in request.fixturenames:
+        cluster.reset(cluster.NODES)

@@ -1,0 +1,281 @@
+"""Multi-node runs on the simulated Slurm cluster: the real supervisor in an sbatch job, node agents in srun
+steps on 2 of 3 nodes (each node its own network and pid namespace), the real 2x2-rank gloo demo.
+
+Every failure is real: a rank SIGKILLed on the second node, a rank hung across nodes, a node crashed (every
+process in it SIGKILLed, slurmd included), a node cut off the network, a node whose ranks keep dying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.checkpoint_files import assert_bitwise_equal, load_saved
+from tests.e2e.conftest import REPO, journal, write_config
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(400)]
+
+STEPS = 40
+NODE_TIMEOUT_S = 6.0
+JOB_TIMEOUT_S = 180.0
+TRAINWARDEN = Path(sys.executable).parent / "trainwarden"
+
+
+def submit(slurm: Any, tmp_path: Path, *, sbatch: tuple[str, ...] = ("-N3",), name: str = "job",
+           **overrides: Any) -> tuple[int, Path]:
+    """An sbatch job running the supervisor on a 2-node x 2-rank demo config (one spare of 3 nodes)."""
+    run_dir = tmp_path / "run"
+    config = {"nodes": 2, "nproc_per_node": 2, "spare_nodes": 1, "args": ["--steps", str(STEPS)],
+              "slurm": {"node_timeout_s": NODE_TIMEOUT_S}, **overrides}
+    job_yaml = write_config(tmp_path / f"{name}.yaml", **config)
+    script = tmp_path / f"{name}.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --no-kill\n#SBATCH --output={tmp_path}/{name}-%j.out\n"
+                      f"exec {sys.executable} -m supervisor run {job_yaml} --run-dir {run_dir}\n")
+    return slurm.sbatch(list(sbatch), script, cwd=REPO), run_dir
+
+
+def finished(slurm: Any, job: int, tmp_path: Path, name: str = "job") -> tuple[int, str]:
+    """(the job's exit code, its output) once it ended."""
+    _, code = slurm.wait_job(job, JOB_TIMEOUT_S)
+    return code, (tmp_path / f"{name}-{job}.out").read_text()
+
+
+def status(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "supervisor" / "state.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def wait_for_step(slurm: Any, run_dir: Path, step: int, attempt: int = 0) -> None:
+    """Until every rank of `attempt` reported `step` or later (the supervisor's status, once a second)."""
+    def reached() -> bool:
+        now = status(run_dir)
+        return now.get("attempt") == attempt and now.get("state") == "running" and all(
+            (rank.get("step") or 0) >= step for rank in now["ranks"])
+    slurm.wait_for(reached, 120, f"every rank of attempt {attempt} at step {step}")
+
+
+def events(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in journal(run_dir) if e["event"] == name]
+
+
+def final_states(run_dir: Path) -> list[dict[str, Any]]:
+    return [load_saved(run_dir / "checkpoint" / f"rank_{r}" / f"demo_rank_{r}-{STEPS}.ckpt") for r in range(4)]
+
+
+def assert_same_training_state(run_dir: Path, reference: list[dict[str, Any]]) -> None:
+    for rank, (got, want) in enumerate(zip(final_states(run_dir), reference, strict=True)):
+        for part in ("model", "optimizer", "scheduler", "rng", "data_position"):
+            assert_bitwise_equal(got[part], want[part], f"rank {rank} {part}")
+
+
+def rank_pids(slurm: Any, node: str, attempt: int) -> dict[int, int]:
+    """Host pids of the rank processes of `attempt` running in `node` (found through their environment)."""
+    found = {}
+    for pid in slurm.netns_pids(node):
+        try:
+            items = Path(f"/proc/{pid}/environ").read_text().split("\0")
+        except OSError:
+            continue
+        env = dict(item.split("=", 1) for item in items if "=" in item)
+        if env.get("TRAINWARDEN_ATTEMPT") == str(attempt) and "RANK" in env and "demo_train" in _cmdline(pid):
+            found[int(env["RANK"])] = pid
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def journal_time(event: dict[str, Any]) -> float:
+    from datetime import datetime
+    return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
+
+
+@pytest.fixture(scope="module")
+def reference(slurm: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """An uninterrupted 2x2 run on the cluster: the state every interrupted run must end in, bitwise."""
+    tmp = tmp_path_factory.mktemp("reference")
+    job, run_dir = submit(slurm, tmp)
+    code, out = finished(slurm, job, tmp)
+    assert code == 0, out[-3000:]
+    assert status(run_dir)["restarts"] == 0
+    return final_states(run_dir)
+
+
+def test_a_rank_crash_on_the_second_node_relaunches_every_node_and_resumes_bitwise(slurm, tmp_path, reference):
+    job, run_dir = submit(slurm, tmp_path, env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "3:sigkill@15"})
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    crash, = events(run_dir, "rank_crashed")
+    assert (crash["rank"], crash["node"], crash["returncode"]) == (3, "twnode2", -signal.SIGKILL)
+    placed = [e["nodes"] for e in events(run_dir, "ranks_placed")]
+    assert placed == [{"twnode1": [0, 1], "twnode2": [2, 3]}] * 2  # one failure is no reason to drop a node
+    assert status(run_dir)["resumed_from"]["step"] == 10
+    assert_same_training_state(run_dir, reference)
+
+
+def test_a_hang_across_nodes_dumps_stacks_of_every_rank_on_every_node_before_the_kill(slurm, tmp_path, reference):
+    job, run_dir = submit(slurm, tmp_path, env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "2:hang@15"},
+                          hang={"phase_timeouts_s": {"train": 8}, "calibration": {"enabled": False}})
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    hang, = events(run_dir, "hang_detected")
+    collected, = events(run_dir, "stacks_collected")
+    assert collected["culprit"] == 2  # the one rank outside the collective, on the second node
+    for rank in range(4):
+        dump = run_dir / "ranks" / f"rank_{rank}" / "stacks_attempt_0.txt"
+        assert str(dump) in collected["paths"] and "File" in dump.read_text()
+    assert journal_time(collected) < journal_time(events(run_dir, "ranks_signalled")[0])  # stacks, then kill
+    assert_same_training_state(run_dir, reference)
+
+
+def test_a_crashed_node_is_declared_at_once_and_the_spare_takes_its_place(slurm, tmp_path, reference):
+    job, run_dir = submit(slurm, tmp_path)
+    wait_for_step(slurm, run_dir, 12)
+    crashed_at = time.time()
+    slurm.crash_node("twnode2")
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    lost, = events(run_dir, "node_lost")
+    assert lost["node"] == "twnode2" and journal_time(lost) - crashed_at < 2.0  # its agent's stream broke
+    placed = [e["nodes"] for e in events(run_dir, "ranks_placed")]
+    assert placed[-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
+    nodes = {n["node"]: n for n in status(run_dir)["nodes"]}
+    assert nodes["twnode2"]["state"] == "excluded" and "lost" in nodes["twnode2"]["why"]
+    assert status(run_dir)["failures"][-1]["node"] == "twnode2"
+    assert_same_training_state(run_dir, reference)
+
+
+def test_a_partitioned_node_is_declared_within_the_node_timeout_and_fenced_off(slurm, tmp_path, reference):
+    job, run_dir = submit(slurm, tmp_path)
+    wait_for_step(slurm, run_dir, 12)
+    old_ranks = rank_pids(slurm, "twnode2", attempt=0)
+    assert sorted(old_ranks) == [2, 3]
+    cut_at = time.time()
+    slurm.partition("twnode2")
+    slurm.wait_for(lambda: events(run_dir, "node_lost"), NODE_TIMEOUT_S + 5, "twnode2 declared lost")
+    lost, = events(run_dir, "node_lost")
+    assert lost["node"] == "twnode2" and NODE_TIMEOUT_S - 1 < journal_time(lost) - cut_at < NODE_TIMEOUT_S + 1
+    # Cut off, its agent heard no ping for half the node timeout and killed its ranks: no split job.
+    assert not rank_pids(slurm, "twnode2", attempt=0)
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    assert [e["nodes"] for e in events(run_dir, "ranks_placed")][-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
+    assert_same_training_state(run_dir, reference)
+
+
+def test_a_node_whose_ranks_keep_dying_is_excluded_and_replaced_by_the_spare(slurm, tmp_path):
+    job, run_dir = submit(slurm, tmp_path)
+    for attempt in (0, 1):
+        wait_for_step(slurm, run_dir, 5 + 8 * attempt, attempt=attempt)
+        os.kill(rank_pids(slurm, "twnode2", attempt)[3], signal.SIGSEGV)
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    placed = [e["nodes"] for e in events(run_dir, "ranks_placed")]
+    assert [sorted(p) for p in placed] == [["twnode1", "twnode2"]] * 2 + [["twnode1", "twnode3"]]
+    excluded, = events(run_dir, "node_excluded")
+    assert excluded["node"] == "twnode2" and "failed 2 times" in excluded["why"] and "SIGSEGV" in excluded["why"]
+
+
+def test_too_few_healthy_nodes_exit_75_naming_the_node_and_a_resubmission_without_it_resumes(slurm, tmp_path):
+    job, run_dir = submit(slurm, tmp_path, sbatch=("-N2",), spare_nodes=0)
+    wait_for_step(slurm, run_dir, 12)
+    slurm.crash_node("twnode2")
+    code, out = finished(slurm, job, tmp_path)
+    assert code == 75, out[-3000:]
+    assert "--exclude=twnode2" in out and "run failed: not launched: needs 2 nodes, 1 usable left" in out
+    listed = subprocess.run([TRAINWARDEN, "status", "--excluded-nodes", run_dir], capture_output=True, text=True,
+                            timeout=30, check=True).stdout
+    assert listed == "twnode2\n"
+
+    slurm.restore_node("twnode2")  # back in service, but this run's ledger remembers it
+    again, _ = submit(slurm, tmp_path, sbatch=("-N2", "-w", "twnode1,twnode2"), name="again", spare_nodes=0)
+    code, out = finished(slurm, again, tmp_path, "again")
+    assert code == 75 and "twnode2 (lost" in out, out[-3000:]
+    assert len(events(run_dir, "ranks_placed")) == 1  # refused before anything was launched
+
+    elsewhere, _ = submit(slurm, tmp_path, sbatch=("-N2", f"--exclude={listed.strip()}"), name="elsewhere",
+                          spare_nodes=0)
+    code, out = finished(slurm, elsewhere, tmp_path, "elsewhere")
+    assert code == 0, out[-3000:]
+    assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode1": [0, 1], "twnode3": [2, 3]}
+    assert status(run_dir)["resumed_from"]["step"] >= 10
+
+
+def test_trainwarden_stop_saves_one_agreed_step_on_every_node_and_status_shows_the_nodes(slurm, tmp_path):
+    job, run_dir = submit(slurm, tmp_path, args=["--steps", "400"])
+    wait_for_step(slurm, run_dir, 8)
+    shown = subprocess.run([TRAINWARDEN, "status", run_dir], capture_output=True, text=True, timeout=30,
+                           check=True).stdout
+    assert "node twnode1: running, ranks 0-1" in shown and "node twnode2: running, ranks 2-3" in shown
+    assert "node twnode3: spare" in shown and f"slurm job {job}" in shown
+    subprocess.run([TRAINWARDEN, "stop", run_dir], capture_output=True, timeout=30, check=True)
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    stopped, = events(run_dir, "run_stopped")
+    step = stopped["step"]
+    for rank in range(4):
+        assert (run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{step}.ckpt").is_file()
+
+
+@pytest.mark.parametrize(("scancel", "exit_code"), [
+    (["--signal=TERM"], 0),  # to every process of the steps: the agents pass it on, ranks save and exit
+    (["--batch", "--signal=TERM"], 0),  # to the batch script, which is the supervisor
+    (["--batch", "--signal=USR1"], 75),  # the time-limit warning form (--signal=B:USR1@N): save, then requeue me
+])
+def test_slurm_signals_stop_every_node_at_one_saved_step(slurm, tmp_path, scancel, exit_code):
+    job, run_dir = submit(slurm, tmp_path, args=["--steps", "400"])
+    wait_for_step(slurm, run_dir, 8)
+    subprocess.run(["scancel", *scancel, str(job)], check=True, timeout=30)
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == exit_code, out[-3000:]
+    stopped, = events(run_dir, "run_stopped")
+    step = stopped["step"]
+    for rank in range(4):
+        assert (run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{step}.ckpt").is_file()
+    assert not events(run_dir, "rank_crashed")
+
+
+def test_the_readme_demo_sbatch_stops_on_the_time_limit_warning_and_resubmits_itself(slurm, tmp_path):
+    """`sbatch -N3 examples/slurm/demo.sbatch` from a checkout, as the README says: the USR1 warning saves at
+    an agreed step, the supervisor exits 75 and the script chains a new job on the same run dir."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    env_path = f"{TRAINWARDEN.parent}:{os.environ['PATH']}"  # `trainwarden` on PATH, as the README assumes
+    job = int(subprocess.run(["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"], cwd=tmp_path,
+                             env={**os.environ, "PATH": env_path}, capture_output=True, text=True, timeout=30,
+                             check=True).stdout.split(";")[0])
+    run_dir = tmp_path / "runs" / "slurm-demo"
+    wait_for_step(slurm, run_dir, 5)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", str(job)], check=True, timeout=30)
+    code, out = slurm.wait_job(job, JOB_TIMEOUT_S), (tmp_path / f"slurm-demo-{job}.out").read_text()
+
+    assert code == ("FAILED", 75), out[-3000:]
+    stopped, = events(run_dir, "run_stopped")
+    assert stopped["source"] == "SIGUSR1"
+    chained = slurm.wait_for(lambda: [j for j in queued_jobs() if j != job], 30, "the resubmitted job")
+    assert slurm.job_info(chained[0])["JobName"] == "trainwarden-demo"  # it resumes runs/slurm-demo; reset ends it
+
+
+def queued_jobs() -> list[int]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30, check=True).stdout
+    return [int(job) for job in out.split()]
