@@ -97,8 +97,7 @@ def main() -> None:
         sys.modules["numpy"].random.seed(args.seed + rank)
 
     warden = Warden(ddp, optimizer, scheduler, global_batch_size=args.batch_size * dist.get_world_size())
-    start = warden.resume()
-    while warden.step < args.steps:
+    for _ in warden.steps(args.steps):  # resumes first; ends after args.steps steps, or early on a stop order
         x, y = batch_for(data, index=warden.batches, rank=rank, seed=args.seed, batch=args.batch_size,
                          block=args.block)
         loss = nn.functional.cross_entropy(ddp(x).view(-1, len(vocab)), y.view(-1))
@@ -107,20 +106,15 @@ def main() -> None:
         if warden.guard_step(loss.item(), max_norm=1.0):  # clips; False: skip this batch on every rank
             optimizer.step()
             scheduler.step()
-        before = warden.step
-        warden.step_done(loss=loss.item(), lr=scheduler.get_last_lr()[0])
-        if args.eval_every and warden.step != before and warden.step % args.eval_every == 0:
+        applied = warden.step_done(loss=loss.item(), lr=scheduler.get_last_lr()[0])
+        if applied and args.eval_every and warden.step % args.eval_every == 0:
             with warden.phase("eval"):  # its own, longer hang timeout
                 eval_loss = evaluate(model, data, vocab=len(vocab), seed=args.seed, block=args.block)
             warden.log.info("eval", step=warden.step, eval_loss=eval_loss)
             if rank == 0:
                 print(f"step {warden.step}/{args.steps} loss {loss.item():.4f} eval {eval_loss:.4f}", flush=True)
-    every = warden.config.save_checkpoint_steps
-    if warden.step != start and every and args.steps % every:
-        warden.save(args.steps)  # always leave the final state on disk
-    warden.finish()
+    warden.finish()  # saves the final state unless it is saved already
     dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

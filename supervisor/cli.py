@@ -1,4 +1,5 @@
-"""The `trainwarden` command: `run` a job under supervision, `status` of a run dir, `stop` it gracefully."""
+"""The `trainwarden` command: `run` a job under supervision, `status` of a run dir, `stop` it gracefully,
+`export` a checkpoint's model weights."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from supervisor.runner import LauncherFactory, RunDirBusy, Supervisor, lock_run_
 from supervisor.slurm import SlurmError, SlurmLauncher, allocation, in_allocation
 from supervisor.status import StatusError, read_status, render
 from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
+from worker.export import ExportError, export_weights
 from worker.files import atomic_write_bytes
 
 __all__ = ["main"]
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job config under supervision, in the foreground")
     run.add_argument("config", help="job config (YAML)")
     run.add_argument("--run-dir", help="run directory (overrides the config's run_dir)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="set a config key before validation (repeatable): KEY a dotted path, VALUE YAML, "
+                          "e.g. --set worker.save_checkpoint_steps=100")
     run.add_argument("--ignore-stop-file", action="store_true",
                      help="launch although the stop file is present (its current content is not acted on)")
     run.set_defaults(func=_run)
@@ -57,12 +62,20 @@ def _parser() -> argparse.ArgumentParser:
     stop.add_argument("--continue", dest="keep_going", action="store_true",
                       help="keep training after the checkpoint (needs --at-step)")
     stop.set_defaults(func=_stop)
+    export = sub.add_parser("export", help="write a checkpoint's model weights as a plain state_dict file")
+    export.add_argument("run_dir", help="the run directory")
+    export.add_argument("-o", "--output", required=True, metavar="PATH",
+                        help="the file to write (replaced atomically; a symlink there is replaced, not followed)")
+    export.add_argument("--step", type=int, metavar="N",
+                        help="the checkpoint of step N (default: the newest usable one, as a resume would pick)")
+    export.add_argument("--prefix", help="the checkpoint file prefix (default: the only one in the run dir)")
+    export.set_defaults(func=_export)
     return parser
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"trainwarden: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -174,6 +187,19 @@ def _stop(args: argparse.Namespace) -> int:
     when = "at the next step every rank can agree on" if args.at_step is None else f"at step {args.at_step}"
     then = "continue" if args.keep_going else "exit"
     print(f"wrote {content or '(empty)'} to {path}: the run saves a checkpoint {when}, then {then}s")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        exported = export_weights(args.run_dir, args.output, step=args.step, prefix=args.prefix)
+    except ExportError as exc:
+        print(f"trainwarden: {exc}", file=sys.stderr)
+        return exc.exit_code
+    for step, why in exported.passed_over:
+        print(f"trainwarden: passed over step {step}: {why}", file=sys.stderr)
+    where = "" if exported.source == "checkpoint" else f"{exported.source}, "
+    print(f"exported step {exported.step} of {args.run_dir} ({where}{exported.tensors} tensors) to {args.output}")
     return 0
 
 

@@ -1,5 +1,8 @@
 """Job config: load a YAML file into frozen dataclasses, refusing unknown keys and wrong types by name.
 
+`--set KEY=VALUE` overrides are set into the parsed document before validation, so they are checked exactly like
+the file; an error they cause names them instead of the file.
+
 Loading is total: whatever the file holds (a FIFO, binary junk, an alias bomb, NaN, 10^400, a NUL
 byte), the result is a JobConfig whose numbers are finite and bounded, or a one-line ConfigError.
 """
@@ -13,7 +16,7 @@ import os
 import shutil
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ __all__ = [
     "RestartConfig",
     "SlurmConfig",
     "StopConfig",
+    "apply_overrides",
     "check_launchable",
     "load_config",
     "parse_config",
@@ -180,6 +184,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.resume_training": (lambda v: isinstance(v, bool) or _step_of(v) is not None,
                                "true, false, or a checkpoint name such as demo_rank_0-40.ckpt or 40"),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
+    "worker.save_checkpoint_interval_s": (lambda v: v >= 0, "0 or more"),
     "worker.snapshot_steps": (lambda v: v >= 0, "0 or more"),
     "worker.load_checkpoint": (lambda v: Path(v).is_dir(), "an existing directory (another run's checkpoint/ folder)"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
@@ -193,8 +198,9 @@ def _step_of(name: str) -> int | None:
     return step if step is not None and step <= MAX_NUMBER else None
 
 
-def load_config(path: str | Path) -> JobConfig:
-    """Read and validate a job config file; raises ConfigError naming the file and the key."""
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read and validate a job config file, with `--set KEY=VALUE` overrides applied to it first; raises
+    ConfigError naming the file (or the override) and the key."""
     path = Path(path)
     try:
         data = read_bytes(path, MAX_CONFIG_BYTES, follow_symlinks=True)  # a symlinked config is fine, a FIFO not
@@ -204,7 +210,47 @@ def load_config(path: str | Path) -> JobConfig:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    return parse_config(_parse_yaml(text, str(path)), source=str(path))
+    return parse_config(_parse_yaml(text, str(path)), source=str(path), overrides=overrides)
+
+
+def apply_overrides(raw: Any, overrides: Sequence[str]) -> Any:
+    """The parsed document with each `KEY=VALUE` set in turn (KEY a dotted path, VALUE a YAML value), missing
+    sections created; the input is not changed. ConfigError naming the override for a malformed one."""
+    if not overrides or not (raw is None or isinstance(raw, dict)):
+        return raw  # a document that is no mapping: parse_config says so, naming the file
+    document = {} if raw is None else raw
+    for text in overrides:
+        parts, value = _parse_override(text)
+        document = _set_path(document, parts, value, text, above=())
+    return document
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    """KEY=VALUE as (the key's parts, the value parsed as YAML: `100`, `true`, `[a, b]`, `{x: 1}`, `null`)."""
+    key, equals, value = text.partition("=")
+    if not equals:
+        raise ConfigError(f"--set {_brief(text)}: not KEY=VALUE (e.g. --set worker.save_checkpoint_steps=100)")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {_brief(text)}: KEY must be a dotted path of names (e.g. restart.max_restarts)")
+    if len(parts) > MAX_DEPTH:
+        raise ConfigError(f"--set {_brief(text)}: KEY is nested more than {MAX_DEPTH} levels deep")
+    return parts, _parse_yaml(value, f"--set {_brief(text)}")
+
+
+def _set_path(node: dict[str, Any], parts: list[str], value: Any, text: str, above: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of `node` (at path `above`) with `value` at `parts`; an absent or empty section on the way is created."""
+    head, *rest = parts
+    copy = dict(node)
+    if not rest:
+        copy[head] = value
+        return copy
+    child = node.get(head)
+    if child is not None and not isinstance(child, dict):
+        where = ".".join(map(_key, (*above, head)))
+        raise ConfigError(f"--set {_brief(text)}: '{where}' is {_kind(child)} in the config, not a section")
+    copy[head] = _set_path(child or {}, rest, value, text, (*above, head))
+    return copy
 
 
 def _parse_yaml(text: str, source: str) -> Any:
@@ -282,21 +328,39 @@ def _one_line(exc: yaml.YAMLError) -> str:
     return _brief(" ".join(str(exc).split()))
 
 
-def parse_config(raw: Any, *, source: str = "<config>") -> JobConfig:
-    """Validate an already-parsed YAML document into a JobConfig."""
+def parse_config(raw: Any, *, source: str = "<config>", overrides: Sequence[str] = ()) -> JobConfig:
+    """Validate an already-parsed YAML document, with `KEY=VALUE` overrides applied first, into a JobConfig.
+
+    An error about a key an override set (or a section holding it, or a mapping it set part of) names the
+    override (`--set KEY=VALUE: ...`) instead of `source`.
+    """
+    raw = apply_overrides(raw, overrides)
     if raw is None:
         raw = {}
-    config = _build(JobConfig, raw, source, prefix="")
+    blame = {text.partition("=")[0].strip(): f"--set {_brief(text)}" for text in overrides}
+    config = _build(JobConfig, raw, source, prefix="", blame=blame)
     if (config.script is None) == (config.command is None):
-        raise ConfigError(f"{source}: give exactly one of 'script' (a Python file) or 'command' (a list)")
+        raise ConfigError(f"{_blamed(('script', 'command'), blame, source)}: give exactly one of 'script' "
+                          f"(a Python file) or 'command' (a list)")
     if config.command is not None and not config.command:
-        raise ConfigError(f"{source}: 'command' must not be empty")
+        raise ConfigError(f"{_blamed(('command',), blame, source)}: 'command' must not be empty")
     adaptive = config.worker.adaptive_spike
     if adaptive.enabled and adaptive.window < adaptive.min_samples:  # the rule could never fire
-        raise ConfigError(f"{source}: 'worker.adaptive_spike.window' ({adaptive.window}) must be at least "
-                          f"'worker.adaptive_spike.min_samples' ({adaptive.min_samples})")
-    _check_feature_value_pairs(config.worker.feature_value_check, source)
+        keys = [f"worker.adaptive_spike.{key}" for key in ("enabled", "window", "min_samples")]
+        raise ConfigError(f"{_blamed(keys, blame, source)}: 'worker.adaptive_spike.window' ({adaptive.window}) "
+                          f"must be at least 'worker.adaptive_spike.min_samples' ({adaptive.min_samples})")
+    _check_feature_value_pairs(config.worker.feature_value_check, source, blame)
     return config
+
+
+def _blamed(names: Iterable[str], blame: Mapping[str, str], source: str, *, whole: bool = True) -> str:
+    """Who to name for an error about `names`: the last override that set one of them or a section holding it
+    (or, for a `whole` value such as a mapping, part of it); else `source`, the file."""
+    def touches(key: str, name: str) -> bool:
+        return key == name or name.startswith(f"{key}.") or (whole and key.startswith(f"{name}."))
+
+    hits = [text for key, text in blame.items() if any(touches(key, name) for name in names)]
+    return hits[-1] if hits else source
 
 
 def check_launchable(config: JobConfig, cwd: Path | None = None) -> JobConfig:
@@ -335,16 +399,17 @@ def _check_file(path: Path, given: str, cwd: Path, *, executable: bool) -> None:
         raise ConfigError(f"{given} is not {'executable' if executable else 'readable'}{note}")
 
 
-def _check_feature_value_pairs(check: Any, source: str) -> None:
+def _check_feature_value_pairs(check: Any, source: str, blame: Mapping[str, str]) -> None:
     """Seed 002's threshold pairs: the L1 (fault) threshold must lie above the L2 (warning) one."""
     for pair in ("upper_thresh", "sigma_thresh"):
         first, second = getattr(check, f"{pair}1"), getattr(check, f"{pair}2")
         if first <= second:
-            raise ConfigError(f"{source}: 'worker.feature_value_check.{pair}1' ({first:g}) must be greater than "
-                              f"'worker.feature_value_check.{pair}2' ({second:g})")
+            keys = [f"worker.feature_value_check.{pair}{level}" for level in (1, 2)]
+            raise ConfigError(f"{_blamed(keys, blame, source)}: '{keys[0]}' ({first:g}) must be greater than "
+                              f"'{keys[1]}' ({second:g})")
 
 
-def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
+def _build(cls: type, raw: Any, source: str, prefix: str, blame: Mapping[str, str]) -> Any:
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {where} must be a mapping of keys to values, got {_kind(raw)}")
@@ -353,12 +418,14 @@ def _build(cls: type, raw: Any, source: str, prefix: str) -> Any:
     values = {}
     for key, value in raw.items():
         name = f"{prefix}{_key(key)}"
+        section = key in known and dataclasses.is_dataclass(hints[key])  # its keys are judged one by one
+        who = _blamed((name,), blame, source, whole=not section)
         if key not in known:
-            raise ConfigError(f"{source}: unknown key '{name}'{_suggest(_key(key), known)}")
-        values[key] = _check(hints[key], value, source, name)
+            raise ConfigError(f"{who}: unknown key '{name}'{_suggest(_key(key), known)}")
+        values[key] = _check(hints[key], value, who, name, blame)
         bound = _BOUNDS.get(name)
         if bound and values[key] is not None and not _satisfies(bound[0], values[key]):
-            raise ConfigError(f"{source}: '{name}' must be {bound[1]}, got {_brief(repr(value))}")
+            raise ConfigError(f"{who}: '{name}' must be {bound[1]}, got {_brief(repr(value))}")
     return cls(**values)
 
 
@@ -369,7 +436,7 @@ def _satisfies(predicate: typing.Callable[[Any], bool], value: Any) -> bool:
         return False
 
 
-def _check(hint: Any, value: Any, source: str, name: str) -> Any:
+def _check(hint: Any, value: Any, source: str, name: str, blame: Mapping[str, str]) -> Any:
     origin, params = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in params:
@@ -377,12 +444,12 @@ def _check(hint: Any, value: Any, source: str, name: str) -> Any:
         options = [p for p in params if p is not type(None)]
         for inner in options[:-1]:  # `bool | str`: the first type that fits wins
             try:
-                return _check(inner, value, source, name)
+                return _check(inner, value, source, name, blame)
             except ConfigError:
                 continue
-        return _check(options[-1], value, source, name)
+        return _check(options[-1], value, source, name, blame)
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, source, prefix=f"{name}.")
+        return _build(hint, value, source, prefix=f"{name}.", blame=blame)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{source}: '{name}' must be a list of strings, got {_kind(value)}")

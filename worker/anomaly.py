@@ -30,7 +30,7 @@ class MonitorConfig:
 class AdaptiveConfig:
     """Flag steps far above their own recent history instead of (or besides) a fixed threshold."""
 
-    enabled: bool = False
+    enabled: bool = True  # model-independent, unlike a fixed threshold; its history is saved with each checkpoint
     sigmas: float = 6.0
     window: int = 128
     min_samples: int = 64
@@ -86,6 +86,16 @@ class AnomalyDetector:
             history.append(value)
             while len(history) > self.adaptive.window:
                 history.popleft()
+
+
+    def state_dict(self) -> dict[str, list[float]]:
+        """The normal steps' history, for a checkpoint: a resumed run judges its first steps as it would have."""
+        return {"norms": list(self._norms), "losses": list(self._losses)}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        """Put back `state_dict`'s history (the newest `window` values, should the window have shrunk)."""
+        self._norms = deque(float(v) for v in state["norms"][-self.adaptive.window:])
+        self._losses = deque(float(v) for v in state["losses"][-self.adaptive.window:])
 
 
 def _spike(history: deque[float], value: float, cfg: AdaptiveConfig) -> bool:

@@ -83,7 +83,10 @@ _STEP = re.compile(r"\d{1,18}", re.ASCII)
 class WorkerConfig:
     """The `worker:` section of a job config; the supervisor hands it to every rank as JSON."""
 
-    save_checkpoint_steps: int = 0  # seed 001; 0 means never save
+    save_checkpoint_steps: int = 0  # seed 001; 0: save by time instead (save_checkpoint_interval_s)
+    # Without a step count, every rank saves at the first step at least this long after the last save (all ranks
+    # agree on the step); 0 here and 0 steps: no checkpoints at all, which the rank says loudly at start
+    save_checkpoint_interval_s: float = 600.0
     prefix: str = "ckpt"  # seed 001's checkpoint file prefix
     keep_checkpoint_max: int = 0  # seed 001; the supervisor deletes older complete checkpoints; 0 keeps all
     snapshot_steps: int = 0  # seed 004's oss_snapshot_freq: also save into two alternating snapshot slots; 0: off

@@ -5,7 +5,8 @@ rank's local verdict is combined with one tiny all-reduce (MAX) before anyone ac
 feature-value faults abort (seed 002, levels 2 and 3), the same all-reduce carries one flag per rank,
 so every rank learns which ranks saw a fault. It also carries the id of the stop order each rank holds
 (as -id and id, so MAX yields the lowest and the highest), so every rank knows, at the same step,
-whether all of them hold the same order.
+whether all of them hold the same order. Two more flags ride along: a time-based checkpoint is due (any rank's
+clock says so, every rank saves) and a GradScaler overflow (the scaler skips the step; not an anomaly).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.anomaly import AnomalyDetector
+from worker.anomaly import Verdict as LocalVerdict
 from worker.contract import EXIT_ANOMALY, WorkerConfig
 from worker.exits import leave
 from worker.faults import FaultPlan
@@ -31,6 +33,18 @@ class Verdict:
     grad_norm: float
     suspects: tuple[int, ...] = ()  # ranks that saw a feature-value fault: the caller aborts
     orders: tuple[int, int] = (0, 0)  # the lowest and highest stop-order id any rank holds (0: none)
+    save_due: bool = False  # some rank's clock says a time-based checkpoint is due
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """The job-wide view of one step's local flags."""
+
+    anomaly: bool
+    overflow: bool
+    save_due: bool
+    suspects: tuple[int, ...]
+    orders: tuple[int, int]
 
 
 class StepGuard:
@@ -46,23 +60,29 @@ class StepGuard:
 
     def check(
         self, params: Iterable[Any], loss: float, *, step: int, batch: int, max_norm: float,
-        feature_fault: bool | None = None, order_id: int = 0,
+        feature_fault: bool | None = None, order_id: int = 0, save_due: bool = False, amp_scaling: bool = False,
     ) -> Verdict:
         """Clip the gradients and decide, together with every rank.
 
         `feature_fault` is this rank's (None: faults do not abort, nothing to agree on); `order_id` the stop
-        order it holds. With suspect ranks the caller aborts, so nothing is recorded. Exits with
-        EXIT_ANOMALY on a streak of skips.
+        order it holds; `save_due` whether its clock says a checkpoint is due; `amp_scaling` whether an enabled
+        GradScaler scaled the loss (then inf/NaN gradients with a finite loss are its overflow, not an anomaly).
+        With suspect ranks the caller aborts, so nothing is recorded. Exits with EXIT_ANOMALY on a streak of skips.
         """
         import torch
 
         grads = [p for p in params if p.grad is not None]
         self._inject(grads, step)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
-        verdict = self.detector.judge(loss, grad_norm)
-        skip, suspects, orders = self._agree(verdict.anomalous, grads, feature_fault, order_id)
-        if suspects:
-            return Verdict(False, grad_norm, suspects, orders)
+        overflow = amp_scaling and not math.isfinite(grad_norm) and math.isfinite(loss)
+        verdict = LocalVerdict() if overflow else self.detector.judge(loss, grad_norm)
+        agreed = self._agree(verdict.anomalous, overflow, save_due, grads, feature_fault, order_id)
+        if agreed.suspects:
+            return Verdict(False, grad_norm, agreed.suspects, agreed.orders)
+        skip = agreed.anomaly
+        if agreed.overflow and not skip:  # the scaler lowers its scale and skips the step itself
+            self._log.info("amp_overflow", step=step, batch=batch, global_norm=_json_number(grad_norm))
+            return Verdict(False, grad_norm, (), agreed.orders, agreed.save_due)
         self.detector.record(step, skipped=skip, loss=loss, grad_norm=grad_norm)
         if skip:
             self._log.warning("step_skipped", opt_global_step=step - 1, step=step, batch=batch,
@@ -72,7 +92,7 @@ class StepGuard:
                               local=verdict.anomalous)
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
-        return Verdict(not skip, grad_norm, (), orders)
+        return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due)
 
     def _inject(self, grads: list[Any], step: int) -> None:
         kind = self._faults.gradient_fault(step)
@@ -82,23 +102,23 @@ class StepGuard:
         elif kind == "nan" and grads:
             grads[0].grad.view(-1)[0] = float("nan")
 
-    def _agree(self, local: bool, grads: list[Any], feature_fault: bool | None,
-               order_id: int) -> tuple[bool, tuple[int, ...], tuple[int, int]]:
-        """(any rank saw an anomaly, ranks that saw a feature-value fault, (lowest, highest) stop-order id held):
-        one all-reduce, none when alone."""
+    def _agree(self, anomaly: bool, overflow: bool, save_due: bool, grads: list[Any], feature_fault: bool | None,
+               order_id: int) -> _Agreed:
+        """Every local flag made job-wide (any rank's counts; feature faults per rank; the lowest and highest
+        stop-order id held): one all-reduce, none when alone."""
         import torch
         import torch.distributed as dist
 
         if self._world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return local, (self._rank,) if feature_fault else (), (order_id, order_id)
-        values = [1.0 if local else 0.0, float(-order_id), float(order_id)]
+            return _Agreed(anomaly, overflow, save_due, (self._rank,) if feature_fault else (), (order_id, order_id))
+        values = [float(anomaly), float(overflow), float(save_due), float(-order_id), float(order_id)]
         if feature_fault is not None:  # one slot per rank, so the MAX keeps every rank that saw a fault
             values += [1.0 if feature_fault and rank == dist.get_rank() else 0.0 for rank in range(self._world_size)]
         flags = torch.tensor(values, dtype=torch.float64, device=grads[0].device if grads else torch.device("cpu"))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         seen = flags.tolist()  # the one host transfer
-        suspects = tuple(rank for rank, flag in enumerate(seen[3:]) if flag > 0)
-        return seen[0] > 0, suspects, (int(-seen[1]), int(seen[2]))
+        suspects = tuple(rank for rank, flag in enumerate(seen[5:]) if flag > 0)
+        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, suspects, (int(-seen[3]), int(seen[4])))
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:
         # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import math
@@ -76,9 +77,11 @@ class Warden:
         data_state: Callable[[], dict[str, Any]] | None = None,
         global_batch_size: int | None = None,
         health_check: Callable[[int], str | None] | None = None,
+        extra_state: dict[str, Any] | None = None,
     ) -> None:
         env = os.environ
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.extra_state = _stateful(extra_state or {})  # a GradScaler, a sampler, an EMA model: saved and restored
         self.config = config or _or_config_error(WorkerConfig.from_env)
         self.rank = int(env.get("RANK", "0"))
         self.world_size = int(env.get("WORLD_SIZE", "1"))
@@ -104,10 +107,15 @@ class Warden:
         )
         self.step = 0  # optimizer steps applied
         self.batches = 0  # data position: batches consumed, skipped ones included; the next batch's index
+        self._resumed = False
+        self._saved_at = 0  # step of the newest regular checkpoint this rank holds (0: none)
+        self._last_save = time.monotonic()  # the time-based cadence counts from here
+        self._stopping = False  # a stop order was carried out and the loop asked about it: the loop ends
+        self._loop_asks = False  # the loop reads `should_stop` (or runs `steps()`): a stop returns to it
         self._guard = StepGuard(self.config, log=self.log, faults=self._faults, world_size=self.world_size,
                                 rank=self.rank)
         self._features = self._feature_value_check()
-        self._decision: tuple[bool, float] | None = None  # this iteration's (apply?, global norm)
+        self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
         self._phase = "startup"
         self._last_step_end = time.perf_counter()
         self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt), self.layout.root)
@@ -120,6 +128,8 @@ class Warden:
         self._previous_term = _install_handler(signal.SIGTERM, self._on_sigterm)
         self._heartbeat.beat(0, self._phase, force=True)
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
+        self._say_if_no_checkpoints()
+        atexit.register(_release_process_group)  # a script that never destroys its group must not die of SIGABRT
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the number of steps already done.
@@ -128,7 +138,7 @@ class Warden:
         said to skip after an anomaly abort).
         """
         step = self._load_resume_checkpoint()
-        self._resumed_at = step
+        self._resumed, self._resumed_at, self._saved_at = True, step, step
         skip_to = int(os.environ.get(ENV_SKIP_TO_BATCH) or 0)
         if self.batches < skip_to:
             self.log.warning("data_window_skipped", from_batch=self.batches, to_batch=skip_to, step=self.step)
@@ -151,6 +161,9 @@ class Warden:
         for part, reason in restore_rng(state["rng"]).items():
             self.log.warning(_RNG_NOT_RESTORED[part], step=step, reason=reason)
         self.data_state = state["data_state"]
+        self._restore_extra_state(state, step)
+        if state.get("anomaly_history") is not None:
+            self._guard.detector.load_state_dict(state["anomaly_history"])
         self.step = step
         self.batches = self._resumed_position(state["data_position"], state.get("global_batch_size"))
         self.log.info("resumed", step=step, data_position=self.batches, saved_data_position=state["data_position"],
@@ -193,34 +206,65 @@ class Warden:
             return saved * saved_batch_size // self.global_batch_size
         return saved
 
-    def guard_step(self, loss: Any, *, max_norm: float = math.inf) -> bool:
-        """Between `backward()` and `optimizer.step()`: clip gradients to `max_norm` and say whether to step.
+    def guard_step(self, loss: Any, *, max_norm: float | None = None) -> bool:
+        """Between `backward()` and `optimizer.step()`: clip gradients to `max_norm` (None: no clipping) and say
+        whether to step.
 
-        False means skip this batch (a NaN/Inf, or a global-norm spike when configured); every rank gets
-        the same answer. A streak of `global_norm_spike_count_threshold` skips exits with EXIT_ANOMALY, and
-        so does, on every rank, a feature-value fault on any rank at `feature_value_check.level` 2 or 3.
+        False means skip this batch (a NaN/Inf, a global-norm spike, or a GradScaler overflow, which the scaler
+        skips anyway); every rank gets the same answer. With a GradScaler in `extra_state`, call
+        `scaler.unscale_(optimizer)` first, then `scaler.step(optimizer)` only if this returns True, and
+        `scaler.update()` either way. A streak of `global_norm_spike_count_threshold` skipped anomalies exits with
+        EXIT_ANOMALY, and so does, on every rank, a feature-value fault on any rank at `feature_value_check.level`
+        2 or 3.
         """
         step, batch = self.step + 1, self.batches
         fault = self._features.verdict(step=step, batch=batch)
         held = self._orders.poll()
         verdict = self._guard.check(
-            self.model.parameters(), float(loss), step=step, batch=batch, max_norm=max_norm,
-            feature_fault=fault if self._features.aborts else None, order_id=held.id if held else 0)
+            self.model.parameters(), float(loss), step=step, batch=batch,
+            max_norm=math.inf if max_norm is None else max_norm,
+            feature_fault=fault if self._features.aborts else None, order_id=held.id if held else 0,
+            save_due=self._save_clock_due(), amp_scaling=self._amp_scaling())
         if verdict.suspects:
             self._features.abort(step=step, batch=batch, suspect_ranks=list(verdict.suspects))
         if fault and verdict.apply:
             self._taint(step)
-        self._decision = (verdict.apply, verdict.grad_norm)
+        self._decision = (verdict.apply, verdict.grad_norm, verdict.save_due)
         self._orders_held = (held, verdict.orders)
         return verdict.apply
 
-    def step_done(self, *, loss: float, grad_norm: float | None = None, **fields: Any) -> None:
-        """Report that this batch is done: counts the step if it was applied, saves a checkpoint when due."""
+    @property
+    def should_stop(self) -> bool:
+        """True once a stop order was carried out (checkpoint saved): end the loop, and code after it runs.
+
+        A loop that never asks is ended inside `step_done` instead (exit 0), as it always was.
+        """
+        self._loop_asks = True
+        return self._stopping
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The training loop: resumes (if not done yet), then yields the number of the step to attempt until
+        `total` steps are applied or a stop was ordered. A skipped batch yields the same number again."""
+        if not self._resumed:
+            self.resume()
+        while self.step < total and not self.should_stop:
+            yield self.step + 1
+
+    def step_done(self, *, loss: float, grad_norm: float | None = None, **fields: Any) -> bool:
+        """Report that this batch is done: counts the step if it was applied, saves a checkpoint when due.
+
+        Returns whether the step was applied (False: the batch was skipped and `step` did not move), so a loop's
+        own logging or eval at step multiples can run once per step.
+        """
+        if self._stopping:  # the loop went on after a stop it had asked about
+            self.log.warning("trained_past_stop", step=self.step)
+            self.finish()
+            leave(0)
         now = time.perf_counter()
         step_time_s, self._last_step_end = now - self._last_step_end, now
         if self._decision is None:  # no guard_step: judge the feature values here, on this rank alone
             self._judge_unguarded()
-        applied, guarded_norm = self._decision if self._decision is not None else (True, grad_norm)
+        applied, guarded_norm, save_due = self._decision or (True, grad_norm, None)
         self._decision = None
         self.batches += 1
         self.step += applied
@@ -237,15 +281,43 @@ class Warden:
         self._phase = "train"
         self._heartbeat.beat(self.step, "train", step_time_s=step_time_s)
         if not applied:
-            return
+            return False
         self._faults.after_step(self.step)
-        saved = _due(self.step, self.config.save_checkpoint_steps)
+        saved = self._checkpoint_due(save_due)
         if saved:
             self.save(self.step)
         elif _due(self.step, self.config.snapshot_steps):
             self.snapshot(self.step)
         self._obey_stop_order(saved)
         self._last_step_end = time.perf_counter()  # a save is not part of the next step's time
+        return True
+
+    def _checkpoint_due(self, agreed: bool | None) -> bool:
+        """Every `save_checkpoint_steps` steps; without a step count, once `save_checkpoint_interval_s` passed on
+        any rank's clock (`agreed` by guard_step, else agreed here), so that every rank saves the same step."""
+        if self.config.save_checkpoint_steps > 0:
+            return _due(self.step, self.config.save_checkpoint_steps)
+        if self.config.save_checkpoint_interval_s <= 0:
+            return False
+        return agreed if agreed is not None else _any_rank(self._save_clock_due(), self.world_size)
+
+    def _save_clock_due(self) -> bool:
+        every = self.config.save_checkpoint_interval_s
+        return self.config.save_checkpoint_steps == 0 and every > 0 and time.monotonic() - self._last_save >= every
+
+    def _amp_scaling(self) -> bool:
+        """Whether an enabled GradScaler in `extra_state` scales the loss (its overflows are not anomalies)."""
+        return any(callable(getattr(obj, "is_enabled", None)) and callable(getattr(obj, "unscale_", None))
+                   and obj.is_enabled() for obj in self.extra_state.values())
+
+    def _say_if_no_checkpoints(self) -> None:
+        if self.config.save_checkpoint_steps or self.config.save_checkpoint_interval_s > 0:
+            return
+        self.log.warning("checkpointing_off", reason="save_checkpoint_steps and save_checkpoint_interval_s are 0")
+        if self.rank == 0:
+            print("trainwarden: WARNING: this run saves no checkpoints (worker.save_checkpoint_steps and "
+                  "worker.save_checkpoint_interval_s are 0): after a crash it starts again from step 0",
+                  file=sys.stderr, flush=True)
 
     def _obey_stop_order(self, saved: bool) -> None:
         """At the stop order's step: save (unless just saved), then exit or go on. Every rank acts at the same
@@ -266,7 +338,9 @@ class Warden:
         if not saved:
             self.save(self.step)
         self.log.info("stop_order_done", step=self.step, order=order.id, exit=order.exit)
-        if order.exit:
+        if order.exit and self._loop_asks:
+            self._stopping = True  # `should_stop` ends the loop; the script then exits 0 on its own
+        elif order.exit:
             self.finish()
             leave(0)  # stopped on request: a success, nothing to retry
 
@@ -332,6 +406,8 @@ class Warden:
             "data_state": self._data_state_fn() if self._data_state_fn else {},
             "world_size": self.world_size,
             "global_batch_size": self.global_batch_size,
+            "extra_state": {name: obj.state_dict() for name, obj in self.extra_state.items()},
+            "anomaly_history": self._guard.detector.state_dict(),
         }
         path = save_checkpoint(
             store,
@@ -343,11 +419,17 @@ class Warden:
             before_rename=self._torn_save if self._faults.due("sigkill_in_save", step) else None,
         )
         self.log.info("checkpoint_saved", step=step, path=str(path), duration_s=round(time.perf_counter() - started, 4))
+        self._last_save = time.monotonic()
+        if store == self.layout.checkpoints:
+            self._saved_at = step
         self._faults.after_save(step)
         return path
 
-    def finish(self) -> None:
-        """Mark the rank done and close its event log."""
+    def finish(self, *, save: bool = True) -> None:
+        """Save the final state (unless saved at this step already, or checkpointing is off or `save` is False),
+        mark the rank done and close its event log. Every rank calls it at the same step."""
+        if save and self.step != self._saved_at and self._checkpointing:
+            self.save(self.step)
         self.log.info("rank_finished", step=self.step)
         self._phase = "done"
         self._heartbeat.beat(self.step, "done", force=True)
@@ -370,6 +452,22 @@ class Warden:
         if self._stacks is not None:
             faulthandler.unregister(STACK_DUMP_SIGNAL)
             self._stacks.close()
+
+    @property
+    def _checkpointing(self) -> bool:
+        return self.config.save_checkpoint_steps > 0 or self.config.save_checkpoint_interval_s > 0
+
+    def _restore_extra_state(self, state: dict[str, Any], step: int) -> None:
+        """Each registered object gets its saved state back; one the checkpoint lacks keeps its own, said once."""
+        saved = state.get("extra_state") or {}
+        for name, obj in self.extra_state.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                self.log.warning("extra_state_missing", step=step, name=name,
+                                 reason="the checkpoint has no state for it (saved before it was registered)")
+        for name in saved.keys() - self.extra_state.keys():
+            self.log.warning("extra_state_unused", step=step, name=name, reason="not in this Warden's extra_state")
 
     def _resume_point(self) -> tuple[CheckpointStore, int] | None:
         """Where to resume: the supervisor's choice, else (plain torchrun) the config's, else the newest complete."""
@@ -445,6 +543,37 @@ def _or_config_error(read: Callable[[], Any]) -> Any:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def _stateful(objects: dict[str, Any]) -> dict[str, Any]:
+    """`extra_state` checked at once: a name for each object, and state_dict/load_state_dict on each."""
+    for name, obj in objects.items():
+        if not isinstance(name, str) or not all(callable(getattr(obj, m, None))
+                                                for m in ("state_dict", "load_state_dict")):
+            raise TypeError(f"extra_state[{name!r}]: needs a string name and an object with state_dict() and "
+                            f"load_state_dict(), got {type(obj).__name__}")
+    return dict(objects)
+
+
+def _any_rank(flag: bool, world_size: int) -> bool:
+    """Whether `flag` holds on any rank: one tiny all-reduce when there are peers to ask."""
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return flag
+    import torch
+
+    value = torch.tensor([float(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def _release_process_group() -> None:
+    """At interpreter exit: a live gloo/NCCL group can abort the shutdown (see worker.exits.leave)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _install_handler(signum: int, handler: Any) -> Any:

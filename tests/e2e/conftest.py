@@ -50,9 +50,9 @@ def write_config(path: Path, **overrides: Any) -> Path:
     return path
 
 
-def start_supervisor(config: Path, run_dir: Path) -> subprocess.Popen:
+def start_supervisor(config: Path, run_dir: Path, *options: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir), *options],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from tests.checkpoint_files import assert_bitwise_equal, load_saved
+from tests.conftest import wait_until
 from tests.e2e.conftest import (
     DEMO_STEPS,
+    REPO,
     finish,
     journal,
     run_supervisor,
@@ -18,6 +20,7 @@ from tests.e2e.conftest import (
     start_supervisor,
     write_config,
 )
+from worker.contract import RunLayout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,3 +99,25 @@ def test_crash_after_a_snapshot_resumes_from_it_and_ends_bitwise_equal(tmp_path:
     assert sorted(p.name for p in (snapshots / "0" / "rank_1").glob("*.ckpt")) == ["demo_rank_1-56.ckpt"]
     assert sorted(p.name for p in (snapshots / "1" / "rank_1").glob("*.ckpt")) == ["demo_rank_1-52.ckpt"]
     assert_same_training_state(run_dir, reference_run)
+
+
+def test_a_minimal_config_saves_by_time_and_a_killed_rank_resumes_from_a_checkpoint(tmp_path: Path) -> None:
+    """`script` and `nproc_per_node` only: the worker library saves on its time cadence (shortened here from 10
+    minutes with `--set`, and the demo to 150 steps), every rank at the same steps, and a SIGKILL resumes from the
+    newest of them."""
+    config = tmp_path / "job.yaml"
+    config.write_text(f"script: {REPO / 'examples' / 'demo_train.py'}\nnproc_per_node: 2\n")
+    run_dir = tmp_path / "run"
+    proc = start_supervisor(config, run_dir, "--set", "worker.save_checkpoint_interval_s=1.5",
+                            "--set", "args=[--steps, '150']")
+    record = run_dir / "checkpoint" / "rank_1"
+    wait_until(lambda: any(record.glob("ckpt_rank_1-*.json")), timeout=90, what="a time-based checkpoint")
+    signal_rank_at_step(run_dir, 1, 0, signal.SIGKILL)
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert (status["state"], status["restarts"]) == ("finished", 1)
+    assert status["resumed_from"]["step"] > 0
+    store = RunLayout(run_dir).checkpoints
+    assert store.steps(0, "ckpt") == store.steps(1, "ckpt") and 150 in store.steps(0, "ckpt")

@@ -60,9 +60,10 @@ def test_demo_config_loads():
     assert config.restart == RestartConfig(max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0,
                                            backoff_max_s=30.0)
     assert config.stop == StopConfig(kill_grace_s=5.0, sigkill_wait_s=5.0)
-    assert config.worker == WorkerConfig(save_checkpoint_steps=25, prefix="demo", use_skip_data_by_global_norm=True,
-                                         adaptive_spike=AdaptiveConfig(enabled=True),
+    assert config.worker == WorkerConfig(save_checkpoint_steps=25, prefix="demo",
                                          feature_value_check=FeatureValueConfig(level=2))
+    assert config.worker.adaptive_spike == AdaptiveConfig(enabled=True)
+    assert not config.worker.use_skip_data_by_global_norm
     assert config.anomaly == AnomalyPolicy(rollback_steps=50, skip_after_steps=100, max_tries=3)
     assert config.hang.heartbeat == "required"
 

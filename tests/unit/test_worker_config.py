@@ -46,13 +46,14 @@ def test_seed_000_keys_parse_in_worker_section():
 
 
 def test_seed_000_defaults():
-    """Without the keys, skipping is off and the monitor has seed 000's defaults (threshold 3.0, count 10)."""
+    """Without the keys, skipping is off, the monitor has seed 000's defaults (threshold 3.0, count 10) and the
+    adaptive spike rule is on (6 sigma over the last 128 normal steps)."""
     config = parse_config({"script": "t.py"})
     assert config.worker.use_skip_data_by_global_norm is False
     assert config.worker.monitor_config == MonitorConfig(monitor_on=True, check_for_global_norm=False,
                                                          global_norm_spike_threshold=3.0,
                                                          global_norm_spike_count_threshold=10)
-    assert config.worker.adaptive_spike == AdaptiveConfig(enabled=False, sigmas=6.0, window=128, min_samples=64,
+    assert config.worker.adaptive_spike == AdaptiveConfig(enabled=True, sigmas=6.0, window=128, min_samples=64,
                                                           include_loss=False)
 
 
@@ -180,7 +181,7 @@ def test_worker_config_to_env_nests_sections_as_objects():
     assert raw["use_skip_data_by_global_norm"] is True
     assert raw["monitor_config"] == {"monitor_on": True, "check_for_global_norm": False,
                                      "global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 10}
-    assert raw["adaptive_spike"] == {"enabled": False, "sigmas": 6.0, "window": 128, "min_samples": 64,
+    assert raw["adaptive_spike"] == {"enabled": True, "sigmas": 6.0, "window": 128, "min_samples": 64,
                                      "include_loss": False}
 
 
