@@ -144,6 +144,10 @@ class Supervisor:
         self._stop_watcher.start()
         self.log.info("supervisor_started", pid=os.getpid(), config=self._config_path, run_dir=str(self.layout.root),
                       nproc=self.config.nproc_per_node, nodes=self.config.nodes, subreaper=become_subreaper())
+        worker = self.config.worker
+        if worker.save_checkpoint_steps == 0 and worker.save_checkpoint_interval_s == 0:
+            self.log.warning("checkpointing_off", reason="worker.save_checkpoint_steps and "
+                             "worker.save_checkpoint_interval_s are 0: after a crash the run starts again from step 0")
         for leftover in kill_predecessor_leftovers(self.layout):
             self.log.warning("predecessor_leftover_killed", **leftover)
         unlink_quietly(self.layout.stop_order)  # a predecessor's order is not ours to carry out

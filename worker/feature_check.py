@@ -7,6 +7,7 @@ the norms with one host transfer, judges them with `worker.feature_rule` and log
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
@@ -101,8 +102,12 @@ class FeatureValueCheck:
             return grad
         return grad * (fault.arg if fault.arg is not None else DEFAULT_SDC_FACTOR)
 
-    def verdict(self, *, step: int, batch: int) -> bool:
-        """Judge this step's values (in backward order) and log the findings; True if an L1 fault was seen here."""
+    def verdict(self, *, step: int, batch: int, loss_scale: float | None = None) -> bool:
+        """Judge this step's values (in backward order) and log the findings; True if an L1 fault was seen here.
+
+        With AMP loss scaling (`loss_scale`: a GradScaler's scale), the values are unscaled first, and a
+        non-finite one is the scaler's overflow, which it skips: neither judged nor kept in the history.
+        """
         self.first_fault = None
         present, self._arrivals = self._arrivals, []
         if not present:
@@ -111,6 +116,10 @@ class FeatureValueCheck:
 
         values = torch.stack([self._pending[i] for i in present]).tolist()  # the one host sync of the check
         self._pending = [None] * len(self._pending)
+        if loss_scale is not None:
+            values = [val / loss_scale for val in values]
+            if not all(map(math.isfinite, values)):
+                return False
         for index, val in zip(present, values, strict=True):
             finding = judge(val, self._histories[index], self.config)
             self._histories[index].record(val)
@@ -137,6 +146,16 @@ class FeatureValueCheck:
                         first_anomaly_step=step, first_anomaly_batch=batch, suspect_ranks=suspect_ranks,
                         local=local is not None, **details, **self.config.thresholds())
         leave(EXIT_ANOMALY)
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Each check point's history by layer name, for a checkpoint: `min_steps` counts across a resume."""
+        return {name: dataclasses.asdict(history) for name, history in zip(self.names, self._histories, strict=True)}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        """Put back the histories of the layers this model still has (by name); others start afresh."""
+        for index, name in enumerate(self.names):
+            if name in state:
+                self._histories[index] = History(**state[name])
 
     def close(self) -> None:
         for handle in self._handles:

@@ -162,8 +162,10 @@ class Warden:
             self.log.warning(_RNG_NOT_RESTORED[part], step=step, reason=reason)
         self.data_state = state["data_state"]
         self._restore_extra_state(state, step)
-        if state.get("anomaly_history") is not None:
+        if state.get("anomaly_history") is not None:  # checkpoints before these were kept have neither
             self._guard.detector.load_state_dict(state["anomaly_history"])
+        if state.get("feature_history") is not None:
+            self._features.load_state_dict(state["feature_history"])
         self.step = step
         self.batches = self._resumed_position(state["data_position"], state.get("global_batch_size"))
         self.log.info("resumed", step=step, data_position=self.batches, saved_data_position=state["data_position"],
@@ -218,13 +220,14 @@ class Warden:
         2 or 3.
         """
         step, batch = self.step + 1, self.batches
-        fault = self._features.verdict(step=step, batch=batch)
+        loss_scale = self._loss_scale()
+        fault = self._features.verdict(step=step, batch=batch, loss_scale=loss_scale)
         held = self._orders.poll()
         verdict = self._guard.check(
             self.model.parameters(), float(loss), step=step, batch=batch,
             max_norm=math.inf if max_norm is None else max_norm,
             feature_fault=fault if self._features.aborts else None, order_id=held.id if held else 0,
-            save_due=self._save_clock_due(), amp_scaling=self._amp_scaling())
+            save_due=self._save_clock_due(), amp_scaling=loss_scale is not None)
         if verdict.suspects:
             self._features.abort(step=step, batch=batch, suspect_ranks=list(verdict.suspects))
         if fault and verdict.apply:
@@ -305,10 +308,14 @@ class Warden:
         every = self.config.save_checkpoint_interval_s
         return self.config.save_checkpoint_steps == 0 and every > 0 and time.monotonic() - self._last_save >= every
 
-    def _amp_scaling(self) -> bool:
-        """Whether an enabled GradScaler in `extra_state` scales the loss (its overflows are not anomalies)."""
-        return any(callable(getattr(obj, "is_enabled", None)) and callable(getattr(obj, "unscale_", None))
-                   and obj.is_enabled() for obj in self.extra_state.values())
+    def _loss_scale(self) -> float | None:
+        """The scale of an enabled GradScaler in `extra_state`, or None: its overflows are not anomalies, and
+        the feature values it scaled are judged unscaled."""
+        for obj in self.extra_state.values():
+            if callable(getattr(obj, "unscale_", None)) and callable(getattr(obj, "is_enabled", None)) \
+                    and obj.is_enabled():
+                return float(obj.get_scale())
+        return None
 
     def _say_if_no_checkpoints(self) -> None:
         if self.config.save_checkpoint_steps or self.config.save_checkpoint_interval_s > 0:
@@ -354,7 +361,7 @@ class Warden:
     def _judge_unguarded(self) -> None:
         """Without guard_step a fault is seen after the optimizer step, still before this step's checkpoint."""
         step, batch = self.step + 1, self.batches
-        if self._features.verdict(step=step, batch=batch):
+        if self._features.verdict(step=step, batch=batch, loss_scale=self._loss_scale()):
             if self._features.aborts:
                 self._features.abort(step=step, batch=batch, suspect_ranks=[self.rank])
             self._taint(step)
@@ -408,6 +415,7 @@ class Warden:
             "global_batch_size": self.global_batch_size,
             "extra_state": {name: obj.state_dict() for name, obj in self.extra_state.items()},
             "anomaly_history": self._guard.detector.state_dict(),
+            "feature_history": self._features.state_dict(),
         }
         path = save_checkpoint(
             store,

@@ -121,3 +121,13 @@ def test_a_minimal_config_saves_by_time_and_a_killed_rank_resumes_from_a_checkpo
     assert status["resumed_from"]["step"] > 0
     store = RunLayout(run_dir).checkpoints
     assert store.steps(0, "ckpt") == store.steps(1, "ckpt") and 150 in store.steps(0, "ckpt")
+
+
+def test_the_supervisor_says_at_start_when_a_run_saves_no_checkpoints(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text('command: ["true"]\n')
+    done = finish(start_supervisor(config, tmp_path / "run", "--set", "worker.save_checkpoint_interval_s=0"),
+                  tmp_path / "run", timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (warning,) = [e for e in journal(tmp_path / "run") if e["event"] == "checkpointing_off"]
+    assert "starts again from step 0" in warning["reason"]

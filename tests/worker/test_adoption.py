@@ -15,6 +15,7 @@ import torch
 from tests.worker.test_guard import events
 from worker.anomaly import MonitorConfig
 from worker.contract import ENV_RESUME_STEP, RunLayout, StopOrder, WorkerConfig
+from worker.feature_rule import FeatureValueConfig
 from worker.files import atomic_write_json
 
 
@@ -265,3 +266,56 @@ def test_a_stop_ends_a_loop_that_asks_and_the_code_after_it_runs(loop, tmp_path)
     assert finished["step"] == 3
     records = [json.loads(p.read_text()) for p in (tmp_path / "checkpoint" / "rank_0").glob("ckpt_rank_0-*.json")]
     assert [r["step"] for r in records] == [3]  # finish() did not save the same step twice
+
+
+def layer_norm_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+
+
+def scaled_steps(run: Any, scaler: Any, steps: int, dtype: torch.dtype | None) -> None:
+    for _ in run.warden.steps(steps):
+        data = torch.Generator().manual_seed(run.warden.batches)
+        x, y = torch.randn(8, 4, generator=data), torch.randn(8, 2, generator=data)
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = torch.nn.functional.mse_loss(run.model(x).float(), y)
+        run.optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.unscale_(run.optimizer)
+        if run.warden.guard_step(loss.item(), max_norm=1.0):
+            scaler.step(run.optimizer)
+        scaler.update()
+        run.warden.step_done(loss=loss.item())
+
+
+def test_an_overflow_is_no_feature_value_fault_and_values_are_judged_unscaled(loop, tmp_path, monkeypatch):
+    """Seed 002's check sees the scaled activation gradients: an overflow's inf must not abort (level 2), and a
+    healthy value is judged as it would be without the scaler (x 2**16 would cross the thresholds)."""
+    checked = WorkerConfig(save_checkpoint_steps=0, feature_value_check=FeatureValueConfig(level=3, min_steps=0))
+    overflowing = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    scaled_steps(loop(config=checked, model=layer_norm_model, extra_state={"scaler": overflowing}), overflowing, 2,
+                 torch.float16)
+    assert events(tmp_path, "amp_overflow") and events(tmp_path, "feature_value_fault") == []
+    values = {}
+    for name, scaler in (("plain", torch.amp.GradScaler("cpu", enabled=False)),
+                         ("scaled", torch.amp.GradScaler("cpu", init_scale=2.0**16))):
+        monkeypatch.setenv("TRAINWARDEN_RUN_DIR", str(tmp_path / name))
+        scaled_steps(loop(config=checked, model=layer_norm_model, extra_state={"scaler": scaler}), scaler, 1, None)
+        values[name] = [e["val"] for e in events(tmp_path / name, "feature_value_normal")]
+    assert values["plain"] and values["scaled"] == values["plain"]  # a power-of-two scale divides out exactly
+
+
+def test_the_feature_value_history_survives_a_resume(loop, tmp_path, monkeypatch):
+    """Seed 002's `min_steps` warm-up and `pre_val`/`min_val`/`max_val` continue after a resume, like the spike
+    rule's history: the first value judged after resuming from step 5 has 5 values behind it."""
+    checked = WorkerConfig(save_checkpoint_steps=5, feature_value_check=FeatureValueConfig(level=3, min_steps=0))
+    first = loop(config=checked, model=layer_norm_model)
+    for _ in range(5):
+        first.train_batch()
+    first.warden.finish()
+    before = events(tmp_path, "feature_value_normal")[-1]
+    monkeypatch.setenv(ENV_RESUME_STEP, "5")
+    again = loop(config=checked, model=layer_norm_model)
+    again.warden.resume()
+    again.train_batch()
+    after = events(tmp_path, "feature_value_normal")[-1]
+    assert after["checks"] == 5 and after["pre_val"] == before["val"]
