@@ -31,6 +31,7 @@ __all__ = [
     "WorldSizeMismatch",
     "choose_explicit",
     "choose_resume",
+    "completed_at",
     "file_crc32",
     "read_record",
     "find_junk",
@@ -126,6 +127,16 @@ def read_record(store: CheckpointStore, rank: int, step: int, prefix: str) -> di
     if not isinstance(record.get("crc32"), str):
         raise ValueError(f"'crc32' is {str(record.get('crc32'))[:40]!r}, not a checksum")
     return record
+
+
+def completed_at(store: CheckpointStore, world_size: int, prefix: str, step: int) -> float | None:
+    """When the checkpoint of `step` became complete (wall clock): its newest completion record's modification time;
+    None when a record cannot be looked at."""
+    try:
+        return max(os.stat(store.record(rank, step, prefix), follow_symlinks=False).st_mtime
+                   for rank in range(world_size))
+    except (OSError, ValueError):  # ValueError: world_size 0 (no ranks, no time)
+        return None
 
 
 def _declared_world_size(record: dict[str, Any]) -> int | None:

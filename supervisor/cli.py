@@ -1,5 +1,5 @@
 """The `trainwarden` command: `run` a job under supervision, `status` of a run dir, `stop` it gracefully,
-`export` a checkpoint's model weights."""
+`export` a checkpoint's model weights, `plot` a run as one picture."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 from supervisor.config import ConfigError, JobConfig, check_launchable, load_config
+from supervisor.console import ENV_LOG_FORMAT, LOG_FORMATS, Console, choose_format
 from supervisor.core import Phase, State
+from supervisor.goodput import describe as describe_goodput
 from supervisor.journal import open_journal
 from supervisor.launcher import LocalLauncher
 from supervisor.runner import LauncherFactory, RunDirBusy, Supervisor, lock_run_dir
@@ -46,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="set a config key before validation (repeatable): KEY a dotted path, VALUE YAML, "
                           "e.g. --set worker.save_checkpoint_steps=100")
+    run.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                     help=f"events on stderr: console (readable, with a live status line on a terminal), json "
+                          f"(one object per line, as in the journal), or auto (default; {ENV_LOG_FORMAT}): console "
+                          f"on a terminal, json elsewhere")
     run.add_argument("--ignore-stop-file", action="store_true",
                      help="launch although the stop file is present (its current content is not acted on)")
     run.set_defaults(func=_run)
@@ -70,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="the checkpoint of step N (default: the newest usable one, as a resume would pick)")
     export.add_argument("--prefix", help="the checkpoint file prefix (default: the only one in the run dir)")
     export.set_defaults(func=_export)
+    plot = sub.add_parser("plot", help="draw a run as one PNG: loss, steps/s, every event, per-rank step time "
+                                       "(needs the plot extra: matplotlib)")
+    plot.add_argument("run_dir", help="the run directory")
+    plot.add_argument("-o", "--output", metavar="FILE",
+                      help="the PNG to write (default RUN_DIR/plot.png; replaced atomically)")
+    plot.set_defaults(func=_plot)
     return parser
 
 
@@ -84,6 +96,11 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"trainwarden: cannot launch: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    try:
+        console = _console(args.log_format)
+    except ValueError as exc:
+        print(f"trainwarden: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     launcher = _launcher(config)
     if isinstance(launcher, str):
         print(f"trainwarden: cannot launch: {launcher}", file=sys.stderr)
@@ -97,9 +114,11 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _unusable(layout, exc)
     try:
-        journal = open_journal(layout.journal, root=layout.root)
+        journal = open_journal(layout.journal, root=layout.root, echo=console or sys.stderr)
         supervisor = Supervisor(config, layout, journal, config_path=args.config,
                                 ignore_stop_file=args.ignore_stop_file, launcher=launcher)
+        if console is not None:
+            supervisor.status_listeners.append(console.status)
     except OSError as exc:  # a symlink, FIFO or directory where the supervisor's own files go
         lock.close()
         return _unusable(layout, exc)
@@ -108,9 +127,23 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         journal.close()
         lock.close()
+        if console is not None:
+            console.close()
+    _say_goodput(layout)  # first: why it ended stays the last word
     if code != 0:
         _say_why(supervisor.state, layout)
     return code
+
+
+def _console(requested: str | None) -> Console | None:
+    """For people: events rendered readably and, on a terminal, the live status line; None: JSON lines."""
+    if choose_format(requested, sys.stderr) == "json":
+        return None
+    try:
+        live = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        live = False
+    return Console(sys.stderr, live=live)
 
 
 def _launcher(config: JobConfig) -> LauncherFactory | str:
@@ -142,6 +175,16 @@ def _say_why(state: State, layout: RunLayout) -> None:
     print(f"trainwarden: {outcome}: {reason}{where}", file=sys.stderr)
     if cause:
         print(f"trainwarden: cause: {cause}", file=sys.stderr)
+
+
+def _say_goodput(layout: RunLayout) -> None:
+    """Where the run's time went (all supervisors of the run dir together), from the state file written last."""
+    try:
+        line = describe_goodput(read_status(layout).get("goodput"))
+    except StatusError:
+        return
+    if line:
+        print(f"trainwarden: {line}", file=sys.stderr)
 
 
 def _unusable(layout: RunLayout, exc: OSError) -> int:
@@ -200,6 +243,20 @@ def _export(args: argparse.Namespace) -> int:
         print(f"trainwarden: passed over step {step}: {why}", file=sys.stderr)
     where = "" if exported.source == "checkpoint" else f"{exported.source}, "
     print(f"exported step {exported.step} of {args.run_dir} ({where}{exported.tensors} tensors) to {args.output}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from supervisor.plot import PlotError, plot_run  # here: only this command pays for matplotlib
+
+    try:
+        summary, notes = plot_run(Path(args.run_dir), None if args.output is None else Path(args.output))
+    except PlotError as exc:
+        print(f"trainwarden: {exc}", file=sys.stderr)
+        return 1
+    for note in notes:
+        print(f"trainwarden: plot: {note}", file=sys.stderr)
+    print(summary)
     return 0
 
 

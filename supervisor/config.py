@@ -36,9 +36,11 @@ __all__ = [
     "MAX_SECONDS",
     "ConfigError",
     "JobConfig",
+    "MetricsConfig",
     "RestartConfig",
     "SlurmConfig",
     "StopConfig",
+    "StragglersConfig",
     "apply_overrides",
     "check_launchable",
     "load_config",
@@ -90,6 +92,24 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics of the run, both opt-in: an HTTP endpoint and a textfile for node_exporter."""
+
+    port: int | None = None  # serve /metrics on this port (0: any free one, named in the journal)
+    address: str = "127.0.0.1"  # where the endpoint listens: this machine only unless the operator says otherwise
+    textfile: str | None = None  # also write the metrics to this .prom file (relative to the working dir)
+
+
+@dataclass(frozen=True)
+class StragglersConfig:
+    """Slow ranks: one whose compute per step stays this much above its peers' median this long is flagged."""
+
+    enabled: bool = True
+    margin: float = 0.2  # 0.2: 20 % slower than the median of the other ranks
+    sustain_s: float = 30.0  # slower (or back in line) continuously this long before it is flagged (or cleared)
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """One training job: what to run, on how many ranks, and how to keep it alive."""
 
@@ -108,6 +128,8 @@ class JobConfig:
     anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def world_size(self) -> int:
@@ -143,6 +165,8 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.node_timeout_s": (lambda v: v >= 2, "at least 2 (node agents report every second)"),
     "slurm.max_node_failures": (lambda v: v >= 1, "at least 1"),
     "slurm.node_failure_window_s": (lambda v: v > 0, "more than 0"),
+    "stragglers.margin": (lambda v: v > 0, "more than 0"),
+    "stragglers.sustain_s": (lambda v: v >= 0, "0 or more"),
     "env": (lambda v: all(k and "=" not in k for k in v), "a mapping of variable names (non-empty, no '=')"),
     "restart.max_restarts": (lambda v: v >= 0, "0 or more"),
     "restart.crash_loop_attempts": (lambda v: v == 0 or v >= 2, "0 (off) or at least 2"),
@@ -189,6 +213,10 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.load_checkpoint": (lambda v: Path(v).is_dir(), "an existing directory (another run's checkpoint/ folder)"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
     "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),
+    "metrics.port": (lambda v: 0 <= v <= 65535, "between 0 (any free port) and 65535"),
+    "metrics.address": (lambda v: v != "", "an address to listen on, such as 127.0.0.1 or 0.0.0.0"),
+    "metrics.textfile": (lambda v: v.endswith(".prom") and Path(v).name != ".prom",
+                         "a path ending in .prom (node_exporter's textfile collector reads only those)"),
 }
 
 

@@ -198,6 +198,11 @@ class HeartbeatSeen:
     step: int
     phase: str
     step_time_s: float | None = None  # the rank's smoothed step duration
+    # Progress a worker-library rank reports besides (None when it does not): for observers, never for decisions.
+    loss: float | None = None  # the last step's loss
+    compute_s: float | None = None  # smoothed time per step before waiting for peers (a slow rank's is larger)
+    total_steps: int | None = None  # the steps the loop trains to (`warden.steps(total)`)
+    save_s: float | None = None  # seconds this rank process spent saving checkpoints so far
 
 
 @dataclass(frozen=True)

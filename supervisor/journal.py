@@ -10,27 +10,36 @@ from typing import IO, Any
 
 import structlog
 
+from supervisor.console import Console
 from worker.files import open_append
 
 __all__ = ["Journal", "open_journal"]
 
 
-class _TeeLogger:
-    """A structlog logger that writes each rendered line, whole, to several streams."""
+_JSON = structlog.processors.JSONRenderer(default=str)
 
-    def __init__(self, streams: list[IO[str]]) -> None:
-        self._streams = streams
+
+class _TeeLogger:
+    """A structlog logger that writes each event, whole, as a JSON line to the journal file and to `echo`
+    (a stream gets the same JSON line; a Console renders it for people)."""
+
+    def __init__(self, file: IO[str], echo: IO[str] | Console | None) -> None:
+        self._file = file
+        self._echo = echo
         self._lock = threading.Lock()
 
-    def msg(self, message: str) -> None:
-        line = message + "\n"
+    def msg(self, **event_dict: Any) -> None:
+        line = _JSON(None, "", dict(event_dict)) + "\n"
         with self._lock:
-            for stream in self._streams:
+            streams = [self._file] if not self._echo or isinstance(self._echo, Console) else [self._file, self._echo]
+            for stream in streams:
                 try:
                     stream.write(line)
                     stream.flush()
                 except (OSError, ValueError):  # a closed terminal must not take the supervisor down
                     pass
+        if isinstance(self._echo, Console):
+            self._echo.event(event_dict)
 
     info = warning = error = critical = debug = msg
 
@@ -46,17 +55,16 @@ class Journal:
         self._stream.close()
 
 
-def open_journal(path: Path, *, root: Path, echo: IO[str] | None = sys.stderr) -> Journal:
+def open_journal(path: Path, *, root: Path, echo: IO[str] | Console | None = sys.stderr) -> Journal:
     """Open (append) the journal at `path` inside the run dir `root`, following no symlink; `echo` also
-    receives every line."""
+    receives every event (a stream as the same JSON line, a Console rendered for people)."""
     stream = os.fdopen(open_append(path, root=root), "a", encoding="utf-8")  # closed by Journal.close
-    streams = [stream] + ([echo] if echo is not None else [])
     logger = structlog.wrap_logger(
-        _TeeLogger(streams),
+        _TeeLogger(stream, echo),
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="time"),
-            structlog.processors.JSONRenderer(default=str),
+            lambda _logger, _name, event_dict: event_dict,  # handed whole to _TeeLogger.msg, which renders
         ],
     )
     return Journal(logger, stream)

@@ -22,6 +22,7 @@ from supervisor.checkpoints import (
     WorldSizeMismatch,
     choose_explicit,
     choose_resume,
+    completed_at,
     find_junk,
     health_entries,
     rotation,
@@ -54,13 +55,17 @@ from supervisor.core import (
     initial_state,
     next_deadline,
 )
+from supervisor.goodput import Goodput
 from supervisor.journal import Journal
 from supervisor.launcher import Launcher, LocalLauncher, Spawned
+from supervisor.metrics import MetricsExporter
 from supervisor.notify import Notifier, ServiceReporter
+from supervisor.observe import Observer, Progress
 from supervisor.rank_logs import abort_info, count, last_event, last_step, stderr_tail
 from supervisor.ranks import Attempt
 from supervisor.status import StatusError, read_status, snapshot, write_status
 from supervisor.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
+from supervisor.stragglers import Stragglers
 from supervisor.trees import become_subreaper, kill_predecessor_leftovers
 from supervisor.watch import StopFileChanged, StopFileWatcher
 from worker.contract import (
@@ -136,6 +141,13 @@ class Supervisor:
         self._health_steps: list[int] = []  # those of them this world size wrote, less the rotated ones
         self._reported_junk: set[Any] = set()
         self._systemd = ServiceReporter(Notifier.from_environ(log=self.log))  # a no-op outside systemd
+        self._observers: list[Observer] = [Progress()]  # bookkeeping beside the core: it never decides anything
+        self._observers.append(Goodput(_previous_status(layout), wall_now=time.time()))  # carried over
+        self._observers.append(Stragglers(config.stragglers))
+        self.status_listeners: list[Callable[[dict[str, Any]], None]] = []  # shown each status, once it is written
+        self._metrics = MetricsExporter(config.metrics, self.log)  # opt-in: off, it costs one check per status
+        self.status_listeners.append(self._metrics.publish)
+        self._newest_checkpoint: tuple[int, float | None] | None = None  # (step, when it was completed)
 
     def run(self) -> int:
         """Supervise until the run finishes, fails or is stopped."""
@@ -152,6 +164,7 @@ class Supervisor:
             self.log.warning("predecessor_leftover_killed", **leftover)
         unlink_quietly(self.layout.stop_order)  # a predecessor's order is not ours to carry out
         try:
+            self._metrics.start()
             if not self._stop_file_blocks_start():
                 self._handle(Started())
             while not self.state.phase.terminal:
@@ -159,6 +172,7 @@ class Supervisor:
         finally:
             self._launcher.close()  # on any way out, no process of the run outlives the supervisor
             self._stop_watcher.stop()
+            self._metrics.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self.log.info("supervisor_exiting", state=self.state.phase.value, exit_code=self.state.exit_code,
@@ -303,13 +317,21 @@ class Supervisor:
         pending: deque[Event] = deque(self._translate(item))
         before = (self.state.phase, self.state.attempt)
         while pending:
-            self.state, actions = decide(self.state, pending.popleft(), time.monotonic())
+            event = pending.popleft()
+            self.state, actions = decide(self.state, event, time.monotonic())
+            self._observe(event)
             for action in actions:
                 pending.extend(self._execute(action))
         changed = (self.state.phase, self.state.attempt) != before
         if changed or isinstance(item, (Tick, Started)):  # Started: "starting" while checkpoints are verified
             self._write_status(durable=changed)
             self._systemd.observe(self.state, time.monotonic(), launched=self._launcher.launched)
+
+    def _observe(self, event: Event) -> None:
+        now = time.monotonic()
+        for observer in self._observers:
+            for level, name, fields in observer.observe(event, self.state, now):
+                getattr(self.log, level)(name, **fields)
 
     def _translate(self, item: Any) -> list[Event]:
         """Turn adapter hints into core events; a Tick also polls the launcher (hints can be lost)."""
@@ -492,6 +514,13 @@ class Supervisor:
             self.log.info("checkpoint_rotated", step=step)
         return doomed
 
+    def _completed_at(self, step: int) -> float | None:
+        """When the newest complete checkpoint was completed (for its age in the metrics), looked up once per step."""
+        if self._newest_checkpoint is None or self._newest_checkpoint[0] != step:
+            when = completed_at(self.layout.checkpoints, self.config.world_size, self.config.worker.prefix, step)
+            self._newest_checkpoint = (step, when)
+        return self._newest_checkpoint[1]
+
     def _write_status(self, *, durable: bool) -> None:
         steps = self._record_health(
             self.layout.checkpoints.complete_steps(self.config.world_size, self.config.worker.prefix))
@@ -502,13 +531,27 @@ class Supervisor:
             "supervisor_pid": os.getpid(),
             "started_at": self._started_at,
             "last_checkpoint": {"step": steps[-1]} if steps else None,
+            "last_checkpoint_at": self._completed_at(steps[-1]) if steps else None,
             "logs": str(self.layout.attempt_log(self.state.attempt, 0, "err").parent),
             **self._launcher.details(),
         }
+        for observer in self._observers:
+            extra.update(observer.status())
+        status = snapshot(self.state, now=time.monotonic(), extra=extra)
         try:
-            write_status(self.layout, snapshot(self.state, now=time.monotonic(), extra=extra), durable=durable)
+            write_status(self.layout, status, durable=durable)
         except OSError as exc:  # a full disk must not kill supervision; the journal says why status is stale
             self.log.error("status_write_failed", error=str(exc))
+        for listener in self.status_listeners:  # the live console line, metrics
+            listener(status)
+
+
+def _previous_status(layout: RunLayout) -> dict[str, Any]:
+    """What a previous supervisor of this run dir last wrote (observers validate what they take from it)."""
+    try:
+        return read_status(layout)
+    except StatusError:
+        return {}
 
 
 def _previous_step_gaps(layout: RunLayout, window: int) -> tuple[float, ...]:

@@ -37,6 +37,7 @@ from supervisor.launcher import Spawned, publish_order
 from supervisor.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes
 from supervisor.ranks import Attempt, Placement, contract_env, rank_argv
 from supervisor.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, outside_collectives
+from supervisor.watch import progress_fields
 from supervisor.wire import Peer, WireError
 from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import open_append
@@ -329,7 +330,8 @@ class SlurmLauncher:
     def _beat(self, node: _Node, record: Any) -> HeartbeatSeen | None:
         if not isinstance(record, dict):
             return None
-        beat = HeartbeatSeen(**{k: record.get(k) for k in ("attempt", "rank", "seq", "step", "phase", "step_time_s")})
+        fields = ("attempt", "rank", "seq", "step", "phase", "step_time_s")
+        beat = HeartbeatSeen(**{k: record.get(k) for k in fields}, **progress_fields(record))
         ok = beat.rank in node.ranks and beat.attempt == self._attempt and all(
             type(v) is int and v >= 0 for v in (beat.seq, beat.step)) and isinstance(beat.phase, str) and (
             beat.step_time_s is None or (type(beat.step_time_s) in (int, float) and beat.step_time_s > 0))

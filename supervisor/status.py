@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from supervisor.core import Failure, State
+from supervisor.goodput import describe as describe_goodput
 from supervisor.hangs import TRAIN_PHASE, phase_timeout
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, read_json
@@ -109,6 +110,8 @@ def render(status: dict[str, Any]) -> str:
                  + (f"; resumed from step {status['resumed_from']['step']}" if status.get("resumed_from") else ""))
     for skipped in status.get("passed_over") or []:
         lines.append(f"  passed over step {skipped['step']}: {skipped['reason']}")
+    if goodput := describe_goodput(status.get("goodput")):  # None for a missing or tampered block
+        lines.append(f"  {goodput}")
     lines += _heartbeat_lines(status)
     lines += _node_lines(status)
     for rank in status["ranks"]:
@@ -116,6 +119,8 @@ def render(status: dict[str, Any]) -> str:
         beat = "no heartbeat" if age is None else f"heartbeat {age:.1f} s ago ({rank.get('heartbeat_phase')})"
         code = "" if rank.get("returncode") is None else f", exit {rank['returncode']}"
         lines.append(f"  rank {rank['rank']}: pid {rank['pid']}, step {rank['step']}, {beat}{code}")
+    lines += [f"  slow rank {slow['rank']}: {slow['compute_s']:.3g} s of compute per step, {slow['slower_by']:.0%} "
+              f"above the other ranks' median ({slow['median_s']:.3g} s)" for slow in status.get("stragglers") or []]
     if hang := status.get("hang"):
         stacks = ", ".join(hang["stacks"]) or "none collected"
         named = " (the only rank outside a collective)" if hang.get("named_by") == "stacks" else ""

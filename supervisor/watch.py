@@ -3,6 +3,7 @@ files is the truth."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,7 @@ class StopFileWatcher(_Watcher):
 
 MAX_HEARTBEAT_BYTES = 4096  # a record is about 150 bytes
 MAX_PHASE_CHARS = 64
+MAX_PROGRESS = 2**53  # any number a heartbeat reports: beyond it, it is garbage
 
 
 class HeartbeatUnreadable(Exception):
@@ -122,6 +124,7 @@ def read_heartbeat(path: Path, rank: int) -> HeartbeatSeen | None:
             step=_count(record, "step"),
             phase=_phase(record.get("phase")),
             step_time_s=_positive_or_none(record.get("step_time_s")),
+            **progress_fields(record),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise HeartbeatUnreadable(f"{path}: missing or bad field {exc}") from None
@@ -143,5 +146,20 @@ def _phase(value: object) -> str:
     return value
 
 
+def progress_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A heartbeat's optional progress fields, each None unless it is a sane number (the file is untrusted)."""
+    total = record.get("total_steps")
+    save_s = _finite_or_none(record.get("save_s"))
+    return {"loss": _finite_or_none(record.get("loss")), "compute_s": _positive_or_none(record.get("compute_s")),
+            "total_steps": total if type(total) is int and 0 < total <= MAX_PROGRESS else None,
+            "save_s": save_s if save_s is not None and save_s >= 0 else None}
+
+
+def _finite_or_none(value: object) -> float | None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if number and math.isfinite(value) and abs(value) <= MAX_PROGRESS else None
+
+
 def _positive_or_none(value: object) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+    number = _finite_or_none(value)
+    return number if number is not None and number > 0 else None

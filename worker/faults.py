@@ -10,6 +10,8 @@ Kinds:
 - `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
 - `sigstop`: the rank freezes itself with SIGSTOP after step STEP (as `kill -STOP` from outside would).
 - `slow_save`: the checkpoint save of step STEP takes ARG seconds longer (default 5).
+- `slow`: a straggler: from step STEP on, every step's compute takes ARG seconds longer on this rank (default
+  0.05; at most 3600), before the step guard's all-reduce, so its peers wait for it there (needs `guard_step`).
 - `spike`: gradients are scaled by 1000 on this rank when step STEP is attempted, ARG times in a row
   (default 1; skipped steps do not advance the step, so a streak retries the same step number).
 - `nan`: like `spike`, with a NaN written into the gradients.
@@ -30,8 +32,10 @@ __all__ = ["ENV_FAULTS", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_f
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
 KINDS = ("sigkill", "sigkill_in_save", "sigkill_after_save", "hang", "hang_in_save", "sigstop", "slow_save",
-         "spike", "nan", "sdc")
+         "slow", "spike", "nan", "sdc")
 GRADIENT_KINDS = ("spike", "nan")
+SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
+MAX_SLOW_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class Fault:
     rank: int
     kind: str
     step: int
-    arg: float | None = None  # seconds for slow_save, repetitions for spike and nan, the factor for sdc
+    arg: float | None = None  # seconds for slow_save and slow, repetitions for spike and nan, the factor for sdc
     target: str | None = None  # the layer an sdc fault corrupts
 
 
@@ -64,6 +68,8 @@ def _parse_item(item: str) -> Fault:
         raise ValueError(f"{ENV_FAULTS}: unknown fault kind {fault.kind!r} in {item!r}; known: {', '.join(KINDS)}")
     if fault.target is not None and fault.kind != "sdc":
         raise ValueError(f"{ENV_FAULTS}: only sdc faults name a layer, in {item!r}")
+    if fault.kind == "slow" and fault.arg is not None and not 0 <= fault.arg <= MAX_SLOW_S:
+        raise ValueError(f"{ENV_FAULTS}: a slow fault's seconds must be between 0 and {MAX_SLOW_S:g}, in {item!r}")
     return fault
 
 
@@ -76,6 +82,7 @@ class FaultPlan:
         self._due = {(f.kind, f.step): f for f in faults if armed and f.rank == rank}
         self._on_fire = on_fire
         self._repeats = {key: int(f.arg or 1) for key, f in self._due.items() if f.kind in GRADIENT_KINDS}
+        self._slow = min((f for f in self._due.values() if f.kind == "slow"), key=lambda f: f.step, default=None)
 
     @classmethod
     def from_env(cls, *, rank: int, attempt: int, on_fire: Callable[[Fault], None] = lambda fault: None) -> FaultPlan:
@@ -98,6 +105,14 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGSTOP)
         if self.due("hang", step):
             hang_forever()
+
+    def in_compute(self, step: int) -> None:
+        """Fire the faults that strike inside each step's compute, before the step guard's all-reduce."""
+        slow = self._slow
+        if slow is None or step < slow.step:
+            return
+        self.strike_once("slow", slow.step)  # announced once; it slows every step from then on
+        time.sleep(SLOW_S if slow.arg is None else slow.arg)
 
     def in_save(self, step: int) -> None:
         """Fire the faults that strike inside a checkpoint save, before anything is written."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -13,7 +14,10 @@ __all__ = ["Heartbeat"]
 
 
 class Heartbeat:
-    """Writes `{"seq", "step", "phase", ...}` to one file, at most once per `interval_s` per phase."""
+    """Writes `{"seq", "step", "phase", ...}` to one file, at most once per `interval_s` per phase.
+
+    Besides, for people and the supervisor's observers: the last step's `loss`, the smoothed `compute_s` (a step's
+    time before it waits for peers), the loop's `total_steps` and the `save_s` spent in checkpoint saves so far."""
 
     def __init__(self, path: Path, *, root: Path, rank: int, attempt: int, interval_s: float) -> None:
         self.path = path
@@ -25,15 +29,25 @@ class Heartbeat:
         self._phase = ""
         self._failures = 0
         self._step_time_s: float | None = None
+        self._compute_s: float | None = None
+        self._loss: float | None = None
+        self.total_steps: int | None = None  # `warden.steps(total)`'s total
+        self.save_s = 0.0  # seconds spent in checkpoint saves by this process
 
-    def beat(self, step: int, phase: str, *, force: bool = False, step_time_s: float | None = None) -> None:
+    def beat(self, step: int, phase: str, *, force: bool = False, step_time_s: float | None = None,
+             compute_s: float | None = None, loss: float | None = None) -> None:
         """Record progress; writes only when the interval has passed, the phase changed, or forced.
 
         `step_time_s` (the last step's duration) is smoothed, so the supervisor can tell how far ranks get
-        in a given time (it picks the step a stop order names from it)."""
+        in a given time (it picks the step a stop order names from it); so is `compute_s`, the part of it up to
+        `guard_step`, before any wait for peers there (a rank slower than its peers shows a larger one). `loss` is kept
+        until the next one (a non-finite one is written as null)."""
         if step_time_s is not None:
-            smoothed = self._step_time_s
-            self._step_time_s = step_time_s if smoothed is None else 0.8 * smoothed + 0.2 * step_time_s
+            self._step_time_s = _smoothed(self._step_time_s, step_time_s)
+        if compute_s is not None:
+            self._compute_s = _smoothed(self._compute_s, compute_s)
+        if loss is not None:
+            self._loss = loss if math.isfinite(loss) else None
         now = time.monotonic()
         if not force and phase == self._phase and now - self._last_write < self.interval_s:
             return
@@ -41,7 +55,8 @@ class Heartbeat:
         self._phase = phase
         self._last_write = now
         record = {**self._static, "seq": self._seq, "step": step, "phase": phase, "time": time.time(),
-                  "step_time_s": self._step_time_s}
+                  "step_time_s": self._step_time_s, "compute_s": self._compute_s, "loss": self._loss,
+                  "total_steps": self.total_steps, "save_s": round(self.save_s, 6)}
         try:
             # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.
             atomic_write_json(self.path, record, root=self._root, durable=False)
@@ -49,3 +64,7 @@ class Heartbeat:
             self._failures += 1
             if self._failures == 1 or self._failures % 1000 == 0:
                 print(f"trainwarden: heartbeat write failed ({self._failures}x): {exc}", file=sys.stderr)
+
+
+def _smoothed(previous: float | None, value: float) -> float:
+    return value if previous is None else 0.8 * previous + 0.2 * value

@@ -118,6 +118,8 @@ class Warden:
         self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
         self._phase = "startup"
         self._last_step_end = time.perf_counter()
+        self._compute_since = self._last_step_end  # a step's compute starts here: after the last step or phase
+        self._compute_s: float | None = None  # this step's, from guard_step to step_done (None: no guard_step)
         self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt), self.layout.root)
         self._term_pending = False  # a SIGTERM arrived during a save; it takes effect when the save is done
         self._orders = StopOrders(self.layout.stop_order)
@@ -143,7 +145,7 @@ class Warden:
         if self.batches < skip_to:
             self.log.warning("data_window_skipped", from_batch=self.batches, to_batch=skip_to, step=self.step)
             self.batches = skip_to
-        self._last_step_end = time.perf_counter()
+        self._last_step_end = self._compute_since = time.perf_counter()
         return step
 
     def _load_resume_checkpoint(self) -> int:
@@ -220,6 +222,10 @@ class Warden:
         2 or 3.
         """
         step, batch = self.step + 1, self.batches
+        self._faults.in_compute(step)
+        # Compute ends here; then comes waiting for peers: the guard's all-reduce, and on a GPU the host's first sync
+        # (the clip), which waits for DDP's gradient all-reduce.
+        self._compute_s = time.perf_counter() - self._compute_since
         loss_scale = self._loss_scale()
         fault = self._features.verdict(step=step, batch=batch, loss_scale=loss_scale)
         held = self._orders.poll()
@@ -248,6 +254,7 @@ class Warden:
     def steps(self, total: int) -> Iterator[int]:
         """The training loop: resumes (if not done yet), then yields the number of the step to attempt until
         `total` steps are applied or a stop was ordered. A skipped batch yields the same number again."""
+        self._heartbeat.total_steps = _whole_or_none(total)
         if not self._resumed:
             self.resume()
         while self.step < total and not self.should_stop:
@@ -265,6 +272,7 @@ class Warden:
             leave(0)
         now = time.perf_counter()
         step_time_s, self._last_step_end = now - self._last_step_end, now
+        compute_s, self._compute_s, self._compute_since = self._compute_s, None, now
         if self._decision is None:  # no guard_step: judge the feature values here, on this rank alone
             self._judge_unguarded()
         applied, guarded_norm, save_due = self._decision or (True, grad_norm, None)
@@ -282,7 +290,7 @@ class Warden:
             **fields,
         )
         self._phase = "train"
-        self._heartbeat.beat(self.step, "train", step_time_s=step_time_s)
+        self._heartbeat.beat(self.step, "train", step_time_s=step_time_s, compute_s=compute_s, loss=float(loss))
         if not applied:
             return False
         self._faults.after_step(self.step)
@@ -292,7 +300,7 @@ class Warden:
         elif _due(self.step, self.config.snapshot_steps):
             self.snapshot(self.step)
         self._obey_stop_order(saved)
-        self._last_step_end = time.perf_counter()  # a save is not part of the next step's time
+        self._last_step_end = self._compute_since = time.perf_counter()  # a save is not part of the next step
         return True
 
     def _checkpoint_due(self, agreed: bool | None) -> bool:
@@ -380,6 +388,7 @@ class Warden:
             yield
         finally:
             self._phase = previous
+            self._compute_since = time.perf_counter()  # an eval between steps is not the next step's compute
             self._heartbeat.beat(self.step, previous, force=True)
             if name == SAVE_PHASE and self._term_pending:
                 self.log.warning("stopped_after_save", step=self.step)
@@ -430,6 +439,7 @@ class Warden:
         self._last_save = time.monotonic()
         if store == self.layout.checkpoints:
             self._saved_at = step
+        self._heartbeat.save_s += time.perf_counter() - started
         self._faults.after_save(step)
         return path
 
@@ -547,6 +557,14 @@ def _or_config_error(read: Callable[[], Any]) -> Any:
     except (TypeError, ValueError) as exc:
         print(f"trainwarden: worker config error: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
+
+
+def _whole_or_none(total: Any) -> int | None:
+    """`steps(total)`'s total for the heartbeat; None for an endless loop's `math.inf` or anything odd."""
+    try:
+        return int(total) if math.isfinite(total) else None
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _due(step: int, every: int) -> bool:

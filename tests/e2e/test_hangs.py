@@ -209,6 +209,13 @@ def test_sigkill_of_the_supervisor_takes_every_rank_along(tmp_path: Path) -> Non
     wait_until(ranks_gone, timeout=2.0, what="ranks to die with the supervisor")
 
 
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_restarted_supervisor_kills_what_its_killed_predecessor_left(tmp_path: Path) -> None:
     """A grandchild that outlived a SIGKILLed supervisor is killed by the next supervisor before it launches."""
     run_dir = tmp_path / "run"
@@ -223,9 +230,13 @@ def test_restarted_supervisor_kills_what_its_killed_predecessor_left(tmp_path: P
 
     try:
         wait_until(lambda: len(recorded()) >= 6, timeout=30, what="2 ranks and 4 grandchildren recorded")
+        ranks = [wait_until(lambda r=r: heartbeat(run_dir, r), timeout=30, what=f"rank {r} beating")["pid"]
+                 for r in (0, 1)]
     finally:
         first.kill()
         first.communicate(timeout=10)
+    # The ranks die with the supervisor (parent-death signal), a moment later on a busy machine: not leftovers.
+    wait_until(lambda: not any(map(alive, ranks)), timeout=10, what="the ranks to die with the supervisor")
     escaped = [p for p in tagged_processes(os.environ[TAG_ENV]) if os.getpgid(p.pid) == p.pid]
     assert escaped, "the grandchild in its own session outlives the supervisor"
 

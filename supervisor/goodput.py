@@ -1,0 +1,293 @@
+"""Goodput (effective training time ratio): where the run's wall time went, kept across supervisor restarts.
+
+Pure bookkeeping on the supervisor's monotonic clock, from the events the runner shows observers. The time between
+two events goes to exactly one category (the one the state after the first of them says), and later facts only move
+time between categories, so the categories always add up to `wall_s`:
+
+- `wall_s`: the time supervisors of this run dir have supervised it (from `Started` to the end, all lifetimes
+  together), plus the gaps between lifetimes counted below (stopped, or a supervisor's death).
+- `productive_s`: time training steps that were kept: from an attempt's first step progress (a heartbeat of the
+  attempt at a step above any it showed, or above the step it resumed from) to its end (for a clean end: the last
+  rank's exit, its shutdown included), less the other categories.
+- `lost_s`: training that was thrown away. When an attempt resumes from step R, the time earlier attempts trained
+  past step R (up to their last progress) moves from productive to lost; the time from an attempt's last progress to
+  its failure or forced stop (the step in flight) is lost at once. An anomaly rollback (resuming further back) and a
+  supervisor that died mid-run (its successor resumes from the newest checkpoint) lose work the same way.
+- `restart_s`: downtime from a failure to the next attempt's first step progress: stopping the failed attempt,
+  backoff, process start, checkpoint load, up to the first step. The first launch's start-up (`Started` to the first
+  step) counts here too ("startup": as ByteRobust, initial start-up is unproductive), and so does the gap while no
+  supervisor ran after one died mid-run (the state file was left in a non-final state).
+- `save_s`: time spent saving checkpoints, from the heartbeats' cumulative `save_s` (the most any rank of the attempt
+  reports), taken out of training time (kept or not); saves of checkpoints never used count here too.
+- `hang_s`: from the last progress of an attempt to the moment a hang is declared (from the launch, for a hang
+  before the first step); stopping the hung attempt afterwards is restart time.
+- `stopped_s`: time stopping on request (the core STOPPING to stop, not to relaunch), and the wall-clock gap
+  (time.time()) between a supervisor that ended stopped or failed and the next one of this run dir.
+- `ratio`: productive_s / wall_s.
+
+A run whose ranks send no heartbeats (no worker library) shows only start-up while running; an attempt of it that
+ends cleanly counts as productive. An attempt that beats but never gets past its resume step trained nothing.
+Steps are tracked as a kept timeline, (step, productive seconds when it was first seen) points, thinned in the past;
+rolling back to step R interpolates between the points around R.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from supervisor.core import Event, HeartbeatSeen, Phase, RanksLaunched, State, Then
+from supervisor.observe import JournalRecord
+
+__all__ = ["CATEGORIES", "Goodput", "describe"]
+
+CATEGORIES = ("productive_s", "lost_s", "restart_s", "save_s", "hang_s", "stopped_s")
+KEPT_MAX = 4096  # kept-timeline points in memory: the recent ones at full resolution, older ones thinned
+KEPT_SAVED = 32  # of them, in the state file for the next supervisor (a rollback after its death)
+KEPT_RECENT = 16  # of those, the newest: a resume goes back to a recent checkpoint
+_TAIL = "tail"  # training since the attempt's last progress: kept if the attempt ends well, else lost or a hang
+
+
+class Goodput:
+    """Splits wall time into productive, lost, restart, save, hang and stopped time; see the module docstring."""
+
+    def __init__(self, previous: Mapping[str, Any] | None = None, *, wall_now: float = math.nan) -> None:
+        """`previous`: the state file an earlier supervisor of this run dir left (its totals carry over);
+        `wall_now`: time.time() now, for the gap since it was written."""
+        carried, self._kept = _carried(previous or {})  # kept: (step, productive_s when first seen), from step 0
+        self._totals = {name: carried.get(name, 0.0) for name in CATEGORIES}
+        gap, category = _gap(previous or {}, wall_now) if carried else (0.0, None)  # no totals: nothing known
+        if category is not None:
+            self._totals[category] += gap
+        self._wall = sum(self._totals.values())
+        self._tail = 0.0
+        self._last: float | None = None  # monotonic time of the last event seen
+        self._category: str | None = None  # where the time from `_last` on goes
+        self._attempt: int | None = None  # the attempt whose progress is tracked
+        self._running = False  # it was RUNNING after the last event
+        self._launched_at = 0.0
+        self._top = 0  # the highest step it showed (progress is a step above it)
+        self._progressed = False
+        self._heard = False  # it sent a heartbeat: it reports its steps (the worker library)
+        self._trained = 0.0  # productive time of this attempt, for save time to come out of
+        self._saves: dict[int, float] = {}  # rank -> cumulative save_s its process reported
+        self._ended = False
+
+    def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
+        if self._last is not None and self._category is not None and now > self._last:
+            self._add(self._category, now - self._last)
+            self._wall += now - self._last
+        self._last = now if self._last is None else max(self._last, now)
+        records: list[JournalRecord] = []
+        if isinstance(event, RanksLaunched) and event.attempt == state.attempt and state.phase is Phase.RUNNING:
+            records += self._launched(event, now)
+        elif isinstance(event, HeartbeatSeen) and event.attempt == self._attempt and self._running:
+            self._beat(event)
+        if self._running and (state.phase is not Phase.RUNNING or state.attempt != self._attempt):
+            self._attempt_ended(state, now)
+        self._running = state.phase is Phase.RUNNING and state.attempt == self._attempt
+        self._category = _category(state, self._progressed)
+        if state.phase.terminal and not self._ended:
+            self._ended = True
+            records.append(("info", "goodput", self.status()["goodput"]))
+        return records
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per category (unrounded; training since the last progress counts as productive) and wall_s."""
+        totals = dict(self._totals)
+        totals["productive_s"] += self._tail
+        return {"wall_s": self._wall, **totals}
+
+    def status(self) -> dict[str, Any]:
+        totals = self.totals()
+        ratio = totals["productive_s"] / totals["wall_s"] if totals["wall_s"] > 0 else None
+        goodput = {name: round(value, 3) for name, value in totals.items()}
+        return {"goodput": {**goodput, "ratio": None if ratio is None else round(ratio, 4)},
+                "goodput_kept": [[step, round(kept, 3)] for step, kept in _saved_points(self._kept)]}
+
+    # ---- events ----
+
+    def _launched(self, event: RanksLaunched, now: float) -> list[JournalRecord]:
+        self._attempt, self._launched_at = event.attempt, now
+        self._top = max(0, event.resume_step or 0)
+        self._progressed, self._heard, self._trained, self._saves = False, False, 0.0, {}
+        self._add("productive_s", self._take(_TAIL, self._tail))  # nothing pending normally: a failure resolved it
+        before = self._kept[-1][0]
+        lost = self._roll_back(self._top)
+        if lost <= 0:
+            return []
+        return [("info", "work_lost", {"attempt": event.attempt, "resume_step": event.resume_step,
+                                       "last_step": before, "lost_s": round(lost, 3)})]
+
+    def _beat(self, event: HeartbeatSeen) -> None:
+        self._heard = True
+        if event.save_s is not None and math.isfinite(event.save_s) and event.save_s >= 0:
+            before = max(self._saves.values(), default=0.0)
+            self._saves[event.rank] = event.save_s
+            saved = max(self._saves.values()) - before
+            if saved > 0:  # out of the training since the last progress first, then of this attempt's kept time
+                moved = self._take(_TAIL, saved)
+                moved += self._take("productive_s", min(saved - moved, self._trained))
+                self._add("save_s", moved)
+        if event.step > self._top:
+            if self._progressed:
+                self._add("productive_s", self._take(_TAIL, self._tail))
+            self._progressed, self._top = True, event.step
+            self._kept.append((event.step, self._totals["productive_s"]))
+            if len(self._kept) > KEPT_MAX:
+                self._kept = _thinned(self._kept)
+
+    def _attempt_ended(self, state: State, now: float) -> None:
+        """The tracked attempt left RUNNING: its training since the last progress is kept, lost or a hang."""
+        hang = state.hang is not None and state.hang.attempt == self._attempt
+        clean = state.phase in (Phase.FINISHED, Phase.STOPPED) and all(r.returncode == 0 for r in state.ranks)
+        if hang and not self._progressed:  # hung before its first step: its whole start-up was waiting for it
+            self._add("hang_s", self._take("restart_s", now - self._launched_at))
+        elif clean and not self._heard:  # no heartbeat (no worker library), yet it did its work
+            self._add("productive_s", self._take("restart_s", now - self._launched_at))
+        self._add("hang_s" if hang else "productive_s" if clean else "lost_s", self._take(_TAIL, self._tail))
+
+    # ---- the kept timeline ----
+
+    def _roll_back(self, step: int) -> float:
+        """Training past `step` will be done again: it moves from productive to lost; the seconds moved."""
+        kept = self._kept
+        if kept[-1][0] <= step:
+            return 0.0
+        i = bisect.bisect_right(kept, (step, math.inf)) - 1  # kept[0] is step 0: i >= 0 for any step >= 0
+        (s0, c0), (s1, c1) = kept[i], kept[i + 1]
+        at = min(c0 + (c1 - c0) * (step - s0) / (s1 - s0), self._totals["productive_s"])
+        del kept[i + 1:]
+        if step > s0:
+            kept.append((step, at))
+        lost = self._take("productive_s", self._totals["productive_s"] - at)
+        self._add("lost_s", lost)
+        return lost
+
+    # ---- moving seconds ----
+
+    def _add(self, category: str, seconds: float) -> None:
+        if category == _TAIL:
+            self._tail += seconds
+            return
+        self._totals[category] += seconds
+        if category == "productive_s":
+            self._trained += seconds
+
+    def _take(self, category: str, seconds: float) -> float:
+        """Take up to `seconds` out of `category` (never below zero); what was taken."""
+        if category == _TAIL:
+            taken = max(0.0, min(seconds, self._tail))
+            self._tail -= taken
+            return taken
+        taken = max(0.0, min(seconds, self._totals[category]))
+        self._totals[category] -= taken
+        if category == "productive_s":
+            self._trained = max(0.0, self._trained - taken)
+        return taken
+
+
+def _category(state: State, progressed: bool) -> str | None:
+    """Where the time after an event goes, by the state it left."""
+    if state.phase is Phase.RUNNING:
+        return _TAIL if progressed else "restart_s"
+    if state.phase is Phase.STOPPING:
+        return "stopped_s" if state.then is Then.STOP else "restart_s"
+    if state.phase.terminal:
+        return None
+    return "restart_s"  # STARTING, BACKOFF
+
+
+def _thinned(kept: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Every other point of the older half dropped (the first, step 0, stays): recent steps keep full resolution."""
+    half = len(kept) // 2
+    return [kept[0], *kept[2:half:2], *kept[half:]]
+
+
+def _saved_points(kept: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """At most KEPT_SAVED points: the first, some spread over the past, and the newest KEPT_RECENT."""
+    if len(kept) <= KEPT_SAVED:
+        return kept
+    past = kept[1:-KEPT_RECENT]
+    stride = -(-len(past) // (KEPT_SAVED - KEPT_RECENT - 1))
+    return [kept[0], *past[::stride], *kept[-KEPT_RECENT:]]
+
+
+# ---- what an earlier supervisor left (the run dir is untrusted: anything invalid is dropped) ----
+
+
+def _seconds(value: Any) -> bool:
+    """A finite, non-negative number (JSON's ints may be too large for a float)."""
+    try:
+        return type(value) in (int, float) and math.isfinite(value) and value >= 0
+    except OverflowError:
+        return False
+
+
+def _carried(previous: Mapping[str, Any]) -> tuple[dict[str, float], list[tuple[int, float]]]:
+    """The previous totals (all valid, or none) and its kept timeline (or one point holding all its productive
+    time: without steps, none of it can be rolled back)."""
+    goodput = previous.get("goodput")
+    if not isinstance(goodput, Mapping) or not all(_seconds(goodput.get(name)) for name in CATEGORIES):
+        return {}, [(0, 0.0)]
+    totals = {name: float(goodput[name]) for name in CATEGORIES}
+    kept = _carried_points(previous.get("goodput_kept"), totals["productive_s"])
+    return totals, kept or [(0, totals["productive_s"])]
+
+
+def _carried_points(points: Any, productive: float) -> list[tuple[int, float]] | None:
+    if not isinstance(points, list) or not 0 < len(points) <= KEPT_SAVED:
+        return None
+    kept: list[tuple[int, float]] = []
+    for point in points:
+        if not isinstance(point, list) or len(point) != 2:
+            return None
+        step, seconds = point
+        if type(step) is not int or not _seconds(seconds) or seconds > productive:
+            return None
+        if kept and (step <= kept[-1][0] or seconds < kept[-1][1]):
+            return None
+        kept.append((step, float(seconds)))
+    return kept if kept[0][0] == 0 else None
+
+
+def _gap(previous: Mapping[str, Any], wall_now: float) -> tuple[float, str | None]:
+    """The wall-clock time since the previous supervisor last wrote its state, and where it goes: stopped after a
+    stop or a failure, restart after a supervisor that died mid-run; nowhere after a finished run."""
+    updated_at = previous.get("updated_at")
+    if not _seconds(updated_at) or not math.isfinite(wall_now):
+        return 0.0, None
+    died = ("starting", "running", "stopping", "backoff")  # its successor restarts the run
+    category = {"stopped": "stopped_s", "failed": "stopped_s", **dict.fromkeys(died, "restart_s")}.get(
+        previous.get("state"))
+    return max(0.0, wall_now - updated_at), category
+
+
+# ---- for people ----
+
+
+def describe(goodput: Any) -> str | None:
+    """'goodput 87.3 % (productive 12m04s, lost 41s, ...)'; None for a missing or malformed block, or no time yet."""
+    if not isinstance(goodput, Mapping) or not all(_seconds(goodput.get(n)) for n in ("wall_s", *CATEGORIES)):
+        return None
+    if goodput["wall_s"] == 0:
+        return None
+    ratio = goodput.get("ratio")
+    share = f"{100 * ratio:.1f} %" if _seconds(ratio) else "n/a"
+    parts = [("productive", "productive_s"), ("lost", "lost_s"), ("restarts", "restart_s"), ("saves", "save_s"),
+             ("hangs", "hang_s"), ("stopped", "stopped_s")]
+    return f"goodput {share} (" + ", ".join(f"{word} {duration(goodput[key])}" for word, key in parts) + ")"
+
+
+def duration(seconds: float) -> str:
+    """41s, 12m04s, 3h07m, 2d05h: as precise as a glance needs."""
+    whole = int(round(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"

@@ -1,0 +1,69 @@
+"""Observers: bookkeeping beside the decision core (progress, goodput, stragglers) that never changes a decision.
+
+The runner shows every core event, once decided, to each observer with the state after it and the monotonic time;
+an observer answers with journal records to write, and lends its `status()` to the state file. Observers are pure
+(no I/O, no clock of their own), so they are tested with plain values and a fake clock.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+from supervisor.core import Event, HeartbeatSeen, State
+
+__all__ = ["JournalRecord", "Observer", "Progress"]
+
+JournalRecord = tuple[str, str, dict[str, Any]]  # (level, event name, fields)
+RATE_WINDOW_S = 30.0  # steps per second over about this long: smooth, yet quick to follow a slowdown
+
+
+class Observer(Protocol):
+    def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
+        """Take in one decided event; journal records to write (usually none)."""
+
+    def status(self) -> dict[str, Any]:
+        """Top-level keys for the state file."""
+
+
+class Progress:
+    """Where training stands: the newest step any rank reached, its loss, steps per second and time to go."""
+
+    def __init__(self) -> None:
+        self._attempt = 0
+        self._step: int | None = None
+        self._total: int | None = None
+        self._loss: float | None = None
+        self._samples: list[tuple[float, int]] = []  # (time, step) of this attempt, oldest first, ~RATE_WINDOW_S
+
+    def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
+        if not isinstance(event, HeartbeatSeen) or event.attempt != state.attempt:
+            return []
+        if event.attempt != self._attempt:  # a relaunch: its steps per second start afresh
+            self._attempt, self._samples = event.attempt, []
+        if event.total_steps is not None:
+            self._total = event.total_steps
+        if self._step is None or event.step >= self._step or not self._samples:
+            self._step = event.step
+            if event.loss is not None:
+                self._loss = event.loss
+            self._samples.append((now, event.step))
+            while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+                self._samples.pop(0)
+        return []
+
+    @property
+    def steps_per_s(self) -> float | None:
+        if len(self._samples) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._samples[0], self._samples[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+
+    def status(self) -> dict[str, Any]:
+        rate = self.steps_per_s
+        left = None if self._total is None or self._step is None else max(0, self._total - self._step)
+        eta = None if left is None or not rate else left / rate
+        return {"progress": {"step": self._step, "total_steps": self._total, "loss": self._loss,
+                             "steps_per_s": None if rate is None else round(rate, 3),
+                             "eta_s": None if eta is None or not math.isfinite(eta) else round(eta, 1),
+                             "attempt": self._attempt}}

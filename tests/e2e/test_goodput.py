@@ -1,0 +1,58 @@
+"""Goodput of a real 2-rank gloo run with an injected kill: the split matches what the logs say happened."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from supervisor.goodput import CATEGORIES, describe
+from tests.e2e.conftest import REPO, journal, run_supervisor, write_config
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def seconds(stamp: str) -> float:
+    """A journal or rank-log time (ISO 8601, UTC) as seconds since the epoch."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def step_times(run_dir: Path, rank: int) -> dict[tuple[int, int], float]:
+    """(attempt, step) -> when `rank` logged finishing it."""
+    events = (json.loads(line) for line in (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").open())
+    return {(e["attempt"], e["step"]): seconds(e["time"]) for e in events if e.get("event") == "step"}
+
+
+def test_goodput_of_a_run_with_one_kill(tmp_path: Path):
+    """Rank 1 SIGKILLed after step 28 of 40 (checkpoints every 10): the relaunch resumes from 20, the training of
+    steps 21-28 is lost, start-up and kill-to-first-step are restart time, and the categories add up to wall_s."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", args=["--steps", "40"], env={"TRAINWARDEN_FAULTS": "1:sigkill@28"})
+    done = run_supervisor(config, run_dir, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
+    goodput = status["goodput"]
+
+    steps, events = step_times(run_dir, 0), journal(run_dir)
+    started, crash = (seconds(next(e["time"] for e in events if e["event"] == name))
+                      for name in ("supervisor_started", "rank_crashed"))
+    lost = steps[0, 28] - steps[0, 20]  # heartbeats show steps up to 0.5 s late; the step in flight adds a little
+    assert lost - 0.6 <= goodput["lost_s"] <= lost + 1.0, (lost, goodput)
+    restart = (steps[0, 1] - started) + (steps[1, 21] - crash)
+    assert restart - 1.0 <= goodput["restart_s"] <= restart + 1.5, (restart, goodput)
+    assert goodput["save_s"] > 0
+    assert goodput["hang_s"] == goodput["stopped_s"] == 0
+    assert sum(goodput[name] for name in CATEGORIES) == pytest.approx(goodput["wall_s"], rel=0.01)
+    assert 0 < goodput["ratio"] < 1
+    assert goodput["ratio"] == pytest.approx(goodput["productive_s"] / goodput["wall_s"], abs=1e-3)
+
+    line = describe(goodput)
+    assert line is not None and f"trainwarden: {line}\n" in done.stderr  # the final message
+    human = subprocess.run([sys.executable, "-m", "supervisor", "status", str(run_dir)], cwd=REPO,
+                           capture_output=True, text=True, timeout=30, check=True)
+    assert f"\n  {line}\n" in human.stdout
