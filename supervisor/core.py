@@ -203,6 +203,9 @@ class HeartbeatSeen:
     compute_s: float | None = None  # smoothed time per step before waiting for peers (a slow rank's is larger)
     total_steps: int | None = None  # the steps the loop trains to (`warden.steps(total)`)
     save_s: float | None = None  # seconds this rank process spent saving checkpoints so far
+    last_save_s: float | None = None  # the newest save's duration
+    skipped: int | None = None  # batches this rank process skipped
+    anomalies: tuple[tuple[str, int], ...] | None = None  # what this rank process saw itself: (kind, count)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,7 @@ def families(status: Mapping[str, Any], restarts: Mapping[str, int], *, now: flo
     written = _number(status.get("updated_at"))
     _ranks(status, 0.0 if written is None else max(0.0, now - written), out)
     _checkpoint(status, now, out)
+    _anomalies(status, out)
     return out.found
 
 
@@ -123,6 +124,13 @@ class _Families:
         from prometheus_client.core import GaugeMetricFamily
 
         self._add(GaugeMetricFamily(name, doc, labels=[label]), values)
+
+    def total(self, name: str, doc: str, value: Any) -> None:
+        from prometheus_client.core import CounterMetricFamily
+
+        number = _number(value)
+        if number is not None:
+            self.found.append(CounterMetricFamily(name, doc, value=number))
 
     def counter(self, name: str, doc: str, label: str, values: Mapping[str, Any]) -> None:
         from prometheus_client.core import CounterMetricFamily
@@ -177,8 +185,20 @@ def _ranks(status: Mapping[str, Any], since: float, out: _Families) -> None:
                      {label: int(rank["rank"] in flagged) for label, rank in ranks.items()})
 
 
+def _anomalies(status: Mapping[str, Any], out: _Families) -> None:
+    """Skipped batches and anomalies by kind (each rank's own sightings), counted since the supervisor started."""
+    if _number(status.get("skipped_steps")) is not None:
+        out.total("trainwarden_skipped_steps", "Batches skipped (anomalies and AMP overflows), since the supervisor "
+                  "started", status["skipped_steps"])
+    out.counter("trainwarden_anomalies", "Anomalies ranks saw, by kind (a rank's own sightings: non_finite, "
+                "global_norm_spike, amp_overflow, feature_value, ...), since the supervisor started", "kind",
+                _mapping(status.get("anomalies")))
+
+
 def _checkpoint(status: Mapping[str, Any], now: float, out: _Families) -> None:
-    """The newest complete checkpoint: its step, when it was completed and how long ago."""
+    """The newest complete checkpoint: its step, when it was completed and how long ago; the newest save's time."""
+    out.gauge("trainwarden_last_save_duration_seconds", "How long the newest checkpoint save took (the slowest rank)",
+              status.get("last_save_s"))
     out.gauge("trainwarden_last_checkpoint_step", "The step of the newest complete checkpoint",
               _mapping(status.get("last_checkpoint")).get("step"))
     completed = _number(status.get("last_checkpoint_at"))

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from supervisor.core import Event, HeartbeatSeen, State
 
-__all__ = ["JournalRecord", "Observer", "Progress"]
+__all__ = ["Counts", "JournalRecord", "Observer", "Progress"]
 
 JournalRecord = tuple[str, str, dict[str, Any]]  # (level, event name, fields)
 RATE_WINDOW_S = 30.0  # steps per second over about this long: smooth, yet quick to follow a slowdown
@@ -37,7 +37,8 @@ class Progress:
         self._samples: list[tuple[float, int]] = []  # (time, step) of this attempt, oldest first, ~RATE_WINDOW_S
 
     def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
-        if not isinstance(event, HeartbeatSeen) or event.attempt != state.attempt:
+        # A rank's start-up beats say step 0 until it has resumed: they are not progress.
+        if not isinstance(event, HeartbeatSeen) or event.attempt != state.attempt or event.phase == "startup":
             return []
         if event.attempt != self._attempt:  # a relaunch: its steps per second start afresh
             self._attempt, self._samples = event.attempt, []
@@ -67,3 +68,38 @@ class Progress:
                              "steps_per_s": None if rate is None else round(rate, 3),
                              "eta_s": None if eta is None or not math.isfinite(eta) else round(eta, 1),
                              "attempt": self._attempt}}
+
+
+class Counts:
+    """Skipped batches and anomalies by kind over every attempt this supervisor ran, and the newest save's duration.
+
+    A rank process counts from zero, so each attempt is kept apart: skips are agreed, the same on every rank (the
+    attempt's largest count is taken); anomalies are each rank's own sightings (summed over ranks).
+    """
+
+    def __init__(self) -> None:
+        self._skipped: dict[int, int] = {}  # attempt -> batches skipped
+        self._anomalies: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}  # (attempt, rank) -> counts
+        self._last_save: dict[int, float] = {}  # rank -> its newest save's duration, this attempt
+        self._attempt = 0
+
+    def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
+        if not isinstance(event, HeartbeatSeen) or event.attempt != state.attempt:
+            return []
+        if event.attempt != self._attempt:
+            self._attempt, self._last_save = event.attempt, {}
+        if event.skipped is not None:
+            self._skipped[event.attempt] = max(self._skipped.get(event.attempt, 0), event.skipped)
+        if event.anomalies is not None:
+            self._anomalies[event.attempt, event.rank] = event.anomalies
+        if event.last_save_s is not None:
+            self._last_save[event.rank] = event.last_save_s
+        return []
+
+    def status(self) -> dict[str, Any]:
+        kinds: dict[str, int] = {}
+        for counts in self._anomalies.values():
+            for kind, count in counts:
+                kinds[kind] = kinds.get(kind, 0) + count
+        return {"skipped_steps": sum(self._skipped.values()), "anomalies": dict(sorted(kinds.items())),
+                "last_save_s": max(self._last_save.values(), default=None)}

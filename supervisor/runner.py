@@ -60,7 +60,7 @@ from supervisor.journal import Journal
 from supervisor.launcher import Launcher, LocalLauncher, Spawned
 from supervisor.metrics import MetricsExporter
 from supervisor.notify import Notifier, ServiceReporter
-from supervisor.observe import Observer, Progress
+from supervisor.observe import Counts, Observer, Progress
 from supervisor.rank_logs import abort_info, count, last_event, last_step, stderr_tail
 from supervisor.ranks import Attempt
 from supervisor.status import StatusError, read_status, snapshot, write_status
@@ -141,7 +141,8 @@ class Supervisor:
         self._health_steps: list[int] = []  # those of them this world size wrote, less the rotated ones
         self._reported_junk: set[Any] = set()
         self._systemd = ServiceReporter(Notifier.from_environ(log=self.log))  # a no-op outside systemd
-        self._observers: list[Observer] = [Progress()]  # bookkeeping beside the core: it never decides anything
+        # Bookkeeping beside the core: it never decides anything.
+        self._observers: list[Observer] = [Progress(), Counts()]
         self._observers.append(Goodput(_previous_status(layout), wall_now=time.time()))  # carried over
         self._observers.append(Stragglers(config.stragglers))
         self.status_listeners: list[Callable[[dict[str, Any]], None]] = []  # shown each status, once it is written

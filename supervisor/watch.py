@@ -99,6 +99,7 @@ class StopFileWatcher(_Watcher):
 MAX_HEARTBEAT_BYTES = 4096  # a record is about 150 bytes
 MAX_PHASE_CHARS = 64
 MAX_PROGRESS = 2**53  # any number a heartbeat reports: beyond it, it is garbage
+MAX_ANOMALY_KINDS = 16  # the worker knows six
 
 
 class HeartbeatUnreadable(Exception):
@@ -149,10 +150,36 @@ def _phase(value: object) -> str:
 def progress_fields(record: dict[str, Any]) -> dict[str, Any]:
     """A heartbeat's optional progress fields, each None unless it is a sane number (the file is untrusted)."""
     total = record.get("total_steps")
-    save_s = _finite_or_none(record.get("save_s"))
     return {"loss": _finite_or_none(record.get("loss")), "compute_s": _positive_or_none(record.get("compute_s")),
-            "total_steps": total if type(total) is int and 0 < total <= MAX_PROGRESS else None,
-            "save_s": save_s if save_s is not None and save_s >= 0 else None}
+            "total_steps": total if _is_count(total) and total > 0 else None,
+            "save_s": _nonnegative_or_none(record.get("save_s")),
+            "last_save_s": _nonnegative_or_none(record.get("last_save_s")),
+            "skipped": record.get("skipped") if _is_count(record.get("skipped")) else None,
+            "anomalies": _anomaly_counts(record.get("anomalies"))}
+
+
+def _anomaly_counts(value: object) -> tuple[tuple[str, int], ...] | None:
+    """(kind, count) pairs from a mapping (the file) or a list of pairs (an agent's forward); None for garbage."""
+    pairs = value.items() if isinstance(value, dict) else value if isinstance(value, list) else None
+    if pairs is None:
+        return None
+    try:
+        counts = tuple((kind, count) for kind, count in pairs)
+    except (TypeError, ValueError):
+        return None
+    sane = len(counts) <= MAX_ANOMALY_KINDS and all(
+        isinstance(kind, str) and 0 < len(kind) <= MAX_PHASE_CHARS and kind.isprintable() and _is_count(count)
+        for kind, count in counts)
+    return tuple(sorted(counts)) if sane else None
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and 0 <= value <= MAX_PROGRESS
+
+
+def _nonnegative_or_none(value: object) -> float | None:
+    number = _finite_or_none(value)
+    return number if number is not None and number >= 0 else None
 
 
 def _finite_or_none(value: object) -> float | None:

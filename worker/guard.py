@@ -56,6 +56,8 @@ class StepGuard:
         self.threshold = monitor.global_norm_spike_threshold if skip_on_norm else None
         self.count_threshold = monitor.global_norm_spike_count_threshold
         self.detector = AnomalyDetector(self.threshold, config.adaptive_spike)
+        self.skipped = 0  # batches skipped, anomalies and AMP overflows alike
+        self.anomalies: dict[str, int] = {}  # what this rank saw itself, by kind: the heartbeat reports it
         self._log, self._faults, self._world_size, self._rank = log, faults, world_size, rank
 
     def check(
@@ -79,6 +81,9 @@ class StepGuard:
         agreed = self._agree(verdict.anomalous, overflow, save_due, grads, feature_fault, order_id)
         if agreed.suspects:
             return Verdict(False, grad_norm, agreed.suspects, agreed.orders)
+        self.skipped += agreed.anomaly or agreed.overflow
+        for kind in ("amp_overflow",) if overflow else verdict.reasons:
+            self.saw(kind)
         skip = agreed.anomaly
         if agreed.overflow and not skip:  # the scaler lowers its scale and skips the step itself
             self._log.info("amp_overflow", step=step, batch=batch, global_norm=_json_number(grad_norm))
@@ -93,6 +98,10 @@ class StepGuard:
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
         return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due)
+
+    def saw(self, kind: str) -> None:
+        """Count an anomaly this rank saw itself."""
+        self.anomalies[kind] = self.anomalies.get(kind, 0) + 1
 
     def _inject(self, grads: list[Any], step: int) -> None:
         kind = self._faults.gradient_fault(step)

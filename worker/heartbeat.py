@@ -17,7 +17,8 @@ class Heartbeat:
     """Writes `{"seq", "step", "phase", ...}` to one file, at most once per `interval_s` per phase.
 
     Besides, for people and the supervisor's observers: the last step's `loss`, the smoothed `compute_s` (a step's
-    time before it waits for peers), the loop's `total_steps` and the `save_s` spent in checkpoint saves so far."""
+    time before it waits for peers), the loop's `total_steps`, the `save_s` spent in checkpoint saves so far and the
+    newest one's `last_save_s`, the batches `skipped` and the `anomalies` this rank saw, by kind."""
 
     def __init__(self, path: Path, *, root: Path, rank: int, attempt: int, interval_s: float) -> None:
         self.path = path
@@ -33,6 +34,9 @@ class Heartbeat:
         self._loss: float | None = None
         self.total_steps: int | None = None  # `warden.steps(total)`'s total
         self.save_s = 0.0  # seconds spent in checkpoint saves by this process
+        self.last_save_s: float | None = None  # the newest save's duration
+        self.skipped = 0  # batches this process skipped (the same on every rank: they agree)
+        self.anomalies: dict[str, int] = {}  # what this rank itself saw, by kind (non_finite, global_norm_spike, ...)
 
     def beat(self, step: int, phase: str, *, force: bool = False, step_time_s: float | None = None,
              compute_s: float | None = None, loss: float | None = None) -> None:
@@ -56,7 +60,8 @@ class Heartbeat:
         self._last_write = now
         record = {**self._static, "seq": self._seq, "step": step, "phase": phase, "time": time.time(),
                   "step_time_s": self._step_time_s, "compute_s": self._compute_s, "loss": self._loss,
-                  "total_steps": self.total_steps, "save_s": round(self.save_s, 6)}
+                  "total_steps": self.total_steps, "save_s": round(self.save_s, 6), "last_save_s": self.last_save_s,
+                  "skipped": self.skipped, "anomalies": self.anomalies}
         try:
             # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.
             atomic_write_json(self.path, record, root=self._root, durable=False)

@@ -115,6 +115,7 @@ class Warden:
         self._guard = StepGuard(self.config, log=self.log, faults=self._faults, world_size=self.world_size,
                                 rank=self.rank)
         self._features = self._feature_value_check()
+        self._heartbeat.anomalies = self._guard.anomalies  # one dict: the guard counts, the heartbeat reports
         self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
         self._phase = "startup"
         self._last_step_end = time.perf_counter()
@@ -234,6 +235,9 @@ class Warden:
             max_norm=math.inf if max_norm is None else max_norm,
             feature_fault=fault if self._features.aborts else None, order_id=held.id if held else 0,
             save_due=self._save_clock_due(), amp_scaling=loss_scale is not None)
+        self._heartbeat.skipped = self._guard.skipped
+        if fault:
+            self._guard.saw("feature_value")
         if verdict.suspects:
             self._features.abort(step=step, batch=batch, suspect_ranks=list(verdict.suspects))
         if fault and verdict.apply:
@@ -370,6 +374,7 @@ class Warden:
         """Without guard_step a fault is seen after the optimizer step, still before this step's checkpoint."""
         step, batch = self.step + 1, self.batches
         if self._features.verdict(step=step, batch=batch, loss_scale=self._loss_scale()):
+            self._guard.saw("feature_value")
             if self._features.aborts:
                 self._features.abort(step=step, batch=batch, suspect_ranks=[self.rank])
             self._taint(step)
@@ -439,7 +444,8 @@ class Warden:
         self._last_save = time.monotonic()
         if store == self.layout.checkpoints:
             self._saved_at = step
-        self._heartbeat.save_s += time.perf_counter() - started
+        self._heartbeat.last_save_s = round(time.perf_counter() - started, 6)
+        self._heartbeat.save_s += self._heartbeat.last_save_s
         self._faults.after_save(step)
         return path
 

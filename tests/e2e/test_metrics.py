@@ -34,7 +34,8 @@ TRAINER = textwrap.dedent("""
     while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:
         step += 1
         beat.beat(step, "train", loss=1.0 / step)
-        if step == 5:
+        if step == 5:  # what a rank that skipped a NaN step and saved in 0.25 s reports
+            beat.skipped, beat.anomalies, beat.last_save_s = 1, {"non_finite": 1}, 0.25
             store, data = layout.checkpoints, b"weights"
             store.rank_dir(rank).mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(store.file(rank, 5, "ckpt"), data, root=layout.root)
@@ -110,6 +111,9 @@ def test_metrics_are_scraped_while_the_run_trains_and_written_to_a_textfile(tmp_
     final = parse(textfile.read_text())
     assert final[("trainwarden_run_state", (("state", "finished"),))] == 1
     assert final[("trainwarden_step", ())] > live[("trainwarden_step", ())]
+    assert final[("trainwarden_skipped_steps_total", ())] == 1  # agreed by both ranks: counted once
+    assert final[("trainwarden_anomalies_total", (("kind", "non_finite"),))] == 2  # each rank's own sighting
+    assert final[("trainwarden_last_save_duration_seconds", ())] == 0.25
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass  # the endpoint is gone with the supervisor
     assert sorted(p.name for p in textfile.parent.iterdir()) == ["trainwarden.prom"]  # no temporary left behind

@@ -107,3 +107,16 @@ def test_a_slow_faults_seconds_are_parsed_and_bounded():
     for bad in ("1:slow@5:-1", "1:slow@5:nan", "1:slow@5:3601"):
         with pytest.raises(ValueError, match="slow fault"):
             parse_faults(bad)
+
+
+def test_skips_anomalies_and_the_newest_save_are_in_the_heartbeat(loop, tmp_path):
+    """A NaN at step 2 and a spike over the fixed threshold at step 3 are skipped and counted by kind; the newest
+    save's duration is there too."""
+    run = loop("0:nan@2,0:spike@3", config=SAVING)
+    for _ in run.warden.steps(4):
+        run.train_batch()
+    beat = heartbeat(tmp_path)
+    assert beat["skipped"] == 2
+    assert beat["anomalies"] == {"non_finite": 1, "global_norm_above_threshold": 1}
+    newest = events(tmp_path, "checkpoint_saved")[-1]["duration_s"]
+    assert beat["last_save_s"] == pytest.approx(newest, abs=1e-3)

@@ -1,0 +1,59 @@
+"""Observers beside the core, with plain values and a fake clock: progress, and the skip/anomaly/save counts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from supervisor.core import HeartbeatSeen, Policy, initial_state
+from supervisor.observe import Counts, Progress
+
+STATE = initial_state(Policy(nproc=2, max_restarts=3, backoff_initial_s=1, backoff_factor=2, backoff_max_s=30,
+                                  kill_grace_s=5))
+
+
+def beat(rank: int, step: int, *, attempt: int = 0, **fields) -> HeartbeatSeen:
+    return HeartbeatSeen(attempt=attempt, rank=rank, seq=step, step=step, phase="train", **fields)
+
+
+def test_progress_gives_the_newest_step_its_loss_the_rate_and_the_time_to_go():
+    progress = Progress()
+    for t in range(11):  # 2 steps a second for 10 s
+        progress.observe(beat(0, 2 * t, loss=1.0 / (t + 1), total_steps=100), STATE, float(t))
+    shown = progress.status()["progress"]
+    assert shown == {"step": 20, "total_steps": 100, "loss": 1 / 11, "steps_per_s": 2.0, "eta_s": 40.0, "attempt": 0}
+
+
+def test_progress_starts_its_rate_afresh_in_a_relaunch_and_ignores_an_old_attempts_beats():
+    progress, relaunched = Progress(), replace(STATE, attempt=1)
+    for t in range(5):
+        progress.observe(beat(0, 10 * t), STATE, float(t))
+    progress.observe(beat(0, 30, attempt=1), relaunched, 10.0)
+    progress.observe(beat(1, 45, attempt=0), relaunched, 10.5)  # a straggling beat of attempt 0
+    shown = progress.status()["progress"]
+    assert (shown["step"], shown["steps_per_s"], shown["attempt"]) == (30, None, 1)
+
+
+def test_counts_take_agreed_skips_once_and_each_ranks_own_anomalies():
+    counts, relaunched = Counts(), replace(STATE, attempt=1)
+    counts.observe(beat(0, 5, skipped=2, anomalies=(("non_finite", 1), ("global_norm_spike", 1))), STATE, 1.0)
+    counts.observe(beat(1, 5, skipped=2, anomalies=(("non_finite", 1),), last_save_s=0.5), STATE, 1.0)
+    counts.observe(beat(0, 9, attempt=1, skipped=1, anomalies=(("amp_overflow", 1),), last_save_s=0.25),
+                   relaunched, 2.0)
+    assert counts.status() == {"skipped_steps": 3,
+                               "anomalies": {"amp_overflow": 1, "global_norm_spike": 1, "non_finite": 2},
+                               "last_save_s": 0.25}  # the relaunch's own newest save
+
+
+def test_counts_without_worker_library_fields_are_zero():
+    counts = Counts()
+    counts.observe(beat(0, 3), STATE, 1.0)
+    assert counts.status() == {"skipped_steps": 0, "anomalies": {}, "last_save_s": None}
+
+
+def test_start_up_beats_of_a_relaunch_are_not_progress():
+    """A relaunched rank beats step 0 in `startup` before it resumes at 275: no 275 steps in a blink."""
+    progress, relaunched = Progress(), replace(STATE, attempt=1)
+    progress.observe(replace(beat(0, 0, attempt=1), phase="startup"), relaunched, 10.0)
+    progress.observe(beat(0, 276, attempt=1), relaunched, 12.0)
+    progress.observe(beat(0, 286, attempt=1), relaunched, 13.0)
+    assert progress.status()["progress"]["steps_per_s"] == 10.0
