@@ -55,6 +55,7 @@ from worker.orders import StopOrders
 __all__ = ["Warden"]
 
 DEFAULT_RUN_DIR = "runs/local"
+CLOCK_AGREE_STEPS = 10  # without guard_step, ranks agree on a time-based save this often (a save may come 9 late)
 SAVE_PHASE = "save"
 # restore_rng's parts it could not put back, and the event saying so.
 _RNG_NOT_RESTORED = {"numpy": "numpy_rng_not_restored", "cuda": "cuda_rng_not_restored"}
@@ -314,7 +315,10 @@ class Warden:
             return _due(self.step, self.config.save_checkpoint_steps)
         if self.config.save_checkpoint_interval_s <= 0:
             return False
-        return agreed if agreed is not None else _any_rank(self._save_clock_due(), self.world_size)
+        if agreed is not None:
+            return agreed
+        # Without guard_step, a collective of its own: every CLOCK_AGREE_STEPS steps, not to sync every step.
+        return self.step % CLOCK_AGREE_STEPS == 0 and _any_rank(self._save_clock_due(), self.world_size, self.model)
 
     def _save_clock_due(self) -> bool:
         every = self.config.save_checkpoint_interval_s
@@ -587,15 +591,17 @@ def _stateful(objects: dict[str, Any]) -> dict[str, Any]:
     return dict(objects)
 
 
-def _any_rank(flag: bool, world_size: int) -> bool:
-    """Whether `flag` holds on any rank: one tiny all-reduce when there are peers to ask."""
+def _any_rank(flag: bool, world_size: int, model: Any) -> bool:
+    """Whether `flag` holds on any rank: one tiny all-reduce when there are peers to ask, on the model's device
+    (NCCL reduces CUDA tensors only)."""
     import torch.distributed as dist
 
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return flag
     import torch
 
-    value = torch.tensor([float(flag)])
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    value = torch.tensor([float(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item() > 0)
 

@@ -319,3 +319,14 @@ def test_the_feature_value_history_survives_a_resume(loop, tmp_path, monkeypatch
     again.train_batch()
     after = events(tmp_path, "feature_value_normal")[-1]
     assert after["checks"] == 5 and after["pre_val"] == before["val"]
+
+
+def test_without_guard_step_a_time_based_save_comes_at_a_tenth_step(loop, tmp_path):
+    """No guard_step to agree in: the ranks agree every 10th step (one tiny all-reduce), so saves land there."""
+    run = loop(config=WorkerConfig(save_checkpoint_interval_s=0.01))
+    for _ in range(25):
+        loss = run.backward()
+        run.optimizer.step()
+        time.sleep(0.002)
+        run.warden.step_done(loss=loss)
+    assert saved_steps(tmp_path) == [10, 20]
