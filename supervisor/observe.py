@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from supervisor.core import Event, HeartbeatSeen, State
+from supervisor.core import Event, HeartbeatSeen, RanksLaunched, State
 
 __all__ = ["Counts", "JournalRecord", "Observer", "Progress"]
 
@@ -37,6 +37,9 @@ class Progress:
         self._samples: list[tuple[float, int]] = []  # (time, step) of this attempt, oldest first, ~RATE_WINDOW_S
 
     def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
+        if isinstance(event, RanksLaunched):  # a relaunch starts from its checkpoint, not where the last one died
+            self._attempt, self._samples, self._step = event.attempt, [], event.resume_step
+            return []
         # A rank's start-up beats say step 0 until it has resumed: they are not progress.
         if not isinstance(event, HeartbeatSeen) or event.attempt != state.attempt or event.phase == "startup":
             return []

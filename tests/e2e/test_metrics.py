@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from supervisor.config import MetricsConfig
 from supervisor.metrics import MetricsExporter
 from tests.conftest import wait_until
-from tests.e2e.conftest import finish, journal, start_supervisor, write_config
+from tests.e2e.conftest import finish, heartbeat, journal, start_supervisor, write_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,6 +93,10 @@ def test_metrics_are_scraped_while_the_run_trains_and_written_to_a_textfile(tmp_
             ("trainwarden_heartbeat_age_seconds", (("rank", "1"),))) is not None and found, timeout=20,
             what="a scrape showing the step-5 checkpoint and both ranks' heartbeats")
         written = parse(textfile.read_text())
+        # The final state must be newer than the live one, also where a loaded machine starves the trainer.
+        passed = live[("trainwarden_step", ())] + 2
+        wait_until(lambda: all((heartbeat(run_dir, r) or {}).get("step", 0) > passed for r in (0, 1)),
+                   timeout=20, what=f"both ranks past step {passed}")
         done_file.touch()
         finished = finish(proc, run_dir, timeout=20)
     finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from supervisor.core import HeartbeatSeen, Policy, initial_state
+from supervisor.core import HeartbeatSeen, Policy, RanksLaunched, initial_state
 from supervisor.observe import Counts, Progress
 
 STATE = initial_state(Policy(nproc=2, max_restarts=3, backoff_initial_s=1, backoff_factor=2, backoff_max_s=30,
@@ -57,3 +57,12 @@ def test_start_up_beats_of_a_relaunch_are_not_progress():
     progress.observe(beat(0, 276, attempt=1), relaunched, 12.0)
     progress.observe(beat(0, 286, attempt=1), relaunched, 13.0)
     assert progress.status()["progress"]["steps_per_s"] == 10.0
+
+
+def test_a_relaunch_shows_the_step_it_resumes_from():
+    progress, relaunched = Progress(), replace(STATE, attempt=1)
+    progress.observe(beat(0, 300), STATE, 1.0)
+    progress.observe(RanksLaunched(attempt=1, pids=(7, 8), resume_step=275), relaunched, 2.0)
+    assert progress.status()["progress"]["step"] == 275
+    progress.observe(beat(0, 276, attempt=1), relaunched, 4.0)
+    assert progress.status()["progress"]["step"] == 276
