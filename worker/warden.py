@@ -228,14 +228,14 @@ class Warden:
         # Compute ends here; then comes waiting for peers: the guard's all-reduce, and on a GPU the host's first sync
         # (the clip), which waits for DDP's gradient all-reduce.
         self._compute_s = time.perf_counter() - self._compute_since
-        loss_scale = self._loss_scale()
-        fault = self._features.verdict(step=step, batch=batch, loss_scale=loss_scale)
+        scaler = self._scaler()
+        fault = self._features.verdict(step=step, batch=batch, loss_scale=self._loss_scale(scaler))
         held = self._orders.poll()
         verdict = self._guard.check(
             self.model.parameters(), float(loss), step=step, batch=batch,
             max_norm=math.inf if max_norm is None else max_norm,
             feature_fault=fault if self._features.aborts else None, order_id=held.id if held else 0,
-            save_due=self._save_clock_due(), amp_scaling=loss_scale is not None)
+            save_due=self._save_clock_due(), amp_scaling=scaler is not None)
         self._heartbeat.skipped = self._guard.skipped
         if fault:
             self._guard.saw("feature_value")
@@ -324,14 +324,14 @@ class Warden:
         every = self.config.save_checkpoint_interval_s
         return self.config.save_checkpoint_steps == 0 and every > 0 and time.monotonic() - self._last_save >= every
 
-    def _loss_scale(self) -> float | None:
-        """The scale of an enabled GradScaler in `extra_state`, or None: its overflows are not anomalies, and
-        the feature values it scaled are judged unscaled."""
-        for obj in self.extra_state.values():
-            if callable(getattr(obj, "unscale_", None)) and callable(getattr(obj, "is_enabled", None)) \
-                    and obj.is_enabled():
-                return float(obj.get_scale())
-        return None
+    def _scaler(self) -> Any:
+        """An enabled GradScaler in `extra_state`, or None: its overflows are not anomalies."""
+        return next((obj for obj in self.extra_state.values() if callable(getattr(obj, "unscale_", None))
+                     and callable(getattr(obj, "is_enabled", None)) and obj.is_enabled()), None)
+
+    def _loss_scale(self, scaler: Any) -> float | None:
+        """The scale the feature values are judged under; read only when they are checked (on a GPU it syncs)."""
+        return float(scaler.get_scale()) if scaler is not None and self._features.names else None
 
     def _say_if_no_checkpoints(self) -> None:
         if self.config.save_checkpoint_steps or self.config.save_checkpoint_interval_s > 0:
@@ -377,7 +377,7 @@ class Warden:
     def _judge_unguarded(self) -> None:
         """Without guard_step a fault is seen after the optimizer step, still before this step's checkpoint."""
         step, batch = self.step + 1, self.batches
-        if self._features.verdict(step=step, batch=batch, loss_scale=self._loss_scale()):
+        if self._features.verdict(step=step, batch=batch, loss_scale=self._loss_scale(self._scaler())):
             self._guard.saw("feature_value")
             if self._features.aborts:
                 self._features.abort(step=step, batch=batch, suspect_ranks=[self.rank])
