@@ -31,11 +31,11 @@ from typing import Any
 
 import psutil
 from harness import (
-    LAUNCHERS,
     NPROC,
     POLL_S,
     PREFIX,
     Launch,
+    event_time,
     first_resumed_step,
     fmt,
     launched,
@@ -43,6 +43,7 @@ from harness import (
     print_header,
     rank_events,
     ratio,
+    read_events,
     read_heartbeat,
     run_trials,
     scratch_dir,
@@ -80,9 +81,18 @@ class Trial:
     wall_s: float
 
 
+def cold(launch: Launch) -> Launch:
+    """trainwarden without warm standby ranks: every relaunched rank starts Python and imports torch anew."""
+    return Launch([*launch.argv, "--set", "standby.enabled=false"], launch.env, launch.run_dir)
+
+
 LAUNCH: dict[str, Callable[[Job, Path], Launch]] = {
     "trainwarden": lambda job, work: trainwarden_launch(work, job.steps, job.save_every),
+    "tw cold": lambda job, work: cold(trainwarden_launch(work, job.steps, job.save_every)),
     "torchrun": lambda job, work: torchrun_launch(work, job.steps, job.save_every),
+    # the variant whose restarts work (research: pytorch#135712): a new TCPStore for every rendezvous round
+    "torchrun ns": lambda job, work: torchrun_launch(work, job.steps, job.save_every,
+                                                      env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
 }
 
 
@@ -93,6 +103,13 @@ def beat_at(layout: RunLayout, step: int) -> dict[str, Any] | None:
     """Rank 1's heartbeat once the first attempt has reached `step`."""
     beat = read_heartbeat(layout, KILLED_RANK)
     return beat if beat and beat.get("attempt") == 0 and beat.get("step", -1) >= step else None
+
+
+def relaunched_at(layout: RunLayout) -> float | None:
+    """When trainwarden started the second attempt's ranks (its journal): a warm standby existed before the crash,
+    so the process's own start time would not say it."""
+    launches = [e for e in read_events(layout.journal) if e.get("event") == "ranks_launched" and e.get("attempt")]
+    return min((event_time(e) for e in launches), default=None)
 
 
 def rank_procs(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
@@ -148,10 +165,13 @@ def measure(launcher: subprocess.Popen, layout: RunLayout, job: Job,
     killed_at = time.time()
     os.kill(beat["pid"], signal.SIGKILL)
     new = NewRanks(launcher, before)
-    poll(new, deadline, RELAUNCH_POLL_S, launcher)
-    relaunch_s = min(started_at(p) for p in new.seen.values()) - killed_at if new.seen else None
+    if not layout.journal.parent.exists():  # torchrun: its new rank processes are the relaunch
+        poll(new, deadline, RELAUNCH_POLL_S, launcher)
     with contextlib.suppress(subprocess.TimeoutExpired):
         launcher.wait(timeout=max(0.0, deadline - time.monotonic()))
+    relaunched = relaunched_at(layout) if layout.journal.parent.exists() else \
+        min((started_at(p) for p in new.seen.values()), default=None)
+    relaunch_s = None if relaunched is None else relaunched - killed_at
     events = rank_events(layout)
     first = first_resumed_step(events)
     first_step_s, resumed_attempt = (None, None) if first is None else (first[0] - killed_at, first[1])
@@ -186,15 +206,16 @@ def summary(results: list[Trial]) -> str:
     rows = [f"{'launcher':<12} {'crash→relaunch s, median [min–max]':<36} "
             f"{'crash→first step s, median [min–max]':<38} worked first time"]
     medians: dict[str, tuple[float | None, float | None]] = {}
-    for name in LAUNCHERS:
+    for name in LAUNCH:
         mine = [t for t in results if t.launcher == name]
         relaunch, relaunch_text = spread([t.relaunch_s for t in mine])
         first, first_text = spread([t.first_step_s for t in mine])
         medians[name] = (relaunch, first)
         rows.append(f"{name:<12} {relaunch_text:<36} {first_text:<38} {sum(t.worked for t in mine)}/{len(mine)}")
-    (tw_relaunch, tw_first), (tr_relaunch, tr_first) = medians["trainwarden"], medians["torchrun"]
-    rows.append(f"ratio torchrun/trainwarden of medians (>1 means trainwarden is faster): "
-                f"crash→relaunch {ratio(tr_relaunch, tw_relaunch)}, crash→first step {ratio(tr_first, tw_first)}")
+    rows.append("crash→first step, trainwarden (warm) / baseline of medians (≤ 0.5 is the target): " + ", ".join(
+        f"/ {name} {ratio(medians['trainwarden'][1], medians[name][1])}" for name in LAUNCH if name != "trainwarden"))
+    rows.append("crash→relaunch, baseline / trainwarden (warm) of medians: " + ", ".join(
+        f"{name} {ratio(medians[name][0], medians['trainwarden'][0])}" for name in LAUNCH if name != "trainwarden"))
     return "\n".join(rows)
 
 
@@ -222,7 +243,8 @@ def main() -> int:
                  f"checkpoint every {job.save_every} steps")
     with scratch_dir(args.keep) as work:
         try:
-            results = run_trials(args.trials, work, lambda name, where: run_trial(name, job, where), trial_line)
+            results = run_trials(args.trials, work, lambda name, where: run_trial(name, job, where), trial_line,
+                                 names=LAUNCH)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             return 130

@@ -42,6 +42,7 @@ __all__ = [
     "fmt",
     "kill_run",
     "launched",
+    "merged",
     "parse_time",
     "poll",
     "print_header",
@@ -84,8 +85,9 @@ def demo_config() -> dict[str, Any]:
 
 
 def trainwarden_launch(work: Path, steps: int, save_every: int, *, env: Mapping[str, str] | None = None,
-                       hang: dict[str, Any] | None = None) -> Launch:
-    """`python -m supervisor run` on a config derived from configs/demo.yaml; `env` and `hang` go into the job."""
+                       hang: dict[str, Any] | None = None, extra_config: Mapping[str, Any] | None = None) -> Launch:
+    """`python -m supervisor run` on a config derived from configs/demo.yaml; `env` and `hang` go into the job,
+    then `extra_config` is merged in, section by section (a key it leaves out keeps the demo's value)."""
     run_dir = work / "run"
     config = demo_config()
     config.update(script=str(REPO / SCRIPT), args=["--steps", str(steps)], run_dir=str(run_dir))
@@ -93,21 +95,34 @@ def trainwarden_launch(work: Path, steps: int, save_every: int, *, env: Mapping[
     config.setdefault("env", {}).update(env or {})
     if hang is not None:
         config["hang"] = hang
+    config = merged(config, extra_config or {})
     path = work / "job.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     argv = [sys.executable, "-m", "supervisor", "run", str(path), "--run-dir", str(run_dir)]
     return Launch(argv, dict(os.environ), run_dir)
 
 
-def torchrun_launch(work: Path, steps: int, save_every: int, *, env: Mapping[str, str] | None = None) -> Launch:
-    """Plain torchrun with its default rendezvous; the worker library resumes by itself."""
+def torchrun_launch(work: Path, steps: int, save_every: int, *, env: Mapping[str, str] | None = None,
+                    max_restarts: int = 3, worker: Mapping[str, Any] | None = None) -> Launch:
+    """Plain torchrun with its default rendezvous; the worker library resumes by itself. `worker`: more of the
+    worker config (e.g. the demo's `worker:` section, so both launchers run the same job)."""
     run_dir = work / "run"
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    argv = [torchrun, "--nproc-per-node", str(NPROC), "--max-restarts", "3", SCRIPT, "--steps", str(steps)]
-    worker_config = json.dumps({"save_checkpoint_steps": save_every, "prefix": PREFIX})
+    argv = [torchrun, "--nproc-per-node", str(NPROC), "--max-restarts", str(max_restarts), SCRIPT,
+            "--steps", str(steps)]
+    worker_config = json.dumps({**(worker or {}), "save_checkpoint_steps": save_every, "prefix": PREFIX})
     full_env = dict(os.environ, OMP_NUM_THREADS="1", TRAINWARDEN_RUN_DIR=str(run_dir),
                     TRAINWARDEN_WORKER_CONFIG=worker_config, **(env or {}))
     return Launch(argv, full_env, run_dir)
+
+
+def merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `extra` laid over it; a mapping in both is merged key by key, anything else replaced."""
+    out = dict(base)
+    for key, value in extra.items():
+        both = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = merged(out[key], value) if both else value
+    return out
 
 
 @contextlib.contextmanager
@@ -268,12 +283,12 @@ LAUNCHERS = ("trainwarden", "torchrun")
 
 
 def run_trials(trials: int, work: Path, run_trial: Callable[[str, Path], T],
-               describe: Callable[[int, int, T], str]) -> list[T]:
-    """Each trial runs every launcher in turn, so drift on the machine hits both alike; prints as it goes."""
+               describe: Callable[[int, int, T], str], names: Iterable[str] = LAUNCHERS) -> list[T]:
+    """Each trial runs every launcher in turn, so drift on the machine hits all alike; prints as it goes."""
     results = []
     for index in range(1, trials + 1):
-        for name in LAUNCHERS:
-            trial = run_trial(name, work / f"trial_{index}_{name}")
+        for name in names:
+            trial = run_trial(name, work / f"trial_{index}_{name.replace(' ', '_')}")
             results.append(trial)
             print(describe(index, trials, trial), flush=True)
     return results

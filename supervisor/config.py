@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import shutil
 import types
 import typing
@@ -53,6 +54,7 @@ MAX_NUMBER = 2**53  # every int and float: beyond it floats stop counting exactl
 MAX_SECONDS = 10**7  # every `*_s` value (~116 days): deadlines and queue timeouts stay far from overflow
 MAX_NPROC = 1024  # ranks on one machine: a typo like 1000000000 must not fork-bomb the node
 MAX_NODES = 4096
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built in: a 1 MiB file in 0.3 s, not 3 s
 
 
@@ -110,6 +112,14 @@ class StragglersConfig:
 
 
 @dataclass(frozen=True)
+class StandbyConfig:
+    """Warm standby ranks: a process per local rank with Python started and torch imported, used at a relaunch."""
+
+    enabled: bool = True  # only for `script:` jobs on one machine (a `command:` or a multi-node job starts cold)
+    prewarm_imports: list[str] | None = None  # what a standby imports; None: torch and the script's installed imports
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """One training job: what to run, on how many ranks, and how to keep it alive."""
 
@@ -130,6 +140,7 @@ class JobConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     stragglers: StragglersConfig = field(default_factory=StragglersConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    standby: StandbyConfig = field(default_factory=StandbyConfig)
 
     @property
     def world_size(self) -> int:
@@ -167,6 +178,8 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.node_failure_window_s": (lambda v: v > 0, "more than 0"),
     "stragglers.margin": (lambda v: v > 0, "more than 0"),
     "stragglers.sustain_s": (lambda v: v >= 0, "0 or more"),
+    "standby.prewarm_imports": (lambda v: all(_MODULE.fullmatch(name) for name in v),
+                                "a list of module names such as torch or torch.nn"),
     "env": (lambda v: all(k and "=" not in k for k in v), "a mapping of variable names (non-empty, no '=')"),
     "restart.max_restarts": (lambda v: v >= 0, "0 or more"),
     "restart.crash_loop_attempts": (lambda v: v == 0 or v >= 2, "0 (off) or at least 2"),

@@ -12,6 +12,7 @@ import contextlib
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,8 +23,9 @@ import psutil
 from supervisor.causes import oom_kill_count
 from supervisor.config import JobConfig
 from supervisor.core import ChildExited, Event, LaunchFailed, RankState, StacksCollected
-from supervisor.ranks import Attempt, Ranks, launch_ranks
+from supervisor.ranks import Attempt, Ranks, launch_ranks, rank_envs
 from supervisor.stacks import start_stack_collection
+from supervisor.standby import FILL_AFTER_S, Standby, Standbys
 from supervisor.trees import descendants, reap_orphans, record_pids, sigkill
 from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
 from worker.contract import RunLayout, StopOrder
@@ -121,6 +123,9 @@ class LocalLauncher:
         self._unreadable: set[int] = set()
         self._recorded_pids: set[int] = set()
         self._oom_kills_at_launch: int | None = None  # the cgroup's OOM-kill count when the attempt started
+        self._standbys = _standbys(config, layout, log)
+        self._launched_at = 0.0
+        self._training: set[int] = set()  # ranks of the current attempt that reported a training step
 
     def start(self) -> None:
         self._watcher.start()
@@ -129,6 +134,8 @@ class LocalLauncher:
         if self._ranks is not None:
             ranks = self._ranks
             ranks.signal(signal.SIGKILL, only=lambda rank: ranks.procs[rank].poll() is None)
+        if self._standbys is not None:
+            self._standbys.close()
         sigkill(descendants())
         self._watcher.stop()
 
@@ -136,11 +143,16 @@ class LocalLauncher:
         def on_exit(number: int, rank: int, code: int) -> None:
             self._post(ChildExited(number, rank, code))
 
+        warm = self._take_standbys()
         try:
-            self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit)
+            self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit, warm)
         except OSError as exc:
             return LaunchFailed(attempt.number, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        used = sorted(rank for rank, standby in warm.items() if self._ranks.procs[rank] is standby.proc)
+        if used:
+            self._log.info("standbys_used", attempt=attempt.number, ranks=used)
         self._oom_kills_at_launch = _oom_kills()
+        self._launched_at, self._training = time.monotonic(), set()
         return Spawned(attempt.number, tuple(self._ranks.procs[rank].pid for rank in sorted(self._ranks.procs)))
 
     @property
@@ -160,8 +172,8 @@ class LocalLauncher:
         start_stack_collection(self._layout, attempt, pids, faulthandler_ranks, self._post)
 
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
-        """SIGKILL every descendant that is not a rank leader; report (from a thread) any that survives."""
-        managed = self._ranks.pids if self._ranks else set()
+        """SIGKILL every descendant that is not a rank leader or a standby; report (from a thread) any that survives."""
+        managed = self._managed()
         for rank in survivors:  # survived SIGKILL
             with contextlib.suppress(psutil.Error):
                 status = psutil.Process(rank.pid).status()
@@ -196,7 +208,9 @@ class LocalLauncher:
 
     def poll(self) -> list[Event]:
         self._track_processes()
-        return self._read_heartbeats(range(self._config.nproc_per_node))
+        events = self._read_heartbeats(range(self._config.nproc_per_node))
+        self._refill_standbys()
+        return events
 
     def next_deadline(self) -> float:
         return math.inf  # heartbeat deadlines are the core's
@@ -206,11 +220,31 @@ class LocalLauncher:
         return before is not None and now is not None and now > before
 
     def details(self) -> dict[str, Any]:
-        return {}
+        if self._standbys is None:
+            return {}
+        return {"standbys_ready": 0 if self._standbys.failed else self._standbys.ready()}
+
+    def _take_standbys(self) -> dict[int, Standby]:
+        if self._standbys is None:
+            return {}
+        taken = {rank: self._standbys.take(rank) for rank in range(self._config.nproc_per_node)}
+        return {rank: standby for rank, standby in taken.items() if standby is not None}
+
+    def _refill_standbys(self) -> None:
+        """Once the attempt trains (every rank past a step, or FILL_AFTER_S), so standbys never slow its start."""
+        if self._standbys is None or self._ranks is None:
+            return
+        if len(self._training) == self._config.nproc_per_node or time.monotonic() - self._launched_at > FILL_AFTER_S:
+            self._standbys.fill()
+
+    def _managed(self) -> set[int]:
+        """Processes with an owner of their own: rank leaders (their waiters) and standbys (the pool)."""
+        ranks = self._ranks.pids if self._ranks else set()
+        return ranks | (self._standbys.pids if self._standbys else set())
 
     def _track_processes(self) -> None:
         """Record the run's processes for a successor, and reap adopted orphans."""
-        managed = self._ranks.pids if self._ranks else set()
+        managed = self._managed()
         reap_orphans(managed)
         procs = descendants()
         pids = {proc.pid for proc in procs}
@@ -234,7 +268,17 @@ class LocalLauncher:
             self._unreadable.discard(rank)
             if seen is not None:
                 events.append(seen)
+                if self._ranks is not None and seen.attempt == self._ranks.attempt and seen.phase == "train":
+                    self._training.add(rank)
         return events
+
+
+def _standbys(config: JobConfig, layout: RunLayout, log: Any) -> Standbys | None:
+    """A pool of standby ranks where they can be used: a `script:` job, standbys enabled."""
+    if not config.standby.enabled or config.script is None:
+        return None
+    placeholder = Attempt(0)  # the per-attempt variables are left out of a standby's environment anyway
+    return Standbys(config, layout, rank_envs(config, layout, placeholder, port=0), log)
 
 
 def _oom_kills() -> int | None:

@@ -9,11 +9,12 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.config import JobConfig
+from supervisor.standby import Standby
 from supervisor.trees import die_with_parent
 from worker.contract import (
     ENV_ATTEMPT,
@@ -27,7 +28,7 @@ from worker.contract import (
 from worker.files import open_append
 
 __all__ = ["Attempt", "Placement", "Ranks", "contract_env", "free_port", "launch_ranks", "local_env", "rank_argv",
-           "signal_group", "spawn_ranks"]
+           "rank_envs", "signal_group", "spawn_ranks"]
 
 # Never handed to ranks: a rank must not talk to systemd as if it were the service.
 _WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -119,24 +120,29 @@ def local_env(contract: dict[str, str]) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in _WITHHELD_ENV}, **contract}
 
 
-def launch_ranks(config: JobConfig, layout: RunLayout, attempt: Attempt,
-                 on_exit: Callable[[int, int, int], None]) -> Ranks:
-    """Start every rank on this machine in its own session; a waiter thread per rank reports
-    `on_exit(attempt, rank, code)`. If any rank fails to start, the ones started are killed and the error raised."""
+def rank_envs(config: JobConfig, layout: RunLayout, attempt: Attempt, port: int) -> dict[int, dict[str, str]]:
+    """Every rank's environment on this machine, by rank."""
     n = config.nproc_per_node
-    port = free_port(config.master_addr)
-    envs = {rank: local_env(contract_env(config, layout, Placement(rank, rank, 0, n, n), attempt,
+    return {rank: local_env(contract_env(config, layout, Placement(rank, rank, 0, n, n), attempt,
                                          master_addr=config.master_addr, port=port)) for rank in range(n)}
-    return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit)
+
+
+def launch_ranks(config: JobConfig, layout: RunLayout, attempt: Attempt, on_exit: Callable[[int, int, int], None],
+                 standbys: Mapping[int, Standby] | None = None) -> Ranks:
+    """Start every rank on this machine in its own session (in `standbys`' processes where given); a waiter thread
+    per rank reports `on_exit(attempt, rank, code)`. If any rank fails to start, the ones started are killed and the
+    error raised."""
+    envs = rank_envs(config, layout, attempt, free_port(config.master_addr))
+    return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit, standbys)
 
 
 def spawn_ranks(argv: list[str], envs: dict[int, dict[str, str]], layout: RunLayout, attempt: int,
-                on_exit: Callable[[int, int, int], None]) -> Ranks:
+                on_exit: Callable[[int, int, int], None], standbys: Mapping[int, Standby] | None = None) -> Ranks:
     """Start one process per rank (`envs`: global rank -> its environment), then a waiter thread for each."""
     ranks = Ranks(attempt, {})
     try:
         for rank, env in envs.items():
-            ranks.procs[rank] = _spawn(argv, env, layout, attempt, rank)
+            ranks.procs[rank] = _spawn(argv, env, layout, attempt, rank, (standbys or {}).get(rank))
     except BaseException:
         ranks.signal(signal.SIGKILL, only=lambda _: True)
         for proc in ranks.procs.values():
@@ -148,10 +154,13 @@ def spawn_ranks(argv: list[str], envs: dict[int, dict[str, str]], layout: RunLay
     return ranks
 
 
-def _spawn(argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int, rank: int) -> subprocess.Popen:
+def _spawn(argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int, rank: int,
+           standby: Standby | None) -> subprocess.Popen:
     with contextlib.ExitStack() as logs:
         out, err = (logs.enter_context(os.fdopen(open_append(layout.attempt_log(attempt, rank, stream),
                                                              root=layout.root), "ab")) for stream in ("out", "err"))
+        if standby is not None and standby.activate(env, out.fileno(), err.fileno()):
+            return standby.proc
         # start_new_session: the rank leads its own process group, so killpg reaches its whole tree;
         # die_with_parent: a SIGKILLed supervisor (or node agent) takes its ranks along.
         return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,

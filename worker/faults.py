@@ -1,7 +1,10 @@
 """Fault injection for demos and tests: real faults (SIGKILL, hangs, SIGSTOP, slow saves) at a chosen rank and step.
 
 `TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP[:ARG[:LAYER]]` items, e.g. `1:hang@25`.
-A fault fires only in the first attempt of a run, so the relaunched run can pass the same step.
+A fault fires only in the first attempt of a run, so the relaunched run can pass the same step. With
+`TRAINWARDEN_FAULTS_ONCE=1` each fault fires instead the first time its step is reached in any attempt (a mark
+in the rank's folder of the run dir remembers it): a stream of faults over several attempts, as a benchmark
+needs, under the supervisor or torchrun alike.
 Kinds:
 - `sigkill`: the rank SIGKILLs itself right after finishing step STEP.
 - `sigkill_in_save`: the rank SIGKILLs itself halfway through writing its checkpoint of step STEP.
@@ -27,10 +30,12 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["ENV_FAULTS", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_faults"]
+__all__ = ["ENV_FAULTS", "ENV_FAULTS_ONCE", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_faults"]
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
+ENV_FAULTS_ONCE = "TRAINWARDEN_FAULTS_ONCE"
 KINDS = ("sigkill", "sigkill_in_save", "sigkill_after_save", "hang", "hang_in_save", "sigstop", "slow_save",
          "slow", "spike", "nan", "sdc")
 GRADIENT_KINDS = ("spike", "nan")
@@ -77,21 +82,30 @@ class FaultPlan:
     """The faults armed for this rank in this attempt; `due()` is a dict lookup, cheap every step."""
 
     def __init__(self, faults: list[Fault], *, rank: int, attempt: int,
-                 on_fire: Callable[[Fault], None] = lambda fault: None) -> None:
-        armed = attempt == 0
-        self._due = {(f.kind, f.step): f for f in faults if armed and f.rank == rank}
+                 on_fire: Callable[[Fault], None] = lambda fault: None, marks: Path | None = None) -> None:
+        armed = attempt == 0 or marks is not None
+        self._due = {(f.kind, f.step): f for f in faults
+                     if armed and f.rank == rank and (marks is None or not _mark(marks, f).exists())}
+        self._marks = marks
         self._on_fire = on_fire
         self._repeats = {key: int(f.arg or 1) for key, f in self._due.items() if f.kind in GRADIENT_KINDS}
         self._slow = min((f for f in self._due.values() if f.kind == "slow"), key=lambda f: f.step, default=None)
 
     @classmethod
-    def from_env(cls, *, rank: int, attempt: int, on_fire: Callable[[Fault], None] = lambda fault: None) -> FaultPlan:
-        return cls(parse_faults(os.environ.get(ENV_FAULTS, "")), rank=rank, attempt=attempt, on_fire=on_fire)
+    def from_env(cls, *, rank: int, attempt: int, on_fire: Callable[[Fault], None] = lambda fault: None,
+                 rank_dir: Path | None = None) -> FaultPlan:
+        """The plan `TRAINWARDEN_FAULTS` describes; marks go to `rank_dir` under TRAINWARDEN_FAULTS_ONCE=1."""
+        once = os.environ.get(ENV_FAULTS_ONCE) == "1" and rank_dir is not None
+        return cls(parse_faults(os.environ.get(ENV_FAULTS, "")), rank=rank, attempt=attempt, on_fire=on_fire,
+                   marks=rank_dir if once else None)
 
     def due(self, kind: str, step: int) -> Fault | None:
         """The armed fault of `kind` at `step`, announced through `on_fire` (it is about to strike)."""
         fault = self._due.get((kind, step)) if self._due else None
         if fault is not None:
+            if self._marks is not None:  # remembered before it strikes: a SIGKILL comes next
+                self._marks.mkdir(parents=True, exist_ok=True)
+                _mark(self._marks, fault).touch()
             self._on_fire(fault)
         return fault
 
@@ -147,6 +161,10 @@ class FaultPlan:
         fault = self.due(kind, step)
         del self._due[(kind, step)]
         return fault
+
+
+def _mark(folder: Path, fault: Fault) -> Path:
+    return folder / f"fault_fired_{fault.kind}_{fault.step}"
 
 
 def hang_forever() -> None:

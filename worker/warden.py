@@ -95,7 +95,8 @@ class Warden:
         self._health_check = health_check  # the user's: a reason this rank's state is unhealthy at a step, or None
         self._tainted_at: int | None = None  # first applied step with a feature-value fault: later saves are suspect
         self._faults = _or_config_error(
-            lambda: FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired))
+            lambda: FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired,
+                                       rank_dir=self.layout.rank_dir(self.rank)))
         self._heartbeat = Heartbeat(
             self.layout.heartbeat(self.rank),
             root=self.layout.root,

@@ -1,0 +1,439 @@
+"""Goodput benchmark: the demo job through a seeded stream of faults under trainwarden and torchrun, in one invocation.
+
+The demo job (2 ranks, gloo, CPU, `--steps` steps, a checkpoint every `--save-every`) runs five times, one after
+another, each with the same faults (`TRAINWARDEN_FAULTS` plus `TRAINWARDEN_FAULTS_ONCE=1`: a fault fires the first
+time its step is reached in any attempt, so the relaunched ranks pass it):
+
+- reference: trainwarden with the spike alone (a skipped batch is part of the result, not an outage) and no warm
+  standbys (nothing beside training on the cores): the final state the others must end in, and the productive time;
+- trainwarden warm: the faulty job, warm standby ranks on (the default);
+- trainwarden cold: the same with `standby: {enabled: false}`;
+- torchrun: `torchrun --nproc-per-node 2 --max-restarts 50`, its default rendezvous;
+- torchrun no-share: the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store at each restart).
+
+The schedule, drawn from `--seed`: `--kills` SIGKILLs of a rank (the first halfway through writing a checkpoint,
+the others right after a step), one hang (the rank sleeps forever after its step; its peer blocks in the next
+all-reduce) and one gradient spike (x1000 on one rank; the worker library's adaptive guard skips the batch on every
+rank). Each strikes a random rank, at least 2 x save_every steps after the one before, none in the first or last
+30 steps. For each run:
+
+- wall: from launch until the launcher exits;
+- goodput: productive step time over wall time. Productive step time: the reference's training time (its first
+  `step` event to its last) times the share of the steps that the run's newest complete checkpoint holds;
+- supervisor's goodput: trainwarden's own ratio, the journal's final `goodput` event;
+- relaunches: the highest attempt number in the ranks' events (torchrun's restart count);
+- faults survived: of the faults that fired (`fault_injected` events), those after which training went on past their
+  step by itself, no person involved;
+- finished: the launcher exits 0 and every rank's final checkpoint is on disk;
+- bitwise = reference: every rank's final model and optimizer state equal the reference's, bit for bit;
+- median step: of the `step` events' step times. The goodput above assumes the machine ran every run's steps as
+  fast as the reference's; this shows where it did not (other work on the cores, warm standbys importing torch).
+
+trainwarden's config is configs/demo.yaml that never gives up (`restart: {max_restarts: 50, crash_loop_attempts:
+0, backoff_initial_s: 0}`) and declares a hang after 10 s of training silence (no calibration). torchrun has no hang
+detection: the demo's 60 s gloo timeout is what ends the hang there. A run is limited to `--timeout-s` (default:
+3 x the reference's wall time + 180 s); past it every process of the run is SIGKILLed and it counts as not finished.
+Run from the repository root:
+    .venv/bin/python bench/goodput.py [--steps N] [--save-every N] [--kills N] [--seed N] [--timeout-s S] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from harness import (
+    NPROC,
+    PREFIX,
+    Launch,
+    demo_config,
+    event_time,
+    fmt,
+    launched,
+    print_header,
+    rank_events,
+    ratio,
+    read_events,
+    scratch_dir,
+    torchrun_launch,
+    trainwarden_launch,
+)
+
+from worker.contract import RunLayout
+
+EDGE_STEPS = 30  # no fault this close to the start or the end of the job
+SPIKE_MIN_STEP = 70  # the adaptive guard judges a step only once it has 64 healthy ones behind it
+MAX_DRAWS = 10_000
+MAX_RESTARTS = 50  # both launchers: never give up for want of restarts
+GAP_SAVES = 2  # faults at least this many checkpoint intervals apart
+REFERENCE_S_PER_STEP = 1.0  # the reference's limit without --timeout-s: ten times a demo step here, and then some
+TRAINWARDEN_POLICY: dict[str, Any] = {
+    "restart": {"max_restarts": MAX_RESTARTS, "crash_loop_attempts": 0, "backoff_initial_s": 0.0},
+    "hang": {"phase_timeouts_s": {"startup": 120, "train": 10, "save": 120, "eval": 60},
+             "calibration": {"enabled": False}},
+}
+COMPARED = ("model", "optimizer")  # the parts of a final checkpoint that must match the reference's
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault of the schedule, as TRAINWARDEN_FAULTS names it."""
+
+    rank: int
+    kind: str
+    step: int
+
+    @property
+    def spec(self) -> str:
+        return f"{self.rank}:{self.kind}@{self.step}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every run trains and which faults strike it."""
+
+    steps: int
+    save_every: int
+    faults: tuple[Fault, ...]
+
+    def chosen(self, kinds: tuple[str, ...] | None) -> list[Fault]:
+        """Every fault, or those of `kinds`."""
+        return [f for f in self.faults if kinds is None or f.kind in kinds]
+
+    def env(self, kinds: tuple[str, ...] | None) -> dict[str, str]:
+        """The fault variables for the ranks."""
+        return {"TRAINWARDEN_FAULTS": ",".join(f.spec for f in self.chosen(kinds)), "TRAINWARDEN_FAULTS_ONCE": "1"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launcher setup: its name, how it launches the job (in a folder, with the fault variables), whether it is
+    trainwarden, and which kinds of the schedule's faults it gets (None: all)."""
+
+    name: str
+    launch: Callable[[Job, Path, dict[str, str]], Launch]
+    supervised: bool
+    kinds: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one run measured; None where it never happened."""
+
+    variant: str
+    wall_s: float
+    exit_code: int | None
+    finished: bool
+    kept_step: int  # the newest checkpoint complete on every rank
+    relaunches: int
+    scheduled: int
+    fired: int
+    survived: int
+    train_s: float | None  # first step event to last
+    step_s: float | None  # median step time
+    supervisor_goodput: float | None
+    bitwise: str
+    run_dir: Path
+
+
+def warden(job: Job, work: Path, env: dict[str, str], *, standby: bool) -> Launch:
+    extra = {**TRAINWARDEN_POLICY, "standby": {"enabled": standby}}
+    return trainwarden_launch(work, job.steps, job.save_every, env=env, extra_config=extra)
+
+
+def torchrun(job: Job, work: Path, env: dict[str, str], *, share: bool) -> Launch:
+    extra = {} if share else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # The demo's worker section for torchrun too: both launchers run the same worker library checks.
+    return torchrun_launch(work, job.steps, job.save_every, env={**env, **extra}, max_restarts=MAX_RESTARTS,
+                           worker=demo_config()["worker"])
+
+
+REFERENCE = Variant("reference", lambda job, work, env: warden(job, work, env, standby=False), True, ("spike",))
+FAULTY = (
+    Variant("trainwarden warm", lambda job, work, env: warden(job, work, env, standby=True), True),
+    Variant("trainwarden cold", lambda job, work, env: warden(job, work, env, standby=False), True),
+    Variant("torchrun", lambda job, work, env: torchrun(job, work, env, share=True), False),
+    Variant("torchrun no-share", lambda job, work, env: torchrun(job, work, env, share=False), False),
+)
+
+
+# ---- the fault schedule ----------------------------------------------------------------------
+
+
+def draw_schedule(seed: int, steps: int, save_every: int, kills: int) -> tuple[Fault, ...]:
+    """Faults drawn until they are far enough apart; ValueError when the job is too short for them."""
+    rng = random.Random(seed)
+    kinds = ["sigkill_in_save"] * min(kills, 1) + ["sigkill"] * max(kills - 1, 0) + ["hang", "spike"]
+    low, high = EDGE_STEPS + 1, steps - EDGE_STEPS - 1
+    for _ in range(MAX_DRAWS):
+        faults = sorted((draw_fault(rng, kind, low, high, save_every) for kind in kinds), key=lambda f: f.step)
+        if faults[0].step >= low and all(b.step - a.step >= GAP_SAVES * save_every
+                                         for a, b in zip(faults, faults[1:], strict=False)):
+            return tuple(faults)
+    raise ValueError(f"cannot place {len(kinds)} faults {GAP_SAVES * save_every} steps apart between steps {low} and "
+                     f"{high}: give more --steps, a smaller --save-every or fewer --kills")
+
+
+def draw_fault(rng: random.Random, kind: str, low: int, high: int, save_every: int) -> Fault:
+    rank = rng.randrange(NPROC)
+    if kind == "sigkill_in_save":  # only a save step writes a checkpoint
+        first = math.ceil(low / save_every) * save_every
+        return Fault(rank, kind, rng.randrange(first, high + 1, save_every) if first <= high else -1)  # -1: rejected
+    return Fault(rank, kind, rng.randint(max(low, SPIKE_MIN_STEP) if kind == "spike" else low, high))
+
+
+# ---- one run -----------------------------------------------------------------------------------
+
+
+def run_variant(variant: Variant, job: Job, work: Path, timeout_s: float, reference: Run | None) -> Run:
+    """Launch, wait for the launcher within the limit, then read what the run left; never leaves a process behind."""
+    work.mkdir(parents=True)
+    launch = variant.launch(job, work, job.env(variant.kinds))
+    started = time.monotonic()
+    with launched(launch, work) as launcher:
+        try:
+            exit_code: int | None = launcher.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            exit_code = None
+    return read_run(variant, job, launch.run_dir, time.monotonic() - started, exit_code, reference)
+
+
+def read_run(variant: Variant, job: Job, run_dir: Path, wall_s: float, exit_code: int | None,
+             reference: Run | None) -> Run:
+    """What a run left in its run dir: events, journal, checkpoints."""
+    layout = RunLayout(run_dir)
+    events = rank_events(layout)
+    fired = fired_faults(events)
+    finished = exit_code == 0 and all(layout.checkpoints.file(r, job.steps, PREFIX).exists() for r in range(NPROC))
+    compared = "reference" if reference is None else same_as(layout, reference.run_dir, job.steps)
+    return Run(
+        variant=variant.name,
+        wall_s=wall_s,
+        exit_code=exit_code,
+        finished=finished,
+        kept_step=max(layout.checkpoints.complete_steps(NPROC, PREFIX), default=0),
+        relaunches=max((e.get("attempt", 0) for e in events), default=0),
+        scheduled=len(job.chosen(variant.kinds)),
+        fired=len(fired),
+        survived=sum(passed(fault, at, events) for fault, at in fired.items()),
+        train_s=training_time(events),
+        step_s=median_step_time(events),
+        supervisor_goodput=journal_goodput(layout) if variant.supervised else None,
+        bitwise=compared if finished else "n/a",
+        run_dir=run_dir,
+    )
+
+
+def fired_faults(events: list[dict[str, Any]]) -> dict[tuple[int, str, int], float]:
+    """Each fault that fired, as (rank, kind, step), with when it first did."""
+    fired: dict[tuple[int, str, int], float] = {}
+    for e in events:
+        if e.get("event") == "fault_injected":
+            fired.setdefault((e["rank"], e["kind"], e["step"]), event_time(e))
+    return fired
+
+
+def passed(fault: tuple[int, str, int], fired_at: float, events: list[dict[str, Any]]) -> bool:
+    """Whether training got past the fault's step after it fired."""
+    step = fault[2]
+    return any(e.get("event") == "step" and e["step"] > step and event_time(e) > fired_at for e in events)
+
+
+def training_time(events: list[dict[str, Any]]) -> float | None:
+    """Seconds from the first `step` event of any rank to the last."""
+    times = [event_time(e) for e in events if e.get("event") == "step"]
+    return max(times) - min(times) if times else None
+
+
+def median_step_time(events: list[dict[str, Any]]) -> float | None:
+    """The median `step_time_s`: shows whether the machine ran this run's steps as fast as the reference's."""
+    times = [e["step_time_s"] for e in events if e.get("event") == "step" and "step_time_s" in e]
+    return statistics.median(times) if times else None
+
+
+def journal_goodput(layout: RunLayout) -> float | None:
+    """The supervisor's own goodput ratio: the last `goodput` event of its journal."""
+    found = [e for e in read_events(layout.journal) if e.get("event") == "goodput"]
+    return found[-1].get("ratio") if found else None
+
+
+# ---- bitwise comparison ----------------------------------------------------------------------
+
+
+def same_as(layout: RunLayout, reference_dir: Path, steps: int) -> str:
+    """'yes' when every rank's final model and optimizer state equal the reference's bit for bit, else where not."""
+    theirs = RunLayout(reference_dir)
+    for rank in range(NPROC):
+        got = load(layout.checkpoints.file(rank, steps, PREFIX))
+        want = load(theirs.checkpoints.file(rank, steps, PREFIX))
+        for part in COMPARED:
+            difference = bitwise_difference(got.get(part), want.get(part), f"rank {rank} {part}")
+            if difference:
+                return f"no: {difference}"
+    return "yes"
+
+
+def load(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def bitwise_difference(a: Any, b: Any, where: str) -> str | None:
+    """Where two nested values differ (None: nowhere): tensors by bytes, floats by bits, containers by contents."""
+    if type(a) is not type(b):
+        return f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+        return None if same else f"{where} differs"
+    if isinstance(a, float):  # a learning rate: bit for bit, NaN included
+        return None if struct.pack("<d", a) == struct.pack("<d", b) else f"{where}: {a!r} != {b!r}"
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return f"{where}: keys differ"
+        return next((d for k in a if (d := bitwise_difference(a[k], b[k], f"{where}.{k}"))), None)
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: length {len(a)} != {len(b)}"
+        pairs = enumerate(zip(a, b, strict=True))
+        return next((d for i, (x, y) in pairs if (d := bitwise_difference(x, y, f"{where}[{i}]"))), None)
+    return None if a == b else f"{where}: {a!r} != {b!r}"
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def goodput(run: Run, reference: Run, steps: int) -> float | None:
+    """The reference's training time for the steps this run kept, over this run's wall time."""
+    if reference.train_s is None or run.wall_s <= 0:
+        return None
+    return reference.train_s * min(run.kept_step, steps) / steps / run.wall_s
+
+
+def fmt3(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.3f}"
+
+
+def outcome(run: Run) -> str:
+    if run.finished:
+        return "yes"
+    return "no (timed out)" if run.exit_code is None else f"no (exit {run.exit_code})"
+
+
+def run_line(run: Run, reference: Run, job: Job) -> str:
+    own = f", supervisor's goodput {fmt(run.supervisor_goodput)}" if run.supervisor_goodput is not None else ""
+    return (f"{run.variant:<18} wall {run.wall_s:7.1f} s  goodput {fmt(goodput(run, reference, job.steps))}{own}  "
+            f"relaunches {run.relaunches}  faults survived {survived(run)}  finished {outcome(run)}  "
+            f"(newest checkpoint {run.kept_step})  bitwise = reference: {run.bitwise}  "
+            f"median step {fmt3(run.step_s)} s")
+
+
+def survived(run: Run) -> str:
+    """'K/N' of the faults that fired, and of how many were scheduled when fewer fired."""
+    return f"{run.survived}/{run.fired}" + (f" of {run.scheduled}" if run.fired < run.scheduled else "")
+
+
+def summary(runs: list[Run], job: Job) -> str:
+    reference = runs[0]
+    head = ("variant", "wall s", "goodput", "supervisor's goodput", "relaunches", "faults survived", "finished",
+            "bitwise = reference", "median step s")
+    rows = [[r.variant, f"{r.wall_s:.1f}", fmt(goodput(r, reference, job.steps)), fmt(r.supervisor_goodput),
+             str(r.relaunches), survived(r), outcome(r), r.bitwise, fmt3(r.step_s)] for r in runs]
+    lines = table([list(head), *rows])
+    lines.append(f"reference training time (first step to last): {fmt(reference.train_s)} s; goodput = that time x "
+                 f"the share of steps kept / wall time")
+    lines += ratio_lines(runs[1:], reference, job)
+    return "\n".join(lines)
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    """The rows as lines of left-aligned columns."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def ratio_lines(runs: list[Run], reference: Run, job: Job) -> list[str]:
+    """Wall time and goodput of each trainwarden run against each torchrun run; >1 means trainwarden is better."""
+    lines = ["ratios (>1: trainwarden is better; where a run did not finish, its wall time is its limit):"]
+    wardens = [r for r in runs if r.variant.startswith("trainwarden")]
+    for theirs in (r for r in runs if r.variant.startswith("torchrun")):
+        for ours in wardens:
+            mark = "" if theirs.finished and ours.finished else " (not both finished)"
+            lines.append(f"  {theirs.variant}/{ours.variant}: wall {ratio(theirs.wall_s, ours.wall_s)}, "
+                         f"goodput {ours.variant}/{theirs.variant} "
+                         f"{ratio(goodput(ours, reference, job.steps), goodput(theirs, reference, job.steps))}{mark}")
+    return lines
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1200, help="training steps of the demo job")
+    parser.add_argument("--save-every", type=int, default=50, help="worker.save_checkpoint_steps")
+    parser.add_argument("--kills", type=int, default=4, help="rank SIGKILLs (the first of them during a save)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument("--timeout-s", type=float, default=None,
+                        help="limit for one run (default: 3 x the reference's wall time + 180 s)")
+    parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
+    args = parser.parse_args(argv)
+    if args.save_every < 1 or args.kills < 0:
+        parser.error("--save-every must be at least 1 and --kills at least 0")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    try:
+        faults = draw_schedule(args.seed, args.steps, args.save_every, args.kills)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    job = Job(args.steps, args.save_every, faults)
+    print_header(f"{job.steps} steps, checkpoint every {job.save_every}; seed {args.seed}: "
+                 f"TRAINWARDEN_FAULTS={job.env(None)['TRAINWARDEN_FAULTS']} with TRAINWARDEN_FAULTS_ONCE=1")
+    with scratch_dir(args.keep) as work:
+        try:
+            runs = run_all(job, work, args.timeout_s)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            return 130
+    if runs is None:
+        return 1
+    print(summary(runs, job))
+    return 0
+
+
+def run_all(job: Job, work: Path, timeout_s: float | None) -> list[Run] | None:
+    """The reference, then each faulty variant in turn, printing a line as each ends; None if the reference failed."""
+    reference = run_variant(REFERENCE, job, work / "reference", timeout_s or REFERENCE_S_PER_STEP * job.steps + 120,
+                            None)
+    print(run_line(reference, reference, job), flush=True)
+    if not reference.finished:
+        print("the reference did not finish: nothing to compare with", flush=True)
+        return None
+    limit_s = timeout_s or 3 * reference.wall_s + 180
+    print(f"limit per run: {limit_s:.0f} s", flush=True)
+    runs = [reference]
+    for variant in FAULTY:
+        runs.append(run_variant(variant, job, work / variant.name.replace(" ", "_"), limit_s, reference))
+        print(run_line(runs[-1], reference, job), flush=True)
+    return runs
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Warm standby ranks: a relaunch runs in processes that started Python and imported torch beforehand, and the run
+resumes exactly as a cold relaunch does (crash, hang, anomaly rollback, stop and resume); standbys never outlive
+the supervisor, and a run whose standbys cannot work goes on cold."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.checkpoint_files import assert_bitwise_equal, load_saved
+from tests.conftest import wait_until
+from tests.e2e.conftest import (
+    DEMO_STEPS,
+    finish,
+    journal,
+    run_supervisor,
+    signal_rank_at_step,
+    start_supervisor,
+    write_config,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST_HANG = {"heartbeat": "required", "phase_timeouts_s": {"train": 3.0, "save": 5.0},
+             "calibration": {"enabled": False}}
+GUARDED = {"save_checkpoint_steps": 10, "use_skip_data_by_global_norm": True,
+           "monitor_config": {"global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 3}}
+COLD = {"enabled": False}
+# Slower steps (a sleep: the numbers stay the same) leave time for the standbys to import torch before the run ends.
+SLOW = {"TRAINWARDEN_FAULTS": "0:slow@1:0.2,1:slow@1:0.2"}
+
+
+def final_state(run_dir: Path, rank: int) -> dict[str, Any]:
+    return load_saved(run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt")
+
+
+def assert_same_training_state(run_dir: Path, reference: Path) -> None:
+    for rank in (0, 1):
+        got, want = final_state(run_dir, rank), final_state(reference, rank)
+        for part in ("model", "optimizer", "scheduler", "rng", "data_position"):
+            assert_bitwise_equal(got[part], want[part], f"rank {rank} {part}")
+
+
+def standbys(supervisor: subprocess.Popen | int) -> dict[int, psutil.Process]:
+    """The supervisor's standby processes not yet used, by pid."""
+    pid = supervisor if isinstance(supervisor, int) else supervisor.pid
+    found = {}
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return {}
+    for child in children:
+        try:
+            if "worker.standby" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                found[child.pid] = child
+        except psutil.Error:
+            continue
+    return found
+
+
+def standbys_ready(proc: subprocess.Popen, run_dir: Path) -> int | None:
+    """What this supervisor (not a predecessor) last wrote in the status file."""
+    try:
+        status = json.loads((run_dir / "supervisor" / "state.json").read_text())
+    except (OSError, ValueError):  # not written yet
+        return None
+    return status.get("standbys_ready") if status.get("supervisor_pid") == proc.pid else None
+
+
+def wait(proc: subprocess.Popen, predicate: Callable[[], object], what: str) -> Any:
+    """wait_until, and the supervisor killed if it never comes (nothing of the test may outlive it)."""
+    try:
+        return wait_until(predicate, timeout=90, what=what)
+    except BaseException:
+        proc.kill()
+        proc.communicate(timeout=30)
+        raise
+
+
+def wait_for_standbys(proc: subprocess.Popen, run_dir: Path) -> set[int]:
+    """Both standbys spawned and done importing (the status file says so); their pids."""
+    wait(proc, lambda: standbys_ready(proc, run_dir) == 2, "both standbys to be ready")
+    return set(standbys(proc))
+
+
+def spawned_standbys(proc: subprocess.Popen) -> set[int]:
+    """Both standbys spawned (perhaps still importing); their pids."""
+    return set(wait(proc, lambda: len(found := standbys(proc)) == 2 and found, "both standbys to be spawned"))
+
+
+def warm_launches(run_dir: Path) -> list[tuple[int, list[int]]]:
+    return [(e["attempt"], e["ranks"]) for e in journal(run_dir) if e["event"] == "standbys_used"]
+
+
+def launched_pids(run_dir: Path, attempt: int) -> set[int]:
+    (launch,) = [e for e in journal(run_dir) if e["event"] == "ranks_launched" and e["attempt"] == attempt]
+    return set(launch["pids"])
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of the demo job: the state every interrupted run must end in."""
+    tmp = tmp_path_factory.mktemp("reference")
+    done = run_supervisor(write_config(tmp / "job.yaml"), tmp / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "run"
+
+
+def test_a_killed_rank_is_relaunched_in_the_standbys_and_the_run_ends_bitwise_equal(
+        tmp_path: Path, reference_run: Path) -> None:
+    """Both ranks of the relaunch are the standby processes that waited before the kill; the end state is exact."""
+    run_dir = tmp_path / "run"
+    proc = start_supervisor(write_config(tmp_path / "job.yaml", env=SLOW), run_dir)
+    waiting = wait_for_standbys(proc, run_dir)
+    signal_rank_at_step(run_dir, 1, 25, signal.SIGKILL)
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.status()["restarts"] == 1
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert launched_pids(run_dir, 1) == waiting
+    assert_same_training_state(run_dir, reference_run)
+
+
+def test_a_hang_is_relaunched_warm_and_the_run_ends_bitwise_equal(tmp_path: Path, reference_run: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:hang@25"}, hang=FAST_HANG)
+    done = run_supervisor(config, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert (status["restarts"], status["hang"]["rank"]) == (1, 1)
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert_same_training_state(run_dir, reference_run)
+
+
+def test_an_anomaly_rollback_relaunched_warm_ends_bitwise_equal_to_a_cold_one(tmp_path: Path) -> None:
+    """A spike streak aborts (exit 65) and the supervisor rolls back past the bad data: warm and cold relaunches
+    resume from the same checkpoint, skip the same batches and end in the same state, bit for bit."""
+    runs = {}
+    for name, standby in (("warm", {}), ("cold", COLD)):
+        runs[name] = tmp_path / name / "run"
+        config = write_config(tmp_path / f"{name}.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@35:5"}, worker=GUARDED,
+                              anomaly={"rollback_steps": 10, "skip_after_steps": 5}, standby=standby)
+        done = run_supervisor(config, runs[name])
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.status()["resumed_from"] == {"step": 20}
+
+    assert warm_launches(runs["warm"]) == [(1, [0, 1])]
+    assert warm_launches(runs["cold"]) == []
+    assert_same_training_state(runs["warm"], runs["cold"])
+
+
+def test_a_stopped_run_leaves_no_standby_and_its_resumed_run_relaunches_warm_bitwise(
+        tmp_path: Path, reference_run: Path) -> None:
+    """SIGTERM: the ranks save and exit, the standbys go with the supervisor. The next supervisor resumes from the
+    stop, gets standbys of its own, and a crash after the resume is relaunched in them, ending exactly."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "job.yaml", env=SLOW)
+    proc = start_supervisor(config, run_dir)
+    waiting = spawned_standbys(proc)
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, run_dir)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.status()["state"] == "stopped"
+    assert not [pid for pid in waiting if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    stop_step = stopped.status()["last_checkpoint"]["step"]
+
+    proc = start_supervisor(config, run_dir)
+    wait_for_standbys(proc, run_dir)
+    signal_rank_at_step(run_dir, 0, stop_step + 5, signal.SIGKILL)
+    done = finish(proc, run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"][-2] == stop_step
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert_same_training_state(run_dir, reference_run)
+
+
+# ---- the mechanics, with a script that needs no torch ---------------------------------------------------------
+
+FACTS_SCRIPT = '''
+import json, os, sys, time
+from pathlib import Path
+from worker.heartbeat import Heartbeat
+
+run, rank = Path(os.environ["TRAINWARDEN_RUN_DIR"]), int(os.environ["RANK"])
+attempt = int(os.environ["TRAINWARDEN_ATTEMPT"])
+print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0],
+                  "torch_imported": "torch" in sys.modules, "restart_count": os.environ["TORCHELASTIC_RESTART_COUNT"],
+                  "port": os.environ["MASTER_PORT"], "stdin": sys.stdin.read(), "pid": os.getpid(),
+                  "standby_env": sorted(k for k in os.environ if "STANDBY" in k or "PREWARM" in k),
+                  "tag": os.environ.get("FROM_CONFIG")}), flush=True)
+print("stderr of attempt", attempt, file=sys.stderr, flush=True)
+Heartbeat(run / "ranks" / f"rank_{rank}" / "heartbeat.json", root=run, rank=rank, attempt=attempt,
+          interval_s=0.1).beat(1, "train", force=True)
+if attempt == 0:
+    while not Path(sys.argv[1]).exists():  # the test says when to crash
+        time.sleep(0.05)
+    sys.exit(3)
+'''
+
+
+def facts_job(tmp_path: Path, **overrides: Any) -> tuple[Path, Path, Path]:
+    script = tmp_path / "facts.py"
+    script.write_text(FACTS_SCRIPT)
+    crash = tmp_path / "crash_now"
+    config = write_config(tmp_path / "job.yaml", script=str(script), args=[str(crash)], hang={"heartbeat": "off"},
+                          env={"FROM_CONFIG": "yes"}, **overrides)
+    return config, tmp_path / "run", crash
+
+
+def facts(run_dir: Path, attempt: int, rank: int) -> dict[str, Any]:
+    return json.loads((run_dir / "logs" / f"attempt_{attempt}" / f"rank_{rank}.out").read_text())
+
+
+def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log_files(tmp_path: Path) -> None:
+    config, run_dir, crash = facts_job(tmp_path)
+    proc = start_supervisor(config, run_dir)
+    waiting = wait_for_standbys(proc, run_dir)
+    crash.touch()
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    cold, warm = facts(run_dir, 0, 0), facts(run_dir, 1, 0)
+    assert warm["pid"] in waiting and not cold["torch_imported"] and warm["torch_imported"]
+    for key in ("name", "file", "argv", "path0", "stdin", "standby_env", "tag"):
+        assert warm[key] == cold[key], key  # as `python -u facts.py` has them
+    assert (warm["name"], warm["path0"], warm["standby_env"]) == ("__main__", str(tmp_path), [])
+    assert (cold["restart_count"], warm["restart_count"]) == ("0", "1") and warm["port"] != cold["port"]
+    assert (run_dir / "logs" / "attempt_1" / "rank_1.err").read_text() == "stderr of attempt 1\n"
+    assert facts(run_dir, 1, 1)["pid"] in waiting
+
+
+def test_standbys_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
+    config, run_dir, _ = facts_job(tmp_path)
+    proc = start_supervisor(config, run_dir)
+    waiting = wait_for_standbys(proc, run_dir)
+    proc.kill()
+    proc.communicate(timeout=30)
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in waiting if psutil.pid_exists(pid)], timeout=10)
+    assert not alive
+
+
+def test_a_standby_that_dies_unused_turns_standbys_off_and_the_relaunch_starts_cold(tmp_path: Path) -> None:
+    (tmp_path / "exits_on_import.py").write_text("import os\nos._exit(3)\n")
+    config, run_dir, crash = facts_job(tmp_path, standby={"prewarm_imports": ["exits_on_import"]})
+    proc = start_supervisor(config, run_dir)
+    wait(proc, lambda: (run_dir / "supervisor" / "events.jsonl").exists() and any(
+        e["event"] == "standbys_off" for e in journal(run_dir)), "standbys to be turned off")
+    crash.touch()
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    (off,) = [e for e in journal(run_dir) if e["event"] == "standbys_off"]
+    assert "exited with 3 before it was used" in off["reason"] and "standby_rank_" in off["reason"]
+    assert warm_launches(run_dir) == []
+    assert facts(run_dir, 1, 0)["restart_count"] == "1"
+
+
+def test_standbys_can_be_turned_off(tmp_path: Path) -> None:
+    config, run_dir, crash = facts_job(tmp_path, standby=COLD)
+    proc = start_supervisor(config, run_dir)
+    first = run_dir / "logs" / "attempt_0" / "rank_1.out"
+    wait(proc, lambda: first.exists() and first.stat().st_size > 0, "rank 1 to start")
+    time.sleep(1.5)  # the pool would be filled at the next poll (once a second) after the ranks' training heartbeat
+    assert standbys(proc) == {}
+    crash.touch()
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert warm_launches(run_dir) == [] and "standbys_ready" not in done.status()
+    assert not facts(run_dir, 1, 0)["torch_imported"]
+
+
+def test_a_standby_taken_while_still_importing_runs_the_script_once_its_imports_are_done(tmp_path: Path) -> None:
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(3)\n")
+    config, run_dir, crash = facts_job(tmp_path, standby={"prewarm_imports": ["slow_to_import"]})
+    proc = start_supervisor(config, run_dir)
+    waiting = spawned_standbys(proc)
+    assert standbys_ready(proc, run_dir) in (None, 0)
+    crash.touch()
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert {facts(run_dir, 1, rank)["pid"] for rank in (0, 1)} == waiting
