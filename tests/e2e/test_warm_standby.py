@@ -15,10 +15,9 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.checkpoint_files import assert_bitwise_equal, load_saved
 from tests.conftest import wait_until
 from tests.e2e.conftest import (
-    DEMO_STEPS,
+    assert_same_training_state,
     finish,
     journal,
     run_supervisor,
@@ -33,20 +32,9 @@ FAST_HANG = {"heartbeat": "required", "phase_timeouts_s": {"train": 3.0, "save":
              "calibration": {"enabled": False}}
 GUARDED = {"save_checkpoint_steps": 10, "use_skip_data_by_global_norm": True,
            "monitor_config": {"global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 3}}
-COLD = {"enabled": False}
+WARM, COLD = {"enabled": True}, {"enabled": False}  # write_config turns them off unless told
 # Slower steps (a sleep: the numbers stay the same) leave time for the standbys to import torch before the run ends.
 SLOW = {"TRAINWARDEN_FAULTS": "0:slow@1:0.2,1:slow@1:0.2"}
-
-
-def final_state(run_dir: Path, rank: int) -> dict[str, Any]:
-    return load_saved(run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt")
-
-
-def assert_same_training_state(run_dir: Path, reference: Path) -> None:
-    for rank in (0, 1):
-        got, want = final_state(run_dir, rank), final_state(reference, rank)
-        for part in ("model", "optimizer", "scheduler", "rng", "data_position"):
-            assert_bitwise_equal(got[part], want[part], f"rank {rank} {part}")
 
 
 def standbys(supervisor: subprocess.Popen | int) -> dict[int, psutil.Process]:
@@ -105,20 +93,11 @@ def launched_pids(run_dir: Path, attempt: int) -> set[int]:
     return set(launch["pids"])
 
 
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of the demo job: the state every interrupted run must end in."""
-    tmp = tmp_path_factory.mktemp("reference")
-    done = run_supervisor(write_config(tmp / "job.yaml"), tmp / "run")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return tmp / "run"
-
-
 def test_a_killed_rank_is_relaunched_in_the_standbys_and_the_run_ends_bitwise_equal(
         tmp_path: Path, reference_run: Path) -> None:
     """Both ranks of the relaunch are the standby processes that waited before the kill; the end state is exact."""
     run_dir = tmp_path / "run"
-    proc = start_supervisor(write_config(tmp_path / "job.yaml", env=SLOW), run_dir)
+    proc = start_supervisor(write_config(tmp_path / "job.yaml", env=SLOW, standby=WARM), run_dir)
     waiting = wait_for_standbys(proc, run_dir)
     signal_rank_at_step(run_dir, 1, 25, signal.SIGKILL)
     done = finish(proc, run_dir)
@@ -132,7 +111,8 @@ def test_a_killed_rank_is_relaunched_in_the_standbys_and_the_run_ends_bitwise_eq
 
 def test_a_hang_is_relaunched_warm_and_the_run_ends_bitwise_equal(tmp_path: Path, reference_run: Path) -> None:
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:hang@25"}, hang=FAST_HANG)
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:hang@25"}, hang=FAST_HANG,
+                          standby=WARM)
     done = run_supervisor(config, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
@@ -146,7 +126,7 @@ def test_an_anomaly_rollback_relaunched_warm_ends_bitwise_equal_to_a_cold_one(tm
     """A spike streak aborts (exit 65) and the supervisor rolls back past the bad data: warm and cold relaunches
     resume from the same checkpoint, skip the same batches and end in the same state, bit for bit."""
     runs = {}
-    for name, standby in (("warm", {}), ("cold", COLD)):
+    for name, standby in (("warm", WARM), ("cold", COLD)):
         runs[name] = tmp_path / name / "run"
         config = write_config(tmp_path / f"{name}.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@35:5"}, worker=GUARDED,
                               anomaly={"rollback_steps": 10, "skip_after_steps": 5}, standby=standby)
@@ -164,7 +144,7 @@ def test_a_stopped_run_leaves_no_standby_and_its_resumed_run_relaunches_warm_bit
     """SIGTERM: the ranks save and exit, the standbys go with the supervisor. The next supervisor resumes from the
     stop, gets standbys of its own, and a crash after the resume is relaunched in them, ending exactly."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env=SLOW)
+    config = write_config(tmp_path / "job.yaml", env=SLOW, standby=WARM)
     proc = start_supervisor(config, run_dir)
     waiting = spawned_standbys(proc)
     proc.send_signal(signal.SIGTERM)
@@ -208,12 +188,12 @@ if attempt == 0:
 '''
 
 
-def facts_job(tmp_path: Path, **overrides: Any) -> tuple[Path, Path, Path]:
+def facts_job(tmp_path: Path, standby: dict[str, Any] = WARM) -> tuple[Path, Path, Path]:
     script = tmp_path / "facts.py"
     script.write_text(FACTS_SCRIPT)
     crash = tmp_path / "crash_now"
     config = write_config(tmp_path / "job.yaml", script=str(script), args=[str(crash)], hang={"heartbeat": "off"},
-                          env={"FROM_CONFIG": "yes"}, **overrides)
+                          env={"FROM_CONFIG": "yes"}, standby={**WARM, **standby})
     return config, tmp_path / "run", crash
 
 
@@ -252,7 +232,7 @@ def test_standbys_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
 
 def test_a_standby_that_dies_unused_turns_standbys_off_and_the_relaunch_starts_cold(tmp_path: Path) -> None:
     (tmp_path / "exits_on_import.py").write_text("import os\nos._exit(3)\n")
-    config, run_dir, crash = facts_job(tmp_path, standby={"prewarm_imports": ["exits_on_import"]})
+    config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["exits_on_import"]})
     proc = start_supervisor(config, run_dir)
     wait(proc, lambda: (run_dir / "supervisor" / "events.jsonl").exists() and any(
         e["event"] == "standbys_off" for e in journal(run_dir)), "standbys to be turned off")
@@ -267,7 +247,7 @@ def test_a_standby_that_dies_unused_turns_standbys_off_and_the_relaunch_starts_c
 
 
 def test_standbys_can_be_turned_off(tmp_path: Path) -> None:
-    config, run_dir, crash = facts_job(tmp_path, standby=COLD)
+    config, run_dir, crash = facts_job(tmp_path, COLD)
     proc = start_supervisor(config, run_dir)
     first = run_dir / "logs" / "attempt_0" / "rank_1.out"
     wait(proc, lambda: first.exists() and first.stat().st_size > 0, "rank 1 to start")
@@ -283,7 +263,7 @@ def test_standbys_can_be_turned_off(tmp_path: Path) -> None:
 
 def test_a_standby_taken_while_still_importing_runs_the_script_once_its_imports_are_done(tmp_path: Path) -> None:
     (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(3)\n")
-    config, run_dir, crash = facts_job(tmp_path, standby={"prewarm_imports": ["slow_to_import"]})
+    config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["slow_to_import"]})
     proc = start_supervisor(config, run_dir)
     waiting = spawned_standbys(proc)
     assert standbys_ready(proc, run_dir) in (None, 0)
