@@ -97,11 +97,13 @@ def test_a_named_checkpoint_wins_and_an_unusable_one_refuses_to_start(tmp_path: 
 
 
 def test_a_peer_crash_does_not_cost_the_save_in_flight(tmp_path: Path) -> None:
-    """Rank 1 dies right after saving step 20 while rank 0 is 4 s into its save of 20, with a 1 s kill grace:
-    the supervisor waits for the save, rank 0 finishes it and then obeys SIGTERM, and the relaunch resumes from 20."""
+    """Rank 1 dies right after saving step 20 while rank 0 is in its 4 s save of 20, with a 1 s kill grace:
+    the supervisor waits for the save, rank 0 finishes it and then obeys SIGTERM, and the relaunch resumes from 20.
+    Rank 1's save takes 1 s more, so rank 0 is surely inside its save when rank 1 dies (on a busy machine rank 0 may
+    otherwise still be in its step: then no save is in flight, and the SIGTERM rightly ends it there)."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "0:slow_save@20:4,1:sigkill_after_save@20"},
-                          stop={"kill_grace_s": 1.0})
+    faults = "0:slow_save@20:4,1:slow_save@20:1,1:sigkill_after_save@20"
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": faults}, stop={"kill_grace_s": 1.0})
     done = run_supervisor(config, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
