@@ -7,7 +7,8 @@ waits. At a relaunch the supervisor sends the attempt's environment, the script'
 files (as descriptors); the standby takes them over and runs the script as `__main__`, as `python -u script.py`
 would. When the supervisor closes the socket instead, the standby exits 0.
 
-`TRAINWARDEN_PREWARM` is `auto` or comma-separated module names. `auto`: torch, and the script's own top-level
+`TRAINWARDEN_PREWARM` is `auto` or comma-separated module names. `auto`: torch and torch._dynamo (which
+DistributedDataParallel imports when first built), and the script's own top-level
 `import`s of modules that live outside the script's folder (the standard library and installed packages: not
 the project's own modules, whose import may act on the attempt's environment). A module that fails to import
 is reported in the standby's log and left to the script, which then imports it itself.
@@ -38,6 +39,8 @@ _ORDER = b"A"  # sent with the two log descriptors
 _LENGTH = struct.Struct("!I")
 MAX_ORDER_BYTES = 16 << 20  # an environment and argv are far smaller
 MAX_SCRIPT_BYTES = 4 << 20  # the script is parsed for its imports only up to this size
+# torch._dynamo: DistributedDataParallel and torch.compile import it at their first use, 1 s of CPU of a relaunch.
+ALWAYS = ("torch", "torch._dynamo")
 
 
 def activate_message(argv: list[str], env: dict[str, str]) -> bytes:
@@ -84,7 +87,7 @@ def _prewarm_list(setting: str, script: Path) -> list[str]:
     if setting != "auto":
         return [name for name in (part.strip() for part in setting.split(",")) if name]
     script_dir = script.resolve().parent
-    return list(dict.fromkeys(["torch", *(n for n in script_imports(script) if _installed(n, script_dir))]))
+    return list(dict.fromkeys([*ALWAYS, *(n for n in script_imports(script) if _installed(n, script_dir))]))
 
 
 def _prewarm(names: list[str]) -> None:
