@@ -1,16 +1,20 @@
-"""Crash→relaunch benchmark: trainwarden against plain torchrun on the demo job, in one invocation.
+"""Crash→relaunch benchmark: trainwarden (warm standbys, and cold) against torchrun on the demo job, in one invocation.
 
-Each trial runs the demo job (2 ranks, gloo, CPU) under each launcher in turn (trainwarden, then
-torchrun). Once rank 1's heartbeat reports step K, rank 1 is SIGKILLed and we measure:
+Each trial runs the demo job (2 ranks, gloo, CPU) under each launcher in turn: trainwarden (warm standby ranks, the
+default), `tw cold` (trainwarden with `--set standby.enabled=false`), `torchrun` (`--max-restarts 3`, its default
+rendezvous) and `torchrun ns` (the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a new store for every round, the
+variant whose restarts work). Once rank 1's heartbeat reports step K, rank 1 is SIGKILLed and we measure:
 
-- crash→relaunch: from the kill until the first new rank process exists; the same for both launchers:
-  descendants of the launcher running demo_train.py that were not there before the kill, polled every
-  10 ms, earliest psutil `create_time()`;
+- crash→relaunch: from the kill until the new attempt's ranks start: for torchrun the earliest psutil
+  `create_time()` of a new descendant running demo_train.py (polled every 10 ms); for trainwarden its journal's
+  `ranks_launched` of the new attempt (a warm rank's process existed before the kill);
 - crash→first step: from the kill until the earliest `step` event of a later attempt in the ranks'
   events.jsonl (attempt 1, or a later one when the first relaunch failed; the trial line says which);
 - worked first time: the launcher exits 0 within the trial timeout, the final checkpoint exists, and
   attempt 2 never appears (no second relaunch).
 
+The kill comes at step 100 by default: standbys are spawned when the ranks start training and need a few seconds of
+a busy 2-core machine to import torch; the trial line says how many were ready.
 A trial past its timeout has every process of the run SIGKILLed and counts as not worked.
 Run from the repository root:  .venv/bin/python bench/crash_relaunch.py [--trials N] [--keep]
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -162,6 +167,7 @@ def measure(launcher: subprocess.Popen, layout: RunLayout, job: Job,
     if beat is None:
         return None, None, None, False, f"rank {KILLED_RANK} never reached step {job.kill_step}"
     before = set(rank_procs(launcher))
+    ready = standbys_ready(layout)
     killed_at = time.time()
     os.kill(beat["pid"], signal.SIGKILL)
     new = NewRanks(launcher, before)
@@ -176,7 +182,16 @@ def measure(launcher: subprocess.Popen, layout: RunLayout, job: Job,
     first = first_resumed_step(events)
     first_step_s, resumed_attempt = (None, None) if first is None else (first[0] - killed_at, first[1])
     worked, note = verdict(launcher.returncode, events, layout, job)
+    if ready is not None:
+        note += f"; standbys ready at the kill: {ready}/{NPROC}"
     return relaunch_s, first_step_s, resumed_attempt, worked, note
+
+
+def standbys_ready(layout: RunLayout) -> int | None:
+    """How many warm standbys were done importing (trainwarden's status file); None without any."""
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(layout.state_file.read_text()).get("standbys_ready")
+    return None
 
 
 def verdict(returncode: int | None, events: list[dict[str, Any]], layout: RunLayout, job: Job) -> tuple[bool, str]:
@@ -225,8 +240,9 @@ def summary(results: list[Trial]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=80, help="training steps of the demo job")
-    parser.add_argument("--kill-step", type=int, default=35, help="SIGKILL rank 1 once its heartbeat shows this step")
+    parser.add_argument("--steps", type=int, default=150, help="training steps of the demo job")
+    # Late enough for standbys spawned at the first step to have imported torch on 2 busy cores, as in a long run.
+    parser.add_argument("--kill-step", type=int, default=100, help="SIGKILL rank 1 once its heartbeat shows this step")
     parser.add_argument("--save-every", type=int, default=10, help="worker.save_checkpoint_steps")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="limit for one trial of one launcher")
     parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs")

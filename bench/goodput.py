@@ -216,7 +216,8 @@ def read_run(variant: Variant, job: Job, run_dir: Path, wall_s: float, exit_code
     events = rank_events(layout)
     fired = fired_faults(events)
     finished = exit_code == 0 and all(layout.checkpoints.file(r, job.steps, PREFIX).exists() for r in range(NPROC))
-    compared = "reference" if reference is None else same_as(layout, reference.run_dir, job.steps)
+    compared = "reference" if reference is None else same_as(layout, reference.run_dir, job.steps) if finished \
+        else "n/a"  # no final checkpoint to compare
     return Run(
         variant=variant.name,
         wall_s=wall_s,
@@ -230,7 +231,7 @@ def read_run(variant: Variant, job: Job, run_dir: Path, wall_s: float, exit_code
         train_s=training_time(events),
         step_s=median_step_time(events),
         supervisor_goodput=journal_goodput(layout) if variant.supervised else None,
-        bitwise=compared if finished else "n/a",
+        bitwise=compared,
         run_dir=run_dir,
     )
 
