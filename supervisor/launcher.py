@@ -147,6 +147,8 @@ class LocalLauncher:
         try:
             self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit, warm)
         except OSError as exc:
+            for standby in warm.values():  # those not handed a rank yet (the others were killed with the ranks)
+                standby.retire()
             return LaunchFailed(attempt.number, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         used = sorted(rank for rank, standby in warm.items() if self._ranks.procs[rank] is standby.proc)
         if used:

@@ -10,6 +10,7 @@ ranks' own start-up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -72,7 +73,8 @@ class Standby:
         """Kill it (its own session: nothing of it stays) and collect its exit status."""
         self.sock.close()
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it died meanwhile
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
 

@@ -20,6 +20,9 @@ from worker.contract import RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_STEPS = 60
+DEMO_SCRIPT = REPO / "examples" / "demo_train.py"
+# A smaller batch and context than the demo's (16 x 64): a quarter of the CPU a step, the suite's budget is CPU.
+DEMO_SIZE = ["--batch-size", "8", "--block", "32"]
 DEMO_SAVE_EVERY = 10
 
 
@@ -38,7 +41,7 @@ class Finished:
 def write_config(path: Path, **overrides: Any) -> Path:
     """A job config based on configs/demo.yaml, shortened for tests, with `overrides` on top."""
     config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
-    config["script"] = str(REPO / "examples" / "demo_train.py")
+    config["script"] = str(DEMO_SCRIPT)
     config["args"] = ["--steps", str(DEMO_STEPS)]
     config["worker"]["save_checkpoint_steps"] = DEMO_SAVE_EVERY
     config["restart"]["backoff_initial_s"] = 0.2
@@ -51,6 +54,8 @@ def write_config(path: Path, **overrides: Any) -> Path:
             config[key] = {**config[key], **value}
         else:
             config[key] = value
+    if config["script"] == str(DEMO_SCRIPT):
+        config["args"] = [*config["args"], *DEMO_SIZE]
     path.write_text(yaml.safe_dump(config))
     return path
 
