@@ -21,8 +21,6 @@ from worker.contract import RunLayout
 REPO = Path(__file__).resolve().parents[2]
 DEMO_STEPS = 60
 DEMO_SCRIPT = REPO / "examples" / "demo_train.py"
-# A smaller batch and context than the demo's (16 x 64): a quarter of the CPU a step, the suite's budget is CPU.
-DEMO_SIZE = ["--batch-size", "8", "--block", "32"]
 DEMO_SAVE_EVERY = 10
 
 
@@ -54,8 +52,6 @@ def write_config(path: Path, **overrides: Any) -> Path:
             config[key] = {**config[key], **value}
         else:
             config[key] = value
-    if config["script"] == str(DEMO_SCRIPT):
-        config["args"] = [*config["args"], *DEMO_SIZE]
     path.write_text(yaml.safe_dump(config))
     return path
 
