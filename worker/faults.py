@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.files import ensure_dir, open_append
+
 __all__ = ["ENV_FAULTS", "ENV_FAULTS_ONCE", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_faults"]
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
@@ -104,8 +106,9 @@ class FaultPlan:
         fault = self._due.get((kind, step)) if self._due else None
         if fault is not None:
             if self._marks is not None:  # remembered before it strikes: a SIGKILL comes next
-                self._marks.mkdir(parents=True, exist_ok=True)
-                _mark(self._marks, fault).touch()
+                root = self._marks.parents[1]  # RUN_DIR/ranks/rank_N: nothing written outside the run dir
+                ensure_dir(root, self._marks)
+                os.close(open_append(_mark(self._marks, fault), root=root))
             self._on_fire(fault)
         return fault
 

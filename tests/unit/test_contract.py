@@ -263,3 +263,27 @@ def test_gradient_fault_repeats_as_often_as_asked():
     assert [plan.gradient_fault(5) for _ in range(4)] == ["spike", "spike", "spike", None]
     assert [plan.gradient_fault(9) for _ in range(2)] == ["nan", None]
     assert plan.gradient_fault(6) is None
+
+
+def test_faults_once_fire_the_first_time_their_step_is_reached_in_any_attempt(tmp_path: Path) -> None:
+    """TRAINWARDEN_FAULTS_ONCE: a mark in the rank's folder disarms a fault that fired, in every later attempt."""
+    rank_dir = tmp_path / "ranks" / "rank_1"
+    faults = [Fault(rank=1, kind="sigkill", step=25), Fault(rank=1, kind="hang", step=40)]
+    first = FaultPlan(faults, rank=1, attempt=0, marks=rank_dir)
+    assert first.due("sigkill", 25)
+    later = FaultPlan(faults, rank=1, attempt=3, marks=rank_dir)  # a relaunch passes step 25, meets step 40
+    assert not later.due("sigkill", 25) and later.due("hang", 40)
+    assert not FaultPlan(faults, rank=1, attempt=4, marks=rank_dir).armed("hang")
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["fault_fired_hang_40", "fault_fired_sigkill_25"]
+
+
+def test_a_fault_mark_is_never_written_through_a_symlink(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "run" / "ranks").mkdir(parents=True)
+    (tmp_path / "run" / "ranks" / "rank_0").symlink_to(outside)
+    plan = FaultPlan([Fault(rank=0, kind="sigkill", step=5)], rank=0, attempt=0,
+                     marks=tmp_path / "run" / "ranks" / "rank_0")
+    with pytest.raises(OSError):
+        plan.due("sigkill", 5)
+    assert list(outside.iterdir()) == []
