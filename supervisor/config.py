@@ -302,6 +302,8 @@ def _parse_yaml(text: str, source: str) -> Any:
     except ConfigError:
         raise
     except yaml.YAMLError as exc:
+        if "maximum nesting depth" in str(exc):  # a newer libyaml's scanner refuses deep nesting before we see it
+            raise ConfigError(f"{source}: nested more than {MAX_DEPTH} levels deep") from None
         raise ConfigError(f"{source}: not valid YAML: {_one_line(exc)}") from None
     except Exception as exc:  # PyYAML's constructors raise ValueError, AttributeError... on odd tagged scalars
         raise ConfigError(f"{source}: not valid YAML: {_brief(str(exc) or type(exc).__name__)}") from None

@@ -15,6 +15,7 @@ Kinds:
 - `slow_save`: the checkpoint save of step STEP takes ARG seconds longer (default 5).
 - `slow`: a straggler: from step STEP on, every step's compute takes ARG seconds longer on this rank (default
   0.05; at most 3600), before the step guard's all-reduce, so its peers wait for it there (needs `guard_step`).
+  Unlike the other kinds it stays in every attempt, as a slow node stays slow after a relaunch.
 - `spike`: gradients are scaled by 1000 on this rank when step STEP is attempted, ARG times in a row
   (default 1; skipped steps do not advance the step, so a streak retries the same step number).
 - `nan`: like `spike`, with a NaN written into the gradients.
@@ -91,7 +92,8 @@ class FaultPlan:
         self._marks = marks
         self._on_fire = on_fire
         self._repeats = {key: int(f.arg or 1) for key, f in self._due.items() if f.kind in GRADIENT_KINDS}
-        self._slow = min((f for f in self._due.values() if f.kind == "slow"), key=lambda f: f.step, default=None)
+        slow = (f for f in faults if f.kind == "slow" and f.rank == rank)  # armed or not: it stays
+        self._slow = min(slow, key=lambda f: f.step, default=None)
 
     @classmethod
     def from_env(cls, *, rank: int, attempt: int, on_fire: Callable[[Fault], None] = lambda fault: None,
@@ -128,7 +130,7 @@ class FaultPlan:
         slow = self._slow
         if slow is None or step < slow.step:
             return
-        self.strike_once("slow", slow.step)  # announced once; it slows every step from then on
+        self.strike_once("slow", slow.step)  # announced once (while armed); it slows every step from then on
         time.sleep(SLOW_S if slow.arg is None else slow.arg)
 
     def in_save(self, step: int) -> None:

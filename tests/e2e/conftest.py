@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,46 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_STEPS = 60
 DEMO_SCRIPT = REPO / "examples" / "demo_train.py"
 DEMO_SAVE_EVERY = 10
+# A quarter of the demo's batch (8 sequences of 32 characters, not 16 of 64): training is a third of an end-to-end
+# run's CPU at the demo's size, and no test depends on what the model learns.
+DEMO_SIZE = ["--batch-size", "8", "--block", "32"]
+
+
+# The reference run tags its checkpoints healthy or not, by a threshold the demo stays under (seed 000's health
+# monitor: it only reads the state), for the tests that start from a copy of its checkpoints.
+REFERENCE_WORKER = {"use_checkpoint_health_monitor": True, "embedding_local_norm_threshold": 1000.0}
+
+
+# Three gradient-norm spikes in a row on rank 1 from step 35 abort the run (exit 65): rolled back 10 steps (to
+# checkpoint 20), and 5 batches past the first bad one skipped.
+GUARDED = {
+    "save_checkpoint_steps": 10,
+    "use_skip_data_by_global_norm": True,
+    "monitor_config": {"global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 3},
+}
+SPIKE_STREAK: dict[str, Any] = {"env": {"TRAINWARDEN_FAULTS": "1:spike@35:5"}, "worker": GUARDED,
+                                "anomaly": {"rollback_steps": 10, "skip_after_steps": 5}}
+
+
+# Hang timeouts short enough to declare hangs in seconds; calibration off, so they are exactly these.
+FAST_HANG = {"heartbeat": "required", "phase_timeouts_s": {"train": 3.0, "save": 6.0},
+             "calibration": {"enabled": False}}
+# One run through a stream of faults, each firing once (TRAINWARDEN_FAULTS_ONCE); what ends each attempt:
+#   0: rank 1 stops before an all-reduce after step 15, rank 0 blocks in it (a gloo hang);
+#   1: rank 0 saves step 20 for 4 s (past the train timeout, inside the save timeout) and rank 1 dies right after
+#      its own save of 20, 1 s in (the save in flight is waited for);
+#   2: rank 1 is killed halfway through writing checkpoint 30;
+#   3: rank 1 hangs inside its save of 40;
+#   4: rank 1 freezes itself with SIGSTOP after step 45; attempt 5 finishes.
+# Five failures: as many as `status` shows.
+FAULT_STREAM = {
+    "env": {"TRAINWARDEN_FAULTS_ONCE": "1",
+            "TRAINWARDEN_FAULTS": "1:hang@15,0:slow_save@20:4,1:slow_save@20:1,1:sigkill_after_save@20,"
+                                  "1:sigkill_in_save@30,1:hang_in_save@40,1:sigstop@45"},
+    "hang": FAST_HANG,
+    "restart": {"max_restarts": 10, "backoff_factor": 1.0},
+}
+FAULT_STREAM_RESUMES = [None, 10, 20, 20, 30, 40]  # each attempt's resume step
 
 
 @dataclass
@@ -36,11 +80,11 @@ class Finished:
         return trainwarden_status(self.run_dir)
 
 
-def write_config(path: Path, **overrides: Any) -> Path:
-    """A job config based on configs/demo.yaml, shortened for tests, with `overrides` on top."""
+def write_config(path: Path, steps: int = DEMO_STEPS, **overrides: Any) -> Path:
+    """A job config based on configs/demo.yaml, shortened to `steps` and DEMO_SIZE for tests, `overrides` on top."""
     config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     config["script"] = str(DEMO_SCRIPT)
-    config["args"] = ["--steps", str(DEMO_STEPS)]
+    config["args"] = ["--steps", str(steps), *DEMO_SIZE]
     config["worker"]["save_checkpoint_steps"] = DEMO_SAVE_EVERY
     config["restart"]["backoff_initial_s"] = 0.2
     # A rank blocked in a gloo collective with a live peer (a hang) only dies by SIGKILL: do not wait 5 s for it.
@@ -52,6 +96,48 @@ def write_config(path: Path, **overrides: Any) -> Path:
             config[key] = {**config[key], **value}
         else:
             config[key] = value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# Beats like the worker library (without torch); optional behaviour by environment.
+BEATING_RANK = """
+import os, subprocess, sys, time
+from pathlib import Path
+from worker.contract import RunLayout
+from worker.heartbeat import Heartbeat
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TRAINWARDEN_ATTEMPT"])
+layout = RunLayout(Path(os.environ["TRAINWARDEN_RUN_DIR"]))
+marker = layout.root / f"grandchildren_started_{rank}"
+if os.environ.get("SPAWN") and not marker.exists():
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    subprocess.Popen(sleep)                           # stays in the rank's process group
+    subprocess.Popen(sleep, start_new_session=True)   # escapes it
+    marker.touch()
+if os.environ.get("GARBAGE"):
+    layout.heartbeat(rank).write_text('{"seq": 1, "ste')  # a torn write, as a non-atomic writer leaves
+    time.sleep(1.5)
+    layout.heartbeat(rank).write_text("\\x00\\xff garbage")
+    time.sleep(1.5)
+beat = Heartbeat(layout.heartbeat(rank), root=layout.root, rank=rank, attempt=attempt, interval_s=0.1)
+for step in range(int(os.environ.get("STEPS", "20"))):
+    beat.beat(step, "train")
+    time.sleep(0.05)
+sys.exit(int(os.environ.get("EXIT", "0")))
+"""
+
+
+def fake_job(tmp_path: Path, **overrides: object) -> Path:
+    """A job of BEATING_RANKs (no torch) with `overrides` on top, in tmp_path/job.yaml."""
+    config = {
+        "command": [sys.executable, "-c", BEATING_RANK],
+        "nproc_per_node": 2,
+        "restart": {"max_restarts": 0},
+        "stop": {"kill_grace_s": 2.0},
+        "hang": {"heartbeat": "required", "first_heartbeat_s": 30.0, "phase_timeouts_s": {"train": 3.0}},
+        **overrides,
+    }
+    path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -116,9 +202,60 @@ def assert_same_training_state(run_dir: Path, reference: Path) -> None:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of the demo job: the state every interrupted run must end in (one per session)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    done = run_supervisor(write_config(tmp / "job.yaml"), tmp / "run")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.status()["restarts"] == 0
-    return tmp / "run"
+    """An uninterrupted run of the demo job: the state every interrupted run must end in."""
+    run_dir = shared_run(tmp_path_factory, "reference", worker=REFERENCE_WORKER)
+    assert trainwarden_status(run_dir)["restarts"] == 0
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def rollback_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run through SPIKE_STREAK, its ranks started cold."""
+    return shared_run(tmp_path_factory, "rollback", **SPIKE_STREAK)
+
+
+@pytest.fixture(scope="session")
+def fault_stream_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run through FAULT_STREAM, its ranks started cold."""
+    return shared_run(tmp_path_factory, "fault_stream", **FAULT_STREAM)
+
+
+def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides: Any) -> Path:
+    """The run dir of a demo run that exited 0, made once per session for the tests that read it (none may change
+    it): pytest-xdist's workers share it, the first to need it runs it while the others wait on its lock."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: popen-gwN's parent
+    run_dir, finished = shared / name / "run", shared / name / "finished"
+    with held_lock(shared / f"{name}.lock", timeout=180):
+        if not finished.exists():
+            shutil.rmtree(run_dir.parent, ignore_errors=True)  # a failed try of another worker
+            run_dir.parent.mkdir()
+            done = run_supervisor(write_config(run_dir.parent / "job.yaml", **overrides), run_dir)
+            assert done.returncode == 0, done.stderr[-3000:]
+            finished.touch()
+    return run_dir
+
+
+def checkpoints_of(reference: Path, run_dir: Path) -> Path:
+    """`run_dir` holding a copy of the reference run's checkpoints and health file, as a finished run leaves them
+    (its journal and logs are not copied)."""
+    shutil.copytree(reference / "checkpoint", run_dir / "checkpoint")
+    shutil.copy2(reference / "health_ckpts.json", run_dir / "health_ckpts.json")
+    return run_dir
+
+
+@contextlib.contextmanager
+def held_lock(path: Path, timeout: float) -> Iterator[None]:
+    """An exclusive flock on `path`, waited for at most `timeout` seconds."""
+    with path.open("a") as file:
+        def locked() -> bool:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+        wait_until(locked, timeout=timeout, interval=0.2, what=f"the lock {path}")
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)

@@ -10,30 +10,40 @@ import pytest
 import torch
 
 from tests.checkpoint_files import load_saved
-from tests.e2e.conftest import DEMO_STEPS, REPO, finish, journal, run_supervisor, start_supervisor, write_config
+from tests.e2e.conftest import (
+    DEMO_SIZE,
+    DEMO_STEPS,
+    GUARDED,
+    REPO,
+    finish,
+    journal,
+    run_supervisor,
+    start_supervisor,
+    trainwarden_status,
+    write_config,
+)
 
 pytestmark = pytest.mark.timeout(240)
-
-GUARDED = {
-    "save_checkpoint_steps": 10,
-    "use_skip_data_by_global_norm": True,
-    "monitor_config": {"global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 3},
-}
-
 
 def rank_events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
     lines = (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["event"] == name]
 
 
+FIRST_NORM = "blocks.layers.0.norm1"  # the demo's first LayerNorm: the default target of an sdc fault
+
+
 def final(run_dir: Path, rank: int) -> dict[str, Any]:
     return load_saved(run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{DEMO_STEPS}.ckpt")
 
 
-def test_spike_and_nan_on_one_rank_are_skipped_on_both_and_replicas_stay_identical(tmp_path: Path) -> None:
-    """Faults on rank 1 only: both ranks skip the same steps, and the two replicas end bitwise identical."""
+def test_a_spike_a_nan_and_a_level_1_feature_value_fault_on_one_rank_are_skipped_on_both(tmp_path: Path) -> None:
+    """Faults on rank 1 only (a gradient spike, a NaN gradient, and at feature-value level 1 a NaN activation
+    gradient, logged as a fault): both ranks skip the same steps, nothing restarts, and the two replicas end bitwise
+    identical."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@15,1:nan@18"}, worker=GUARDED)
+    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@15,1:nan@18,1:sdc@25:nan"},
+                          worker={**GUARDED, "feature_value_check": {"level": 1}})
     done = run_supervisor(config, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
@@ -41,27 +51,28 @@ def test_spike_and_nan_on_one_rank_are_skipped_on_both_and_replicas_stay_identic
     skips = {rank: rank_events(run_dir, rank, "step_skipped") for rank in (0, 1)}
     for rank in (0, 1):
         assert [(e["step"], e["batch"], e["consecutive"], e["is_skip"]) for e in skips[rank]] == [
-            (15, 14, 1, True), (18, 18, 1, True)]
+            (15, 14, 1, True), (18, 18, 1, True), (25, 26, 1, True)]
+        assert rank_events(run_dir, rank, "anomaly_abort") == []
     assert [(e["local"], e["reasons"]) for e in skips[1]] == [
-        (True, ["global_norm_above_threshold"]), (True, ["non_finite"])]
-    assert [e["local"] for e in skips[0]] == [False, False]  # rank 0 skipped because rank 1 had to
+        (True, ["global_norm_above_threshold"]), (True, ["non_finite"]), (True, ["non_finite"])]
+    # Rank 0 skipped 15 and 18 because rank 1 had to; at 25 the NaN reached its own gradients through the average.
+    assert [e["local"] for e in skips[0]] == [False, False, True]
     assert skips[1][0]["global_norm"] > 100 and skips[1][1]["global_norm"] == "nan"
     assert skips[1][0]["skip_data_grad_norm_threshold"] == 3.0
+    faults = rank_events(run_dir, 1, "feature_value_fault")
+    assert [(e["step"], e["layer"], e["reasons"], e["val"]) for e in faults] == [
+        (25, FIRST_NORM, ["non_finite"], "nan")]
+    assert rank_events(run_dir, 0, "feature_value_fault") == []
     ends = [final(run_dir, rank) for rank in (0, 1)]
     assert all(torch.equal(ends[0]["model"][k], ends[1]["model"][k]) for k in ends[0]["model"])
-    assert [e["data_position"] for e in ends] == [DEMO_STEPS + 2, DEMO_STEPS + 2]  # two batches consumed unused
+    assert [e["data_position"] for e in ends] == [DEMO_STEPS + 3, DEMO_STEPS + 3]  # three batches consumed unused
     assert [e["scheduler"]["last_epoch"] for e in ends] == [DEMO_STEPS, DEMO_STEPS]  # the schedule did not move
 
 
-def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(tmp_path: Path) -> None:
-    """Three consecutive spikes exit 65; the relaunch resumes 10+ steps earlier, skips the window and finishes,
-    whichever rank's exit the supervisor sees first (the peer may die of the abort, by SIGABRT)."""
-    run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@35:5"}, worker=GUARDED,
-                          anomaly={"rollback_steps": 10, "skip_after_steps": 5})
-    done = run_supervisor(config, run_dir)
-
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(rollback_run: Path) -> None:
+    """Three consecutive spikes exit 65; the relaunch resumes 10+ steps earlier, skips the window and finishes
+    (exit 0), whichever rank's exit the supervisor sees first (the peer may die of the abort, by SIGABRT)."""
+    run_dir = rollback_run
     aborts = [rank_events(run_dir, rank, "anomaly_abort") for rank in (0, 1)]
     for events in aborts:
         assert [(e["step"], e["consecutive"], e["first_anomaly_step"], e["first_anomaly_batch"], e["batch"])
@@ -80,7 +91,7 @@ def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(tmp
         assert [(e["from_batch"], e["to_batch"]) for e in skipped] == [(20, 42)]
         resumed_batches = [e["batch"] for e in rank_events(run_dir, rank, "step") if e["attempt"] == 1]
         assert resumed_batches[0] == 42 and not any(34 <= b <= 41 for b in resumed_batches)
-    status = done.status()
+    status = trainwarden_status(run_dir)
     assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
     assert status["rollback"]["skip_to_batch"] == 42 and status["rollback"]["abort"]["first_step"] == 35
     assert [(f["attempt"], f["kind"], f["step"]) for f in status["failures"]] == [(0, "anomaly", 35)]
@@ -88,8 +99,11 @@ def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(tmp
 
 def test_demo_at_its_default_settings_skips_nothing(tmp_path: Path) -> None:
     """configs/demo.yaml as shipped (threshold 3.0, 6-sigma adaptive detection, feature-value checks at level 2 with
-    seed 002's thresholds) has zero false skips and no feature-value fault or warning in 600 steps."""
-    proc = start_supervisor(REPO / "configs" / "demo.yaml", tmp_path / "run", "--set", "standby.enabled=false")
+    seed 002's thresholds) has zero false skips and no feature-value fault or warning in the demo's 600 steps, at
+    the tests' batch (DEMO_SIZE: half the CPU of the demo's own)."""
+    args = f"args=[--steps, '600', {', '.join(DEMO_SIZE)}]"
+    proc = start_supervisor(REPO / "configs" / "demo.yaml", tmp_path / "run", "--set", "standby.enabled=false",
+                            "--set", args)
     done = finish(proc, tmp_path / "run", timeout=200)
 
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,19 +9,25 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint_files import CRAFTED_REFUSAL, load_saved, write_crafted
-from tests.e2e.conftest import journal, run_supervisor, write_config
+from tests.e2e.conftest import (
+    DEMO_SAVE_EVERY,
+    DEMO_STEPS,
+    REFERENCE_WORKER,
+    checkpoints_of,
+    journal,
+    run_supervisor,
+    write_config,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_corrupted_truncated_and_incomplete_checkpoints_are_passed_over_with_reasons(tmp_path: Path) -> None:
-    """Flip a byte in 60, truncate 50, drop a completion record of 40: the rerun resumes from 30 and finishes."""
-    run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", worker={"save_checkpoint_steps": 10,
-                                                         "use_checkpoint_health_monitor": True,
-                                                         "embedding_local_norm_threshold": 1000.0})
-    first = run_supervisor(config, run_dir)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_corrupted_truncated_and_incomplete_checkpoints_are_passed_over_with_reasons(
+        tmp_path: Path, reference_run: Path) -> None:
+    """In the checkpoints of a finished run (the reference's, health-tagged), flip a byte in 60, truncate 50, drop a
+    completion record of 40: the rerun resumes from 30 and finishes."""
+    run_dir = checkpoints_of(reference_run, tmp_path / "run")
+    config = write_config(tmp_path / "job.yaml", worker=REFERENCE_WORKER)
     health = json.loads((run_dir / "health_ckpts.json").read_text())
     assert [(h["step"], h["is_health"], h["ckpt_name"]) for h in health] == [
         (s, 0, f"demo_rank_0-{s}.ckpt") for s in range(10, 61, 10)]
@@ -68,12 +74,11 @@ def test_keep_checkpoint_max_rotates_old_checkpoints_of_a_real_run(tmp_path: Pat
     assert [h["step"] for h in health] == [50, 60]
 
 
-def test_a_named_checkpoint_wins_and_an_unusable_one_refuses_to_start(tmp_path: Path) -> None:
+def test_a_named_checkpoint_wins_and_an_unusable_one_refuses_to_start(tmp_path: Path, reference_run: Path) -> None:
     """`resume_training: <name>` resumes from that checkpoint although newer ones are fine; a corrupted one
     named, or nothing usable with `no_usable_checkpoint: refuse`, fails the run with the reason and starts nothing."""
-    run_dir = tmp_path / "run"
+    run_dir = checkpoints_of(reference_run, tmp_path / "run")
     worker = {"save_checkpoint_steps": 10}
-    assert run_supervisor(write_config(tmp_path / "a.yaml", worker=worker), run_dir).returncode == 0
 
     by_name = {**worker, "resume_training": "demo_rank_1-30.ckpt"}
     named = run_supervisor(write_config(tmp_path / "b.yaml", worker=by_name), run_dir)
@@ -96,49 +101,44 @@ def test_a_named_checkpoint_wins_and_an_unusable_one_refuses_to_start(tmp_path: 
     assert refused.status()["reason"].endswith("refusing to start from scratch (worker.no_usable_checkpoint: refuse)")
 
 
-def test_a_peer_crash_does_not_cost_the_save_in_flight(tmp_path: Path) -> None:
-    """Rank 1 dies right after saving step 20 while rank 0 is in its 4 s save of 20, with a 1 s kill grace:
-    the supervisor waits for the save, rank 0 finishes it and then obeys SIGTERM, and the relaunch resumes from 20.
-    Rank 1's save takes 1 s more, so rank 0 is surely inside its save when rank 1 dies (on a busy machine rank 0 may
-    otherwise still be in its step: then no save is in flight, and the SIGTERM rightly ends it there)."""
-    run_dir = tmp_path / "run"
-    faults = "0:slow_save@20:4,1:slow_save@20:1,1:sigkill_after_save@20"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": faults}, stop={"kill_grace_s": 1.0})
-    done = run_supervisor(config, run_dir)
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    status = done.status()
-    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
-    events = journal(run_dir)
+def test_a_peer_crash_does_not_cost_the_save_in_flight(fault_stream_run: Path) -> None:
+    """Attempt 1 of FAULT_STREAM: rank 1 dies right after saving step 20 while rank 0 is in its 4 s save of 20, with
+    a 1 s kill grace: the supervisor waits for the save (up to the save timeout), rank 0 finishes it and then obeys
+    SIGTERM, and the relaunch resumes from 20. Rank 1's save takes 1 s more, so rank 0 is surely inside its save
+    when rank 1 dies (on a busy machine rank 0 may otherwise still be in its step: then no save is in flight, and
+    the SIGTERM rightly ends it there)."""
+    events = journal(fault_stream_run)
+    crashed = [(e["rank"], e["step"]) for e in events if e["event"] == "rank_crashed" and e["attempt"] == 1]
+    assert crashed == [(1, 20)]
     waits = [e for e in events if e["event"] == "stop_waits_for_save"]
-    assert [w["ranks"] for w in waits] == [[0]] and waits[0]["wait_s"] > 100  # the save phase's 120 s timeout
-    stopped = [e for e in events if e["event"] == "rank_stopped" and e["attempt"] == 0]
+    assert [w["ranks"] for w in waits] == [[0]] and 0 < waits[0]["wait_s"] <= 6.0  # what is left of the save timeout
+    stopped = [e for e in events if e["event"] == "rank_stopped" and e["attempt"] == 1]
     assert [(e["rank"], e["description"]) for e in stopped] == [(0, "killed by SIGTERM")]
-    rank0 = [json.loads(line) for line in (run_dir / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in rank0 if e["attempt"] == 0][-2:] == ["checkpoint_saved", "stopped_after_save"]
+    rank0 = [json.loads(line) for line in (fault_stream_run / "ranks" / "rank_0" / "events.jsonl").open()]
+    assert [e["event"] for e in rank0 if e["attempt"] == 1][-2:] == ["checkpoint_saved", "stopped_after_save"]
+    assert [e["resume_step"] for e in events if e["event"] == "ranks_launched" and e["attempt"] == 2] == [20]
 
 
-def test_a_crafted_checkpoint_is_refused_and_the_run_resumes_from_an_older_one(tmp_path: Path) -> None:
+def test_a_crafted_checkpoint_is_refused_and_the_run_resumes_from_an_older_one(
+        tmp_path: Path, reference_run: Path) -> None:
     """Rank 1's newest checkpoint swapped for a crafted pickle with a matching completion record, as an attacker
     would: the rank refuses it without running it (exit 66), and the supervisor resumes from the one before."""
-    run_dir = tmp_path / "run"
-    first = run_supervisor(write_config(tmp_path / "a.yaml", args=["--steps", "20"]), run_dir)
-    assert first.returncode == 0, first.stderr[-3000:]
-    crafted, marker = run_dir / "checkpoint" / "rank_1" / "demo_rank_1-20.ckpt", tmp_path / "marker"
+    run_dir = checkpoints_of(reference_run, tmp_path / "run")
+    crafted, marker = run_dir / "checkpoint" / "rank_1" / f"demo_rank_1-{DEMO_STEPS}.ckpt", tmp_path / "marker"
     write_crafted(crafted, marker)
     data, record = crafted.read_bytes(), crafted.with_suffix(".json")
     record.write_text(json.dumps({**json.loads(record.read_text()), "size": len(data),
                                   "crc32": f"{zlib.crc32(data):08x}"}))  # what the supervisor checks
 
-    second = run_supervisor(write_config(tmp_path / "b.yaml", args=["--steps", "30"]), run_dir)
+    second = run_supervisor(write_config(tmp_path / "job.yaml"), run_dir)
     assert second.returncode == 0, second.stderr[-3000:]
     assert not marker.exists()
-    events = journal(run_dir)
+    events, newest, before = journal(run_dir), DEMO_STEPS, DEMO_STEPS - DEMO_SAVE_EVERY
     refused = [e for e in events if e["event"] == "checkpoint_refused"]
     assert [(e["level"], e["rank"], e["attempt"], e["step"], e["path"], e["error"]) for e in refused] == [
-        ("error", 1, 0, 20, str(crafted), CRAFTED_REFUSAL)]
-    assert [e["resume_step"] for e in events if e["event"] == "ranks_launched"] == [None, 20, 10]
+        ("error", 1, 0, newest, str(crafted), CRAFTED_REFUSAL)]
+    assert [e["resume_step"] for e in events if e["event"] == "ranks_launched"] == [newest, before]
     status = second.status()
-    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 10})
-    assert status["passed_over"] == [{"step": 20, "reason": f"refused by rank 1: {CRAFTED_REFUSAL}"}]
-    assert load_saved(crafted)["step"] == 20  # saved again, for real, by the resumed run
+    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": before})
+    assert status["passed_over"] == [{"step": newest, "reason": f"refused by rank 1: {CRAFTED_REFUSAL}"}]
+    assert load_saved(crafted)["step"] == newest  # saved again, for real, by the resumed run

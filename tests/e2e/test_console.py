@@ -46,7 +46,7 @@ def run_in_pty(argv: list[str], timeout: float) -> tuple[int, str]:
 
 
 def test_at_a_terminal_events_are_readable_and_a_status_line_shows_progress(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "job.yaml", args=["--steps", "60"])
+    config = write_config(tmp_path / "job.yaml", steps=60)
     code, shown = run_in_pty([sys.executable, "-m", "supervisor", "run", str(config), "--run-dir",
                               str(tmp_path / "run")], timeout=90)
     assert code == 0, shown[-3000:]

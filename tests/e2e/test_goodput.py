@@ -31,7 +31,7 @@ def test_goodput_of_a_run_with_one_kill(tmp_path: Path):
     """Rank 1 SIGKILLed after step 28 of 40 (checkpoints every 10): the relaunch resumes from 20, the training of
     steps 21-28 is lost, start-up and kill-to-first-step are restart time, and the categories add up to wall_s."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", args=["--steps", "40"], env={"TRAINWARDEN_FAULTS": "1:sigkill@28"})
+    config = write_config(tmp_path / "job.yaml", steps=40, env={"TRAINWARDEN_FAULTS": "1:sigkill@28"})
     done = run_supervisor(config, run_dir, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     status = done.status()

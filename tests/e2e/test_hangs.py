@@ -4,150 +4,89 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
 from tests.conftest import TAG_ENV, tagged_processes, wait_until
 from tests.e2e.conftest import (
-    finish,
+    fake_job,
     heartbeat,
     journal,
     run_supervisor,
-    signal_rank_at_step,
     start_supervisor,
-    write_config,
+    trainwarden_status,
 )
 
 pytestmark = pytest.mark.timeout(180)
 
-# Short timeouts so hangs are declared in seconds; calibration off so they are exactly these.
-FAST_HANG = {
-    "heartbeat": "required",
-    "phase_timeouts_s": {"train": 3.0, "save": 5.0},
-    "calibration": {"enabled": False},
-}
+
+def events(run_dir: Path, name: str, attempt: int | None = None) -> list[dict]:
+    return [e for e in journal(run_dir) if e["event"] == name and attempt in (None, e.get("attempt"))]
 
 
-def events(run_dir: Path, name: str) -> list[dict]:
-    return [e for e in journal(run_dir) if e["event"] == name]
+def failure(run_dir: Path, attempt: int) -> dict:
+    (found,) = [f for f in trainwarden_status(run_dir)["failures"] if f["attempt"] == attempt]
+    return found
 
 
-def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(tmp_path: Path) -> None:
-    """Rank 1 stops before an all-reduce, rank 0 blocks in it: hang declared, stacks saved, run resumes from 20."""
-    run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:hang@25"}, hang=FAST_HANG)
-    done = run_supervisor(config, run_dir)
+# The demo's hangs are faults of FAULT_STREAM (tests/e2e/conftest.py): one run, one hang or slow save per attempt.
 
-    assert done.returncode == 0, done.stderr[-3000:]
-    status = done.status()
-    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
-    hang = status["hang"]
+def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(fault_stream_run: Path) -> None:
+    """Rank 1 stops before an all-reduce after step 15, rank 0 blocks in it: the hang is declared after the 3 s
+    train timeout, both ranks' stacks are saved and name the culprit, both are stopped, the relaunch resumes from 10."""
+    run_dir = fault_stream_run
+    (detected,) = events(run_dir, "hang_detected", attempt=0)
+    assert (detected["phase"], detected["timeout_s"]) == ("train", 3.0) and 3.0 <= detected["silent_s"] < 5.0
     # Heartbeats cannot tell a collective hang's culprit from its victims; the stacks can.
-    assert (hang["attempt"], hang["rank"], hang["named_by"], hang["step"]) == (0, 1, "stacks", 25)
-    # last_failure, the failure history and the cause name the same rank as the hang record.
-    assert status["last_failure"].startswith("rank 1 hung in phase train (last heartbeat at step 25): ")
-    assert [(f["rank"], f["step"], f["kind"]) for f in status["failures"]] == [(1, 25, "hang")]
-    assert status["cause"].startswith("hang: rank 1 (the only rank outside a collective) silent in phase train "
-                                      "after step 25 for ")
-    assert (hang["phase"], hang["timeout_s"]) == ("train", 3.0)
-    assert 3.0 <= hang["silent_s"] < 5.0
+    (stacks,) = events(run_dir, "stacks_collected", attempt=0)
+    assert (stacks["culprit"], stacks["last_steps"]) == (1, {"0": 15, "1": 15})
     faulthandler = {rank: run_dir / "ranks" / f"rank_{rank}" / "stacks_attempt_0.txt" for rank in (0, 1)}
-    assert {str(path) for path in faulthandler.values()} <= set(hang["stacks"]), "both dumps are referenced"
+    assert {str(path) for path in faulthandler.values()} <= set(stacks["paths"]), "both dumps are referenced"
     assert "in hang_forever" in faulthandler[1].read_text()  # the rank that stopped before the all-reduce
     assert "in backward" in faulthandler[0].read_text()  # the rank blocked inside it
-    detected = events(run_dir, "hang_detected")
-    assert len(detected) == 1 and detected[0]["timeout_s"] == 3.0
-    stopped = events(run_dir, "rank_stopped")
+    hang = failure(run_dir, 0)
+    assert (hang["rank"], hang["step"], hang["kind"]) == (1, 15, "hang")
+    assert hang["cause"].startswith("hang: rank 1 (the only rank outside a collective) silent in phase train "
+                                    "after step 15 for ")
+    stopped = events(run_dir, "rank_stopped", attempt=0)
     assert sorted((e["rank"], e["description"]) for e in stopped) == [(r, "killed by SIGTERM") for r in (0, 1)]
+    assert [e["resume_step"] for e in events(run_dir, "ranks_launched", attempt=1)] == [10]
 
 
-def test_rank_frozen_from_outside_with_sigstop_is_a_hang(tmp_path: Path) -> None:
-    """A rank SIGSTOPped from outside stalls the job; the hang is declared, the frozen rank killed, the run done."""
-    run_dir = tmp_path / "run"
-    proc = start_supervisor(write_config(tmp_path / "job.yaml", hang=FAST_HANG), run_dir)
-    signal_rank_at_step(run_dir, 1, 25, signal.SIGSTOP)
-    done = finish(proc, run_dir)
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    status = done.status()
-    assert (status["state"], status["restarts"]) == ("finished", 1)
-    assert status["hang"]["phase"] in ("train", "save")  # wherever SIGSTOP caught it
-    assert status["hang"]["stacks"], "py-spy or faulthandler stacks of the frozen job were collected"
-
-
-def test_slow_save_inside_its_phase_timeout_is_not_killed(tmp_path: Path) -> None:
-    """Rank 0 saving for 5 s, longer than the 3 s train timeout but inside the save timeout, is left alone."""
-    hang = {**FAST_HANG, "phase_timeouts_s": {"train": 3.0, "save": 60.0}}
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "0:slow_save@20:5"}, hang=hang)
-    done = run_supervisor(config, tmp_path / "run")
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    status = done.status()
-    assert (status["state"], status["restarts"], status["hang"]) == ("finished", 0, None)
-    rank_events = (tmp_path / "run" / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()
+def test_slow_save_inside_its_phase_timeout_is_not_killed(fault_stream_run: Path) -> None:
+    """Rank 0 saving step 20 for 4 s, longer than the 3 s train timeout but inside the 6 s save timeout, is not
+    declared hung: that attempt ends with its peer's crash (test_checkpoints.py), and the save completes."""
+    rank_events = (fault_stream_run / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()
     slow = [e for e in map(json.loads, rank_events) if e["event"] == "checkpoint_saved" and e["step"] == 20]
-    assert slow and slow[0]["duration_s"] >= 5.0
+    assert [e["attempt"] for e in slow][:1] == [1] and slow[0]["duration_s"] >= 4.0
+    assert events(fault_stream_run, "hang_detected", attempt=1) == []
+    assert (failure(fault_stream_run, 1)["kind"], failure(fault_stream_run, 1)["step"]) == ("signal", 20)
 
 
-def test_hang_inside_a_save_is_declared_after_the_save_timeout(tmp_path: Path) -> None:
-    """A rank stuck inside its checkpoint save is declared hung in phase save, and the run recovers."""
-    hang = {**FAST_HANG, "phase_timeouts_s": {"train": 3.0, "save": 4.0}}
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:hang_in_save@30"}, hang=hang)
-    done = run_supervisor(config, tmp_path / "run")
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    status = done.status()
-    assert (status["restarts"], status["resumed_from"]) == (1, {"step": 20})
-    hang = status["hang"]
-    assert (hang["rank"], hang["phase"], hang["timeout_s"], hang["step"]) == (1, "save", 4.0, 30)
+def test_hang_inside_a_save_is_declared_after_the_save_timeout(fault_stream_run: Path) -> None:
+    """A rank stuck inside its save of step 40 is declared hung in phase save after 6 s; its checkpoint is
+    incomplete, so the relaunch resumes from 30."""
+    (detected,) = events(fault_stream_run, "hang_detected", attempt=3)
+    assert (detected["rank"], detected["phase"], detected["timeout_s"], detected["step"]) == (1, "save", 6.0, 40)
+    assert (failure(fault_stream_run, 3)["rank"], failure(fault_stream_run, 3)["kind"]) == (1, "hang")
+    assert [e["resume_step"] for e in events(fault_stream_run, "ranks_launched", attempt=4)] == [30]
 
 
-# ---- tiny fake trainers ----------------------------------------------------------------------------
-
-# Beats like the worker library (without torch); optional behaviour by environment.
-BEATING_RANK = """
-import os, subprocess, sys, time
-from pathlib import Path
-from worker.contract import RunLayout
-from worker.heartbeat import Heartbeat
-rank, attempt = int(os.environ["RANK"]), int(os.environ["TRAINWARDEN_ATTEMPT"])
-layout = RunLayout(Path(os.environ["TRAINWARDEN_RUN_DIR"]))
-marker = layout.root / f"grandchildren_started_{rank}"
-if os.environ.get("SPAWN") and not marker.exists():
-    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
-    subprocess.Popen(sleep)                           # stays in the rank's process group
-    subprocess.Popen(sleep, start_new_session=True)   # escapes it
-    marker.touch()
-if os.environ.get("GARBAGE"):
-    layout.heartbeat(rank).write_text('{"seq": 1, "ste')  # a torn write, as a non-atomic writer leaves
-    time.sleep(1.5)
-    layout.heartbeat(rank).write_text("\\x00\\xff garbage")
-    time.sleep(1.5)
-beat = Heartbeat(layout.heartbeat(rank), root=layout.root, rank=rank, attempt=attempt, interval_s=0.1)
-for step in range(int(os.environ.get("STEPS", "20"))):
-    beat.beat(step, "train")
-    time.sleep(0.05)
-sys.exit(int(os.environ.get("EXIT", "0")))
-"""
+def test_rank_frozen_with_sigstop_is_a_hang(fault_stream_run: Path) -> None:
+    """Rank 1 frozen by SIGSTOP after step 45 stalls the job: the hang is declared, stacks of the frozen job are
+    collected, the frozen rank is killed, and the relaunch resumes from 40."""
+    (detected,) = events(fault_stream_run, "hang_detected", attempt=4)
+    assert detected["phase"] in ("train", "save") and detected["timeout_s"] == 3.0  # wherever SIGSTOP caught it
+    (stacks,) = events(fault_stream_run, "stacks_collected", attempt=4)
+    assert stacks["paths"], "py-spy or faulthandler stacks of the frozen job were collected"
+    assert sorted(e["rank"] for e in events(fault_stream_run, "rank_stopped", attempt=4)) == [0, 1]
+    assert [e["resume_step"] for e in events(fault_stream_run, "ranks_launched", attempt=5)] == [40]
 
 
-def fake_job(tmp_path: Path, **overrides: object) -> Path:
-    config = {
-        "command": [sys.executable, "-c", BEATING_RANK],
-        "nproc_per_node": 2,
-        "restart": {"max_restarts": 0},
-        "stop": {"kill_grace_s": 2.0},
-        "hang": {"heartbeat": "required", "first_heartbeat_s": 30.0, "phase_timeouts_s": {"train": 3.0}},
-        **overrides,
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+# ---- tiny fake trainers (fake_job) ----------------------------------------------------------------
 
 
 def test_grandchildren_die_with_their_rank_even_outside_its_process_group(tmp_path: Path) -> None:

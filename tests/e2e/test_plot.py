@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.plot import read_timeline
-from tests.e2e.conftest import REPO, run_supervisor, write_config
+from tests.e2e.conftest import GUARDED, REPO, run_supervisor, write_config
 from worker.contract import RunLayout
 
 image = pytest.importorskip("matplotlib.image")  # the plot extra
@@ -17,12 +17,7 @@ image = pytest.importorskip("matplotlib.image")  # the plot extra
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 40  # two launches of two torch ranks are most of the test's time; steps are cheap but not free
-
-GUARDED = {  # a fixed threshold: the adaptive spike rule needs 64 steps of history first
-    "save_checkpoint_steps": 10,
-    "use_skip_data_by_global_norm": True,
-    "monitor_config": {"global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 3},
-}
+# GUARDED: a fixed threshold (the adaptive spike rule needs 64 steps of history first)
 
 
 def test_plot_of_a_run_with_a_kill_and_a_spike_shows_them(tmp_path: Path) -> None:
@@ -30,7 +25,7 @@ def test_plot_of_a_run_with_a_kill_and_a_spike_shows_them(tmp_path: Path) -> Non
     writes a real PNG, and the run's timeline holds the crash of rank 1, the skip, the checkpoints, the relaunch
     from step 20 and the work redone from there."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", args=["--steps", str(STEPS)], worker=GUARDED,
+    config = write_config(tmp_path / "job.yaml", steps=STEPS, worker=GUARDED,
                           env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "1:sigkill@25,0:spike@15"})
     done = run_supervisor(config, run_dir)
     assert done.returncode == 0, done.stderr[-3000:]

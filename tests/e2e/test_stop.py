@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import wait_until
 from tests.e2e.conftest import (
     REPO,
+    fake_job,
     finish,
     heartbeat,
     journal,
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def long_job(tmp_path: Path, steps: int = 2000, **overrides: Any) -> Path:
     """The demo job with far more steps than any test waits for: only a stop ends it early."""
-    return write_config(tmp_path / "job.yaml", args=["--steps", str(steps)], **overrides)
+    return write_config(tmp_path / "job.yaml", steps=steps, **overrides)
 
 
 def wait_for_save(run_dir: Path, rank: int, step: int) -> None:
@@ -73,71 +74,52 @@ def assert_stopped_at(run_dir: Path, done: Any, step: int) -> None:
         assert [e["step"] for e in rank_events(run_dir, rank, "stop_order_done")][-1] == step
 
 
-def test_continue_request_saves_and_goes_on_once_then_an_exit_request_stops_at_its_step(tmp_path: Path) -> None:
-    """`-N` saves at N on both ranks and training goes on (the file does not retrigger); a later `M` saves at M
-    and ends the run: exit 0, stopped, no relaunch."""
+def test_stop_orders_in_turn_garbage_a_continue_one_a_step_already_passed_and_an_empty_file(tmp_path: Path) -> None:
+    """One run, four writes of its stop file: `12abc` is a warning naming the file and changes nothing; `-N` saves
+    at N on both ranks and training goes on (the file does not retrigger); `trainwarden stop --at-step 5
+    --continue`, past already, is warned about and saves at the next agreed step instead, going on; an empty file
+    saves at the next agreed step and ends the run: exit 0, stopped, no relaunch."""
     run_dir = tmp_path / "run"
-    proc = start_supervisor(long_job(tmp_path), run_dir)
+    # Steps of 30 ms or more: the 73 steps of lead the continue order gets are time enough for it to reach them.
+    proc = start_supervisor(long_job(tmp_path, env={"TRAINWARDEN_FAULTS": "0:slow@1:0.03,1:slow@1:0.03"}), run_dir)
     at = wait_for_step(run_dir, 10)
-    stop_file = run_dir / "stop"
-    keep_going = at + 73
-    stop_file.write_text(f"-{keep_going}\n")
-    past = wait_for_step(run_dir, keep_going + 5)
-    exit_at = past + 250  # far enough ahead for any step time
-    stop_file.write_text(f"{exit_at}\n")
-    done = finish(proc, run_dir)
-
-    assert_stopped_at(run_dir, done, exit_at)
-    ordered = [(e["step"], e["exit"]) for e in events_named(run_dir, "stop_ordered")]
-    assert ordered == [(keep_going, False), (exit_at, True)]
-    assert [e["step"] for e in events_named(run_dir, "stop_order_done")] == [keep_going]
-    for rank in (0, 1):
-        assert keep_going in checkpoint_steps(run_dir, rank)  # not a multiple of save_checkpoint_steps
-        assert [(e["step"], e["exit"]) for e in rank_events(run_dir, rank, "stop_order_done")] == [
-            (keep_going, False), (exit_at, True)]
-
-
-def test_garbage_is_refused_by_name_and_an_empty_stop_file_stops_at_the_next_agreed_step(tmp_path: Path) -> None:
-    """`12abc` is a warning naming the file and changes nothing; `touch stop` then saves at an agreed step."""
-    run_dir = tmp_path / "run"
-    proc = start_supervisor(long_job(tmp_path), run_dir)
-    wait_for_step(run_dir, 10)
     stop_file = run_dir / "stop"
     stop_file.write_text("12abc\n")
     warned = wait_until(lambda: events_named(run_dir, "stop_file_unparsable"), timeout=30, what="the warning")
     assert warned[0]["path"] == str(stop_file) and "'12abc'" in warned[0]["error"]
-    at = wait_for_step(run_dir, 0)
+
+    keep_going = at + 73
+    stop_file.write_text(f"-{keep_going}\n")
+    past = wait_for_step(run_dir, keep_going + 5)
+    out = subprocess.run([sys.executable, "-m", "supervisor", "stop", str(run_dir), "--at-step", "5", "--continue"],
+                         cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    assert f"wrote -5 to {stop_file}" in out.stdout
+    (early,) = wait_until(lambda: events_named(run_dir, "stop_step_too_early"), timeout=30, what="the warning")
+    assert early["requested"] == 5 and early["step"] > past
+    wait_for_step(run_dir, early["step"] + 1)
     stop_file.unlink()
     stop_file.touch()
     done = finish(proc, run_dir)
 
-    (ordered,) = events_named(run_dir, "stop_ordered")
-    assert ordered["step"] > at and ordered["exit"] is True
-    assert_stopped_at(run_dir, done, ordered["step"])
-
-
-def test_a_step_already_passed_is_answered_with_a_warning_and_the_next_agreed_step(tmp_path: Path) -> None:
-    """`trainwarden stop --at-step 5` at step 20 or later: warned, then saved at an agreed later step."""
-    run_dir = tmp_path / "run"
-    proc = start_supervisor(long_job(tmp_path), run_dir)
-    at = wait_for_step(run_dir, 20)
-    out = subprocess.run([sys.executable, "-m", "supervisor", "stop", str(run_dir), "--at-step", "5"], cwd=REPO,
-                         capture_output=True, text=True, timeout=30, check=True)
-    assert f"wrote 5 to {run_dir / 'stop'}" in out.stdout
-    done = finish(proc, run_dir)
-
-    (early,) = events_named(run_dir, "stop_step_too_early")
-    assert early["requested"] == 5 and early["step"] > at
-    assert_stopped_at(run_dir, done, early["step"])
+    ordered = [(e["step"], e["exit"]) for e in events_named(run_dir, "stop_ordered")]
+    assert ordered[:2] == [(keep_going, False), (early["step"], False)] and len(ordered) == 3
+    final = ordered[2][0]
+    assert ordered[2] == (final, True) and final > early["step"]
+    assert_stopped_at(run_dir, done, final)
+    assert [e["step"] for e in events_named(run_dir, "stop_order_done")] == [keep_going, early["step"]]
+    for rank in (0, 1):
+        assert {keep_going, early["step"]} <= checkpoint_steps(run_dir, rank)  # not multiples of the save interval
+        assert [(e["step"], e["exit"]) for e in rank_events(run_dir, rank, "stop_order_done")] == [
+            (keep_going, False), (early["step"], False), (final, True)]
 
 
 def test_a_stop_file_present_at_start_refuses_to_launch_unless_told_to_ignore_it(tmp_path: Path) -> None:
     """An automatic restart must not undo a stop: exit 0 naming the file, nothing launched; with
-    --ignore-stop-file the run starts and the old content is not acted on."""
+    --ignore-stop-file the run starts and the old content is not acted on (ranks that beat, without torch)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "stop").write_text("\n")
-    config = write_config(tmp_path / "job.yaml")
+    config = fake_job(tmp_path, env={"STEPS": "40"})
     refused = run_supervisor(config, run_dir, timeout=60)
 
     assert refused.returncode == 0, refused.stderr[-3000:]
@@ -145,32 +127,16 @@ def test_a_stop_file_present_at_start_refuses_to_launch_unless_told_to_ignore_it
     assert refused.status()["state"] == "stopped"
     assert not (run_dir / "logs").exists()
 
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir),
-                             "--ignore-stop-file"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    done = finish(proc, run_dir)
+    done = finish(start_supervisor(config, run_dir, "--ignore-stop-file"), run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.status()["state"] == "finished"
     assert events_named(run_dir, "stop_ordered") == []
 
 
-def test_sigterm_during_training_saves_at_the_next_agreed_step_and_exits_0(tmp_path: Path) -> None:
-    """`systemctl stop` or `kill`: every rank saves at one step after the one they were at, exit 0, stopped."""
-    run_dir = tmp_path / "run"
-    proc = start_supervisor(long_job(tmp_path), run_dir)
-    at = wait_for_step(run_dir, 12)
-    proc.send_signal(signal.SIGTERM)
-    done = finish(proc, run_dir)
-
-    (ordered,) = events_named(run_dir, "stop_ordered")
-    assert ordered["source"] == "SIGTERM" and ordered["step"] > at
-    assert_stopped_at(run_dir, done, ordered["step"])
-    assert [e["signal"] for e in events_named(run_dir, "ranks_signalled")] == []  # nobody was killed
-
-
-def test_sigterm_during_a_checkpoint_save_stops_gracefully_and_a_rerun_resumes_from_the_stop(tmp_path: Path) -> None:
-    """SIGTERM to the supervisor while rank 0 is 0.5 s into a 3 s save of step 20: both ranks finish that save,
-    save again at the agreed step, exit 0; the next run resumes from exactly that checkpoint."""
+def test_sigterm_during_a_checkpoint_save_stops_gracefully_at_one_agreed_step(tmp_path: Path) -> None:
+    """`systemctl stop` or `kill` while rank 0 is 0.5 s into a 3 s save of step 20: both ranks finish that save,
+    save again at one agreed step, exit 0, nobody killed. (Runs resumed from a stop: test_warm_standby.py and
+    test_gpt_example.py.)"""
     run_dir = tmp_path / "run"
     config = long_job(tmp_path, env={"TRAINWARDEN_FAULTS": "0:slow_save@20:3", "OMP_NUM_THREADS": "1"})
     proc = start_supervisor(config, run_dir)
@@ -182,10 +148,7 @@ def test_sigterm_during_a_checkpoint_save_stops_gracefully_and_a_rerun_resumes_f
     assert ordered["source"] == "SIGTERM" and ordered["step"] > 20
     assert_stopped_at(run_dir, done, ordered["step"])
     assert {20, ordered["step"]} <= checkpoint_steps(run_dir, 0)
-
-    again = run_supervisor(write_config(tmp_path / "short.yaml", args=["--steps", str(ordered["step"] + 5)]), run_dir)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.status()["resumed_from"] == {"step": ordered["step"]}
+    assert [e["signal"] for e in events_named(run_dir, "ranks_signalled")] == []  # nobody was killed
 
 
 def test_a_second_sigint_stops_at_once(tmp_path: Path) -> None:

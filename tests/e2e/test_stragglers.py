@@ -15,7 +15,7 @@ def test_only_the_rank_slowed_by_a_fault_is_flagged_and_the_run_finishes(tmp_pat
     """`1:slow@5:0.1` with sustain_s 2: one `straggler_flagged` naming rank 1, none for rank 0, status lists rank 1,
     and the run exits 0."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", args=["--steps", "40"], stragglers={"sustain_s": 2},
+    config = write_config(tmp_path / "job.yaml", steps=40, stragglers={"sustain_s": 2},
                           env={"TRAINWARDEN_FAULTS": "1:slow@5:0.1", "OMP_NUM_THREADS": "1"})
     done = run_supervisor(config, run_dir)
 

@@ -5,6 +5,7 @@ the supervisor, and a run whose standbys cannot work goes on cold."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -17,28 +18,28 @@ import pytest
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import (
+    FAST_HANG,
+    SPIKE_STREAK,
     assert_same_training_state,
     finish,
+    heartbeat,
     journal,
     run_supervisor,
     signal_rank_at_step,
     start_supervisor,
+    trainwarden_status,
     write_config,
 )
 
 pytestmark = pytest.mark.timeout(300)
 
-FAST_HANG = {"heartbeat": "required", "phase_timeouts_s": {"train": 3.0, "save": 5.0},
-             "calibration": {"enabled": False}}
-GUARDED = {"save_checkpoint_steps": 10, "use_skip_data_by_global_norm": True,
-           "monitor_config": {"global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 3}}
 WARM, COLD = {"enabled": True}, {"enabled": False}  # write_config turns them off unless told
 # Slower steps (a sleep: the numbers stay the same) leave time for the standbys to import torch before the run ends.
 SLOW = {"TRAINWARDEN_FAULTS": "0:slow@1:0.2,1:slow@1:0.2"}
 
 
 def standbys(supervisor: subprocess.Popen | int) -> dict[int, psutil.Process]:
-    """The supervisor's standby processes not yet used, by pid."""
+    """The supervisor's standby processes, by pid (those used since run the script: the same command line)."""
     pid = supervisor if isinstance(supervisor, int) else supervisor.pid
     found = {}
     try:
@@ -93,58 +94,27 @@ def launched_pids(run_dir: Path, attempt: int) -> set[int]:
     return set(launch["pids"])
 
 
-def test_a_killed_rank_is_relaunched_in_the_standbys_and_the_run_ends_bitwise_equal(
-        tmp_path: Path, reference_run: Path) -> None:
-    """Both ranks of the relaunch are the standby processes that waited before the kill; the end state is exact."""
-    run_dir = tmp_path / "run"
-    proc = start_supervisor(write_config(tmp_path / "job.yaml", env=SLOW, standby=WARM), run_dir)
-    waiting = wait_for_standbys(proc, run_dir)
-    signal_rank_at_step(run_dir, 1, 25, signal.SIGKILL)
-    done = finish(proc, run_dir)
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.status()["restarts"] == 1
-    assert warm_launches(run_dir) == [(1, [0, 1])]
-    assert launched_pids(run_dir, 1) == waiting
-    assert_same_training_state(run_dir, reference_run)
-
-
-def test_a_hang_is_relaunched_warm_and_the_run_ends_bitwise_equal(tmp_path: Path, reference_run: Path) -> None:
-    run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:hang@25"}, hang=FAST_HANG,
-                          standby=WARM)
-    done = run_supervisor(config, run_dir)
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    status = done.status()
-    assert (status["restarts"], status["hang"]["rank"]) == (1, 1)
-    assert warm_launches(run_dir) == [(1, [0, 1])]
-    assert_same_training_state(run_dir, reference_run)
-
-
-def test_an_anomaly_rollback_relaunched_warm_ends_bitwise_equal_to_a_cold_one(tmp_path: Path) -> None:
+def test_an_anomaly_rollback_relaunched_warm_ends_bitwise_equal_to_a_cold_one(
+        tmp_path: Path, rollback_run: Path) -> None:
     """A spike streak aborts (exit 65) and the supervisor rolls back past the bad data: warm and cold relaunches
     resume from the same checkpoint, skip the same batches and end in the same state, bit for bit."""
-    runs = {}
-    for name, standby in (("warm", WARM), ("cold", COLD)):
-        runs[name] = tmp_path / name / "run"
-        config = write_config(tmp_path / f"{name}.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@35:5"}, worker=GUARDED,
-                              anomaly={"rollback_steps": 10, "skip_after_steps": 5}, standby=standby)
-        done = run_supervisor(config, runs[name])
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.status()["resumed_from"] == {"step": 20}
+    run_dir = tmp_path / "run"
+    done = run_supervisor(write_config(tmp_path / "job.yaml", **SPIKE_STREAK, standby=WARM), run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.status()["resumed_from"] == trainwarden_status(rollback_run)["resumed_from"] == {"step": 20}
 
-    assert warm_launches(runs["warm"]) == [(1, [0, 1])]
-    assert warm_launches(runs["cold"]) == []
-    assert_same_training_state(runs["warm"], runs["cold"])
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert warm_launches(rollback_run) == []
+    assert_same_training_state(run_dir, rollback_run)
 
 
-def test_a_stopped_run_leaves_no_standby_and_its_resumed_run_relaunches_warm_bitwise(
+def test_a_stopped_run_resumes_warm_through_a_kill_and_a_hang_and_ends_bitwise_equal(
         tmp_path: Path, reference_run: Path) -> None:
     """SIGTERM: the ranks save and exit, the standbys go with the supervisor. The next supervisor resumes from the
-    stop, gets standbys of its own, and a crash after the resume is relaunched in them, ending exactly."""
+    stop with standbys of its own; a killed rank, then a frozen one (a hang), are relaunched in the standby processes
+    that waited, the pool refilled in between, and the run ends exactly as the uninterrupted one."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env=SLOW, standby=WARM)
+    config = write_config(tmp_path / "job.yaml", env=SLOW, hang=FAST_HANG, standby=WARM)
     proc = start_supervisor(config, run_dir)
     waiting = spawned_standbys(proc)
     proc.send_signal(signal.SIGTERM)
@@ -155,17 +125,26 @@ def test_a_stopped_run_leaves_no_standby_and_its_resumed_run_relaunches_warm_bit
     stop_step = stopped.status()["last_checkpoint"]["step"]
 
     proc = start_supervisor(config, run_dir)
-    wait_for_standbys(proc, run_dir)
-    signal_rank_at_step(run_dir, 0, stop_step + 5, signal.SIGKILL)
+    first = spawned_standbys(proc)  # perhaps still importing: taken all the same, and ahead of a cold start
+    signal_rank_at_step(run_dir, 1, stop_step + 1, signal.SIGKILL)
+    refilled = wait(proc, lambda: len(found := set(standbys(proc)) - first) == 2 and found, "the pool refilled")
+    frozen = wait(proc, lambda: (beat := heartbeat(run_dir, 0)) and beat["attempt"] == 1 and beat, "attempt 1")
+    os.kill(frozen["pid"], signal.SIGSTOP)
     done = finish(proc, run_dir)
+
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"][-2] == stop_step
-    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"][1] == stop_step
+    assert [(f["attempt"], f["kind"]) for f in done.status()["failures"]] == [(0, "signal"), (1, "hang")]
+    assert warm_launches(run_dir) == [(1, [0, 1]), (2, [0, 1])]
+    assert (launched_pids(run_dir, 1), launched_pids(run_dir, 2)) == (first, refilled)
     assert_same_training_state(run_dir, reference_run)
 
 
 # ---- the mechanics, with a script that needs no torch ---------------------------------------------------------
 
+# The standbys prewarm a standard module the script does not import (torch would cost 2 s of CPU a standby here;
+# the demo tests above prewarm it).
+PREWARMED = "wave"
 FACTS_SCRIPT = '''
 import json, os, sys, time
 from pathlib import Path
@@ -174,7 +153,7 @@ from worker.heartbeat import Heartbeat
 run, rank = Path(os.environ["TRAINWARDEN_RUN_DIR"]), int(os.environ["RANK"])
 attempt = int(os.environ["TRAINWARDEN_ATTEMPT"])
 print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0],
-                  "torch_imported": "torch" in sys.modules, "restart_count": os.environ["TORCHELASTIC_RESTART_COUNT"],
+                  "prewarmed": "wave" in sys.modules, "restart_count": os.environ["TORCHELASTIC_RESTART_COUNT"],
                   "port": os.environ["MASTER_PORT"], "stdin": sys.stdin.read(), "pid": os.getpid(),
                   "standby_env": sorted(k for k in os.environ if "STANDBY" in k or "PREWARM" in k),
                   "tag": os.environ.get("FROM_CONFIG")}), flush=True)
@@ -188,12 +167,13 @@ if attempt == 0:
 '''
 
 
-def facts_job(tmp_path: Path, standby: dict[str, Any] = WARM) -> tuple[Path, Path, Path]:
+def facts_job(tmp_path: Path, standby: dict[str, Any] | None = None) -> tuple[Path, Path, Path]:
     script = tmp_path / "facts.py"
     script.write_text(FACTS_SCRIPT)
     crash = tmp_path / "crash_now"
     config = write_config(tmp_path / "job.yaml", script=str(script), args=[str(crash)], hang={"heartbeat": "off"},
-                          env={"FROM_CONFIG": "yes"}, standby={**WARM, **standby})
+                          env={"FROM_CONFIG": "yes"},
+                          standby={**WARM, "prewarm_imports": [PREWARMED], **(standby or {})})
     return config, tmp_path / "run", crash
 
 
@@ -211,7 +191,7 @@ def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log
     assert done.returncode == 0, done.stderr[-3000:]
     assert warm_launches(run_dir) == [(1, [0, 1])]
     cold, warm = facts(run_dir, 0, 0), facts(run_dir, 1, 0)
-    assert warm["pid"] in waiting and not cold["torch_imported"] and warm["torch_imported"]
+    assert warm["pid"] in waiting and not cold["prewarmed"] and warm["prewarmed"]
     for key in ("name", "file", "argv", "path0", "stdin", "standby_env", "tag"):
         assert warm[key] == cold[key], key  # as `python -u facts.py` has them
     assert (warm["name"], warm["path0"], warm["standby_env"]) == ("__main__", str(tmp_path), [])
@@ -258,7 +238,7 @@ def test_standbys_can_be_turned_off(tmp_path: Path) -> None:
 
     assert done.returncode == 0, done.stderr[-3000:]
     assert warm_launches(run_dir) == [] and "standbys_ready" not in done.status()
-    assert not facts(run_dir, 1, 0)["torch_imported"]
+    assert not facts(run_dir, 1, 0)["prewarmed"]
 
 
 def test_a_standby_taken_while_still_importing_runs_the_script_once_its_imports_are_done(tmp_path: Path) -> None:

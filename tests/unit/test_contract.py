@@ -232,6 +232,18 @@ def test_fault_plan_due_only_on_first_attempt():
     assert not FaultPlan(faults, rank=0, attempt=1).due("sigkill", 25)
 
 
+def test_a_slow_fault_stays_in_a_relaunched_attempt(monkeypatch):
+    """A straggler's node stays slow after a relaunch: `slow` delays every step from its own on, in any attempt."""
+    slept: list[float] = []
+    monkeypatch.setattr("worker.faults.time.sleep", slept.append)
+    faults = [Fault(rank=0, kind="slow", step=3, arg=0.25), Fault(rank=1, kind="slow", step=1)]
+    for attempt in (0, 1):
+        plan = FaultPlan(faults, rank=0, attempt=attempt)
+        for step in range(1, 6):
+            plan.in_compute(step)
+    assert slept == [0.25] * 6
+
+
 def test_fault_plan_from_env(monkeypatch):
     """`FaultPlan.from_env` arms the faults named in the environment."""
     monkeypatch.setenv(ENV_FAULTS, "0:sigkill_in_save@50")

@@ -3,7 +3,9 @@ bit; wrapper prefixes stripped only when every key has them; unusable, missing a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from supervisor.cli import main
 from tests.checkpoint_files import assert_bitwise_equal
 from worker.contract import EXIT_CHECKPOINT_REFUSED, RunLayout, WorkerConfig
 from worker.export import plain_state_dict
@@ -86,9 +89,19 @@ def compiled_ddp(net: torch.nn.Module) -> torch.nn.Module:
     return Wrapper("_orig_mod", Wrapper("module", net))
 
 
-def export(run_dir: Path, out: Path, *options: str) -> subprocess.CompletedProcess[str]:
+def export_command(run_dir: Path, out: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """`trainwarden export`, the command."""
     return subprocess.run([sys.executable, "-m", "supervisor", "export", str(run_dir), "-o", str(out), *options],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def export(run_dir: Path, out: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """The command's code and output, run in this process: each start of the command imports torch (1 s of CPU)."""
+    argv = ["export", str(run_dir), "-o", str(out), *options]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
 
 
 def said(done: subprocess.CompletedProcess[str]) -> str:
@@ -110,7 +123,7 @@ def test_export_writes_the_newest_checkpoints_weights_loadable_without_trainward
     expected = trained(loop, ddp_of_compiled, saves=(2, 3))
     out = tmp_path / "model.pt"
 
-    done = export(tmp_path, out)
+    done = export_command(tmp_path, out)
 
     assert (done.returncode, said(done)) == (0, "")
     assert done.stdout == f"exported step 3 of {tmp_path} ({NET_TENSORS} tensors) to {out}\n"
