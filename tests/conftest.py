@@ -13,6 +13,12 @@ import pytest
 TAG_ENV = "TRAINWARDEN_TEST_TAG"
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker more than cores. End-to-end tests spend part of their time waiting (timeouts, sleeping
+    ranks, a slow save); the spare worker fills it (on 2 cores: 200 s instead of 222 s, the same CPU)."""
+    return len(os.sched_getaffinity(0)) + 1
+
+
 def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "") -> object:
     """Poll `predicate` until it returns something truthy; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -36,14 +36,14 @@ DEMO_SIZE = ["--batch-size", "8", "--block", "32"]
 REFERENCE_WORKER = {"use_checkpoint_health_monitor": True, "embedding_local_norm_threshold": 1000.0}
 
 
-# Three gradient-norm spikes in a row on rank 1 from step 35 abort the run (exit 65): rolled back 10 steps (to
-# checkpoint 20), and 5 batches past the first bad one skipped.
+# Three gradient-norm spikes in a row on rank 1 from step 45 abort the run (exit 65): rolled back 10 steps (to
+# checkpoint 30), and the data skipped up to 5 batches past the streak.
 GUARDED = {
     "save_checkpoint_steps": 10,
     "use_skip_data_by_global_norm": True,
     "monitor_config": {"global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 3},
 }
-SPIKE_STREAK: dict[str, Any] = {"env": {"TRAINWARDEN_FAULTS": "1:spike@35:5"}, "worker": GUARDED,
+SPIKE_STREAK: dict[str, Any] = {"env": {"TRAINWARDEN_FAULTS": "1:spike@45:5"}, "worker": GUARDED,
                                 "anomaly": {"rollback_steps": 10, "skip_after_steps": 5}}
 
 

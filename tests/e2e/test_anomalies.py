@@ -70,31 +70,32 @@ def test_a_spike_a_nan_and_a_level_1_feature_value_fault_on_one_rank_are_skipped
 
 
 def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(rollback_run: Path) -> None:
-    """Three consecutive spikes exit 65; the relaunch resumes 10+ steps earlier, skips the window and finishes
-    (exit 0), whichever rank's exit the supervisor sees first (the peer may die of the abort, by SIGABRT)."""
+    """Three consecutive spikes from step 45 exit 65; the relaunch resumes 10+ steps earlier (from 30), skips the
+    window and finishes (exit 0), whichever rank's exit the supervisor sees first (the peer may die of the abort,
+    by SIGABRT)."""
     run_dir = rollback_run
     aborts = [rank_events(run_dir, rank, "anomaly_abort") for rank in (0, 1)]
     for events in aborts:
         assert [(e["step"], e["consecutive"], e["first_anomaly_step"], e["first_anomaly_batch"], e["batch"])
-                for e in events] == [(35, 3, 35, 34, 36)]
+                for e in events] == [(45, 3, 45, 44, 46)]
     noticed = [e for e in journal(run_dir) if e["event"] == "anomaly_abort"]
     assert [(e["first_step"], e["abort_step"], e["first_batch"], e["abort_batch"]) for e in noticed] == [
-        (35, 35, 34, 36)]
+        (45, 45, 44, 46)]
     peer = [e["description"] for e in journal(run_dir) if e["event"] == "rank_stopped"]
     assert peer in (["exited with code 65"], ["killed by SIGTERM"], ["killed by SIGABRT"])  # the rollback regardless
     scheduled = [e for e in journal(run_dir) if e["event"] == "rollback_scheduled"]
-    assert [(e["resume_at_most"], e["skip_to_batch"], e["tries"]) for e in scheduled] == [(25, 42, 1)]
+    assert [(e["resume_at_most"], e["skip_to_batch"], e["tries"]) for e in scheduled] == [(35, 52, 1)]
     launches = [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"]
-    assert launches == [None, 20]
+    assert launches == [None, 30]
     for rank in (0, 1):
         skipped = rank_events(run_dir, rank, "data_window_skipped")
-        assert [(e["from_batch"], e["to_batch"]) for e in skipped] == [(20, 42)]
+        assert [(e["from_batch"], e["to_batch"]) for e in skipped] == [(30, 52)]
         resumed_batches = [e["batch"] for e in rank_events(run_dir, rank, "step") if e["attempt"] == 1]
-        assert resumed_batches[0] == 42 and not any(34 <= b <= 41 for b in resumed_batches)
+        assert resumed_batches[0] == 52 and not any(44 <= b <= 51 for b in resumed_batches)
     status = trainwarden_status(run_dir)
-    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
-    assert status["rollback"]["skip_to_batch"] == 42 and status["rollback"]["abort"]["first_step"] == 35
-    assert [(f["attempt"], f["kind"], f["step"]) for f in status["failures"]] == [(0, "anomaly", 35)]
+    assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 30})
+    assert status["rollback"]["skip_to_batch"] == 52 and status["rollback"]["abort"]["first_step"] == 45
+    assert [(f["attempt"], f["kind"], f["step"]) for f in status["failures"]] == [(0, "anomaly", 45)]
 
 
 def test_demo_at_its_default_settings_skips_nothing(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ the supervisor, and a run whose standbys cannot work goes on cold."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -22,20 +21,23 @@ from tests.e2e.conftest import (
     SPIKE_STREAK,
     assert_same_training_state,
     finish,
-    heartbeat,
     journal,
-    run_supervisor,
-    signal_rank_at_step,
     start_supervisor,
-    trainwarden_status,
     write_config,
 )
 
 pytestmark = pytest.mark.timeout(300)
 
 WARM, COLD = {"enabled": True}, {"enabled": False}  # write_config turns them off unless told
-# Slower steps (a sleep: the numbers stay the same) leave time for the standbys to import torch before the run ends.
-SLOW = {"TRAINWARDEN_FAULTS": "0:slow@1:0.2,1:slow@1:0.2"}
+# After a stop, each once: rank 1 killed after step 25, rank 0 frozen (SIGSTOP: a hang) after 32, and SPIKE_STREAK's
+# spike streak at 45. Slower steps (a sleep: the numbers stay the same) give the standbys time to import in between.
+WARM_STREAM = {
+    **SPIKE_STREAK,
+    "env": {"TRAINWARDEN_FAULTS_ONCE": "1", "TRAINWARDEN_FAULTS": ",".join([
+        "1:sigkill@25", "0:sigstop@32", SPIKE_STREAK["env"]["TRAINWARDEN_FAULTS"], "0:slow@1:0.2", "1:slow@1:0.2"])},
+    "hang": FAST_HANG,
+    "restart": {"max_restarts": 5},
+}
 
 
 def standbys(supervisor: subprocess.Popen | int) -> dict[int, psutil.Process]:
@@ -94,27 +96,14 @@ def launched_pids(run_dir: Path, attempt: int) -> set[int]:
     return set(launch["pids"])
 
 
-def test_an_anomaly_rollback_relaunched_warm_ends_bitwise_equal_to_a_cold_one(
+def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise_as_a_cold_one(
         tmp_path: Path, rollback_run: Path) -> None:
-    """A spike streak aborts (exit 65) and the supervisor rolls back past the bad data: warm and cold relaunches
-    resume from the same checkpoint, skip the same batches and end in the same state, bit for bit."""
-    run_dir = tmp_path / "run"
-    done = run_supervisor(write_config(tmp_path / "job.yaml", **SPIKE_STREAK, standby=WARM), run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.status()["resumed_from"] == trainwarden_status(rollback_run)["resumed_from"] == {"step": 20}
-
-    assert warm_launches(run_dir) == [(1, [0, 1])]
-    assert warm_launches(rollback_run) == []
-    assert_same_training_state(run_dir, rollback_run)
-
-
-def test_a_stopped_run_resumes_warm_through_a_kill_and_a_hang_and_ends_bitwise_equal(
-        tmp_path: Path, reference_run: Path) -> None:
     """SIGTERM: the ranks save and exit, the standbys go with the supervisor. The next supervisor resumes from the
-    stop with standbys of its own; a killed rank, then a frozen one (a hang), are relaunched in the standby processes
-    that waited, the pool refilled in between, and the run ends exactly as the uninterrupted one."""
+    stop with standbys of its own; a kill, a freeze (a hang) and a spike streak (a rollback past the bad data) are
+    each relaunched in standby processes that waited, the pool refilled after each, and the run ends bitwise equal
+    to the cold run through the spike streak alone: it resumed from the same checkpoint and skipped the same data."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env=SLOW, hang=FAST_HANG, standby=WARM)
+    config = write_config(tmp_path / "job.yaml", **WARM_STREAM, standby=WARM)
     proc = start_supervisor(config, run_dir)
     waiting = spawned_standbys(proc)
     proc.send_signal(signal.SIGTERM)
@@ -123,21 +112,26 @@ def test_a_stopped_run_resumes_warm_through_a_kill_and_a_hang_and_ends_bitwise_e
     assert stopped.status()["state"] == "stopped"
     assert not [pid for pid in waiting if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     stop_step = stopped.status()["last_checkpoint"]["step"]
+    assert stop_step < 25, "stopped before the first fault"
 
     proc = start_supervisor(config, run_dir)
     first = spawned_standbys(proc)  # perhaps still importing: taken all the same, and ahead of a cold start
-    signal_rank_at_step(run_dir, 1, stop_step + 1, signal.SIGKILL)
-    refilled = wait(proc, lambda: len(found := set(standbys(proc)) - first) == 2 and found, "the pool refilled")
-    frozen = wait(proc, lambda: (beat := heartbeat(run_dir, 0)) and beat["attempt"] == 1 and beat, "attempt 1")
-    os.kill(frozen["pid"], signal.SIGSTOP)
     done = finish(proc, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"][1] == stop_step
-    assert [(f["attempt"], f["kind"]) for f in done.status()["failures"]] == [(0, "signal"), (1, "hang")]
-    assert warm_launches(run_dir) == [(1, [0, 1]), (2, [0, 1])]
-    assert (launched_pids(run_dir, 1), launched_pids(run_dir, 2)) == (first, refilled)
-    assert_same_training_state(run_dir, reference_run)
+    assert [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"][1:] == [
+        stop_step, 20, 30, 30]
+    assert [(f["attempt"], f["kind"]) for f in done.status()["failures"]] == [
+        (0, "signal"), (1, "hang"), (2, "anomaly")]
+    assert warm_launches(run_dir) == [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])]
+    assert launched_pids(run_dir, 1) == first
+    assert warm_launches(rollback_run) == []
+    assert rollbacks(run_dir) == rollbacks(rollback_run) == [(35, 52)]
+    assert_same_training_state(run_dir, rollback_run)
+
+
+def rollbacks(run_dir: Path) -> list[tuple[int, int]]:
+    return [(e["resume_at_most"], e["skip_to_batch"]) for e in journal(run_dir) if e["event"] == "rollback_scheduled"]
 
 
 # ---- the mechanics, with a script that needs no torch ---------------------------------------------------------
