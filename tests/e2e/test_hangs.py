@@ -17,7 +17,6 @@ from tests.e2e.conftest import (
     journal,
     run_supervisor,
     start_supervisor,
-    trainwarden_status,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,64 +26,7 @@ def events(run_dir: Path, name: str, attempt: int | None = None) -> list[dict]:
     return [e for e in journal(run_dir) if e["event"] == name and attempt in (None, e.get("attempt"))]
 
 
-def failure(run_dir: Path, attempt: int) -> dict:
-    (found,) = [f for f in trainwarden_status(run_dir)["failures"] if f["attempt"] == attempt]
-    return found
-
-
-# The demo's hangs are faults of FAULT_STREAM (tests/e2e/conftest.py): one run, one hang or slow save per attempt.
-
-def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(fault_stream_run: Path) -> None:
-    """Rank 1 stops before an all-reduce after step 15, rank 0 blocks in it: the hang is declared after the 3 s
-    train timeout, both ranks' stacks are saved and name the culprit, both are stopped, the relaunch resumes from 10."""
-    run_dir = fault_stream_run
-    (detected,) = events(run_dir, "hang_detected", attempt=0)
-    assert (detected["phase"], detected["timeout_s"]) == ("train", 3.0) and 3.0 <= detected["silent_s"] < 5.0
-    # Heartbeats cannot tell a collective hang's culprit from its victims; the stacks can.
-    (stacks,) = events(run_dir, "stacks_collected", attempt=0)
-    assert (stacks["culprit"], stacks["last_steps"]) == (1, {"0": 15, "1": 15})
-    faulthandler = {rank: run_dir / "ranks" / f"rank_{rank}" / "stacks_attempt_0.txt" for rank in (0, 1)}
-    assert {str(path) for path in faulthandler.values()} <= set(stacks["paths"]), "both dumps are referenced"
-    assert "in hang_forever" in faulthandler[1].read_text()  # the rank that stopped before the all-reduce
-    assert "in backward" in faulthandler[0].read_text()  # the rank blocked inside it
-    hang = failure(run_dir, 0)
-    assert (hang["rank"], hang["step"], hang["kind"]) == (1, 15, "hang")
-    assert hang["cause"].startswith("hang: rank 1 (the only rank outside a collective) silent in phase train "
-                                    "after step 15 for ")
-    stopped = events(run_dir, "rank_stopped", attempt=0)
-    assert sorted((e["rank"], e["description"]) for e in stopped) == [(r, "killed by SIGTERM") for r in (0, 1)]
-    assert [e["resume_step"] for e in events(run_dir, "ranks_launched", attempt=1)] == [10]
-
-
-def test_slow_save_inside_its_phase_timeout_is_not_killed(fault_stream_run: Path) -> None:
-    """Rank 0 saving step 20 for 4 s, longer than the 3 s train timeout but inside the 6 s save timeout, is not
-    declared hung: that attempt ends with its peer's crash (test_checkpoints.py), and the save completes."""
-    rank_events = (fault_stream_run / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()
-    slow = [e for e in map(json.loads, rank_events) if e["event"] == "checkpoint_saved" and e["step"] == 20]
-    assert [e["attempt"] for e in slow][:1] == [1] and slow[0]["duration_s"] >= 4.0
-    assert events(fault_stream_run, "hang_detected", attempt=1) == []
-    assert (failure(fault_stream_run, 1)["kind"], failure(fault_stream_run, 1)["step"]) == ("signal", 20)
-
-
-def test_hang_inside_a_save_is_declared_after_the_save_timeout(fault_stream_run: Path) -> None:
-    """A rank stuck inside its save of step 40 is declared hung in phase save after 6 s; its checkpoint is
-    incomplete, so the relaunch resumes from 30."""
-    (detected,) = events(fault_stream_run, "hang_detected", attempt=3)
-    assert (detected["rank"], detected["phase"], detected["timeout_s"], detected["step"]) == (1, "save", 6.0, 40)
-    assert (failure(fault_stream_run, 3)["rank"], failure(fault_stream_run, 3)["kind"]) == (1, "hang")
-    assert [e["resume_step"] for e in events(fault_stream_run, "ranks_launched", attempt=4)] == [30]
-
-
-def test_rank_frozen_with_sigstop_is_a_hang(fault_stream_run: Path) -> None:
-    """Rank 1 frozen by SIGSTOP after step 45 stalls the job: the hang is declared, stacks of the frozen job are
-    collected, the frozen rank is killed, and the relaunch resumes from 40."""
-    (detected,) = events(fault_stream_run, "hang_detected", attempt=4)
-    assert detected["phase"] in ("train", "save") and detected["timeout_s"] == 3.0  # wherever SIGSTOP caught it
-    (stacks,) = events(fault_stream_run, "stacks_collected", attempt=4)
-    assert stacks["paths"], "py-spy or faulthandler stacks of the frozen job were collected"
-    assert sorted(e["rank"] for e in events(fault_stream_run, "rank_stopped", attempt=4)) == [0, 1]
-    assert [e["resume_step"] for e in events(fault_stream_run, "ranks_launched", attempt=5)] == [40]
-
+# The demo's hangs and slow saves: tests/e2e/test_fault_stream.py.
 
 # ---- tiny fake trainers (fake_job) ----------------------------------------------------------------
 

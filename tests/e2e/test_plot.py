@@ -17,7 +17,6 @@ image = pytest.importorskip("matplotlib.image")  # the plot extra
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 40  # two launches of two torch ranks are most of the test's time; steps are cheap but not free
-# GUARDED: a fixed threshold (the adaptive spike rule needs 64 steps of history first)
 
 
 def test_plot_of_a_run_with_a_kill_and_a_spike_shows_them(tmp_path: Path) -> None:

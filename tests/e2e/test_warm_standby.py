@@ -123,6 +123,10 @@ def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise
         stop_step, 20, 30, 30]
     assert [(f["attempt"], f["kind"]) for f in done.status()["failures"]] == [
         (0, "signal"), (1, "hang"), (2, "anomaly")]
+    # The frozen rank: its hang declared, the job's stacks collected, both ranks stopped (it by SIGKILL, if need be).
+    (frozen,) = [e for e in journal(run_dir) if e["event"] == "stacks_collected"]
+    assert frozen["attempt"] == 1 and frozen["paths"]
+    assert sorted(e["rank"] for e in journal(run_dir) if e["event"] == "rank_stopped" and e["attempt"] == 1) == [0, 1]
     assert warm_launches(run_dir) == [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])]
     assert launched_pids(run_dir, 1) == first
     assert warm_launches(rollback_run) == []
