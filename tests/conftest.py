@@ -11,6 +11,9 @@ import psutil
 import pytest
 
 TAG_ENV = "TRAINWARDEN_TEST_TAG"
+# Where the environment forbids bytecode files (some sandboxes set PYTHONDONTWRITEBYTECODE), each of the suite's
+# few hundred supervisors and ranks would compile the project from source again: let them write it once.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
