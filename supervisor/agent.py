@@ -4,9 +4,11 @@ It dials the supervisor, says who it is, starts the ranks the supervisor places 
 over the same TCP stream what the supervisor would otherwise read from files: every new heartbeat (read
 here, on the node that wrote it, so no shared-filesystem cache can delay it), every rank exit, stack dumps.
 It carries out the supervisor's orders (signal ranks, dump stacks, publish a stop order) and never decides
-anything itself, with one exception, the fence: when the supervisor falls silent (it died, or the network
-is cut) for `fence_s`, the agent kills its ranks and exits, so the supervisor can relaunch elsewhere
-knowing no half of the old job still runs. Torch-free, like the whole supervisor.
+anything itself, with two exceptions. The fence: when the supervisor falls silent (it died, or the network
+is cut) for `fence_s`, or its stream ends without a word, the agent kills its ranks, so the supervisor can
+relaunch elsewhere knowing no half of the old job still runs. The succession: the agent then stands for
+successor (succession.py); if the supervisor's lease lapses and it is this agent's turn, it becomes the new
+supervisor. Both are written to the run's journal by the agent itself. Torch-free, like the whole supervisor.
 
     python -m supervisor.agent --connect HOST:PORT --run-dir DIR --attempt N --fence-s S
     (the run's token in TRAINWARDEN_AGENT_TOKEN)
@@ -26,9 +28,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from supervisor.journal import append_event
 from supervisor.launcher import publish_order
 from supervisor.ranks import Ranks, free_port, local_env, signal_group, spawn_ranks
 from supervisor.stacks import collect_stacks
+from supervisor.succession import STAGGER_S, Succession, become_successor, stand_for_successor
 from supervisor.trees import descendants, die_with_parent, sigkill
 from supervisor.watch import HeartbeatUnreadable, read_heartbeat
 from worker.contract import ENV_RUN_DIR, RunLayout, StopOrder
@@ -58,20 +62,51 @@ class Agent:
         self._unreadable: set[int] = set()
         self._heard = time.monotonic()
         self._said = 0.0
+        self._host = socket.gethostname()
+        self._succession: Succession | None = None  # how to take the supervisor's place, once it said
 
     def run(self) -> int:
         for signum in FORWARDED_SIGNALS:  # Slurm signals every process of the step: the supervisor decides
             signal.signal(signum, lambda s, _f: self._inbox.put(("signal", s)))
         self._peer.serve(lambda m: self._inbox.put(("message", m)), lambda why: self._inbox.put(("end", why)))
-        self._send("hello", token=self._token, node=socket.gethostname(), attempt=self._attempt, pid=os.getpid(),
+        self._send("hello", token=self._token, node=self._host, attempt=self._attempt, pid=os.getpid(),
                    port=free_port("0.0.0.0"), slurm_node_id=os.environ.get("SLURM_NODEID"))
+        fenced: str | None = None
         try:
-            return self._loop()
+            fenced = self._loop()
         finally:
-            self._kill_all()
+            killed = self._kill_all()
             self._peer.close()
+        if fenced is None:
+            return 0
+        print(f"trainwarden agent: {fenced}: fencing", file=sys.stderr)
+        self.journal("agent_fenced", "warning", why=fenced, ranks_killed=killed)
+        self._succeed()
+        return 1
 
-    def _loop(self) -> int:
+    def _succeed(self) -> None:
+        """Stand for successor; on winning the lease, become the new supervisor (exec: no return)."""
+        succession = self._succession
+        if succession is None:
+            return
+        deadline = time.monotonic() + 2 * succession.ttl_s + STAGGER_S * len(succession.order)
+        lease, why = stand_for_successor(self._layout, succession, here=self._host, deadline=deadline)
+        if lease is None:
+            self.journal("successor_declined", "info", why=why, generation=succession.generation)
+            return
+        self.journal("successor_claimed", "warning", generation=lease.generation,
+                     previous_generation=succession.generation)
+        become_successor(self._layout, succession, lease)
+
+    def journal(self, event: str, level: str, **fields: Any) -> None:
+        try:
+            append_event(self._layout.journal, root=self._layout.root, event=event, level=level, node=self._host,
+                         attempt=self._attempt, agent_pid=os.getpid(), **fields)
+        except OSError as exc:
+            print(f"trainwarden agent: cannot write the journal: {exc}", file=sys.stderr)
+
+    def _loop(self) -> str | None:
+        """Until the supervisor says exit or every rank is done (None), or why the agent must fence."""
         while True:
             try:
                 kind, payload = self._inbox.get(timeout=POLL_S)
@@ -80,14 +115,13 @@ class Agent:
             if kind == "message":
                 self._heard = time.monotonic()
                 if payload["type"] == "exit":
-                    return 0
+                    return None
                 try:
                     self._on_message(payload)
                 except (KeyError, TypeError, ValueError) as exc:
                     print(f"trainwarden agent: bad order {payload.get('type')!r}: {exc}", file=sys.stderr)
             elif kind == "end":
-                print(f"trainwarden agent: supervisor gone ({payload or 'end of stream'}): fencing", file=sys.stderr)
-                return 1
+                return f"supervisor gone ({payload or 'end of stream'})"
             elif kind == "exited":
                 self._on_rank_exit(*payload)
             elif kind == "signal":
@@ -97,12 +131,10 @@ class Agent:
             if self._done():
                 sigkill(descendants())  # a rank's grandchildren do not outlive the attempt
                 self._send("done")
-                return 0
+                return None
             self._forward_heartbeats()
             if time.monotonic() - self._heard > self._fence_s:
-                print(f"trainwarden agent: nothing from the supervisor for {self._fence_s:g} s: fencing",
-                      file=sys.stderr)
-                return 1
+                return f"nothing from the supervisor for {self._fence_s:g} s"
 
     def _done(self) -> bool:
         return self._ranks is not None and self._exited >= set(self._ranks.procs)
@@ -118,6 +150,8 @@ class Agent:
         elif kind == "dump_stacks" and self._ranks is not None:
             threading.Thread(target=self._dump_stacks, args=(message["ranks"], message["faulthandler"]),
                              daemon=True).start()
+        elif kind == "succession":
+            self._succession = Succession.from_json(message["succession"])
         elif kind == "order":
             order = message["order"]
             publish_order(self._layout, None if order is None else StopOrder.from_json(order), _StderrLog())
@@ -168,10 +202,13 @@ class Agent:
         self._said = time.monotonic()
         self._peer.send({"type": kind, **fields})
 
-    def _kill_all(self) -> None:
+    def _kill_all(self) -> list[int]:
+        """SIGKILL every rank still running and everything they started; the ranks killed."""
+        killed = []
         if self._ranks is not None:
-            self._ranks.signal(signal.SIGKILL, only=lambda rank: rank not in self._exited)
+            killed = self._ranks.signal(signal.SIGKILL, only=lambda rank: rank not in self._exited)
         sigkill(descendants())
+        return sorted(killed)
 
 
 class _StderrLog:
@@ -200,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     layout = RunLayout(Path(args.run_dir))
     os.environ[ENV_RUN_DIR] = str(layout.root)
-    return Agent(Peer(sock), layout, args.attempt, args.fence_s, token).run()
+    agent = Agent(Peer(sock), layout, args.attempt, args.fence_s, token)
+    try:
+        return agent.run()
+    except Exception as exc:
+        agent.journal("agent_died", "error", error=repr(exc)[:300])  # its ranks died with it (parent-death signal)
+        raise
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """The `trainwarden` command: `run` a job under supervision, `status` of a run dir, `stop` it gracefully,
-`export` a checkpoint's model weights, `plot` a run as one picture."""
+`nodes` of a multi-node run (and forgive one), `export` a checkpoint's model weights, `plot` a run as one picture."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import shlex
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from supervisor.config import ConfigError, JobConfig, check_launchable, load_config
 from supervisor.console import ENV_LOG_FORMAT, LOG_FORMATS, Console, choose_format
@@ -15,9 +19,13 @@ from supervisor.core import Phase, State
 from supervisor.goodput import describe as describe_goodput
 from supervisor.journal import open_journal
 from supervisor.launcher import LocalLauncher
-from supervisor.runner import LauncherFactory, RunDirBusy, Supervisor, lock_run_dir
-from supervisor.slurm import SlurmError, SlurmLauncher, allocation, in_allocation
+from supervisor.lease import LOCAL_TTL_S, Lease
+from supervisor.nodes import Ledger, render_rows, update_ledger
+from supervisor.runner import RunDirBusy, Supervisor, lock_run_dir
+from supervisor.slurm import SlurmLauncher, in_allocation
+from supervisor.slurmctl import SlurmError, allocation, node_states
 from supervisor.status import StatusError, read_status, render
+from supervisor.succession import end_job, take_lease, wait_after_handover
 from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
 from worker.export import ExportError, export_weights
 from worker.files import atomic_write_bytes
@@ -25,9 +33,14 @@ from worker.files import atomic_write_bytes
 __all__ = ["main"]
 
 
+ENV_SET = "TRAINWARDEN_SET"  # `--set` overrides from the environment (sbatch passes it on to the batch script)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.argv = [arg for arg in argv if arg != "--successor"]  # what a successor supervisor is started with
     try:
         code = args.func(args)
         sys.stdout.flush()  # a reader gone early (`status | head -1`) shows up here, not as a traceback at exit
@@ -54,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                           f"on a terminal, json elsewhere")
     run.add_argument("--ignore-stop-file", action="store_true",
                      help="launch although the stop file is present (its current content is not acted on)")
+    run.add_argument("--successor", action="store_true", help=argparse.SUPPRESS)  # started by a node agent
     run.set_defaults(func=_run)
     status = sub.add_parser("status", help="where a run stands")
     status.add_argument("run_dir", help="the run directory")
@@ -68,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     stop.add_argument("--continue", dest="keep_going", action="store_true",
                       help="keep training after the checkpoint (needs --at-step)")
     stop.set_defaults(func=_stop)
+    nodes = sub.add_parser("nodes", help="a multi-node run's node ledger: which nodes failed it, which are excluded")
+    nodes.add_argument("run_dir", help="the run directory")
+    nodes.add_argument("--forget", metavar="NODE", action="append", default=[],
+                       help="clear every fault of NODE, so the run uses it again (repeatable)")
+    nodes.add_argument("--sbatch-args", action="store_true",
+                       help="print only the sbatch options to resubmit with: a node range and the excluded nodes")
+    nodes.set_defaults(func=_nodes)
     export = sub.add_parser("export", help="write a checkpoint's model weights as a plain state_dict file")
     export.add_argument("run_dir", help="the run directory")
     export.add_argument("-o", "--output", required=True, metavar="PATH",
@@ -86,9 +107,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    overrides = [*shlex.split(os.environ.get(ENV_SET, "")), *args.overrides]  # the command line has the last word
     try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as exc:
+        config = load_config(args.config, overrides)
+    except (ConfigError, ValueError) as exc:  # ValueError: TRAINWARDEN_SET is not shell words
         print(f"trainwarden: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
@@ -101,38 +123,108 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    launcher = _launcher(config)
-    if isinstance(launcher, str):
-        print(f"trainwarden: cannot launch: {launcher}", file=sys.stderr)
+    problem = _slurm_problem(config)
+    if problem:
+        print(f"trainwarden: cannot launch: {problem}", file=sys.stderr)
         return EXIT_CONFIG
     layout = RunLayout(Path(args.run_dir or config.run_dir).resolve())
+    multi = _multi_node(config)
     try:
-        lock = lock_run_dir(layout)
+        lock = None if multi else lock_run_dir(layout)  # many nodes: the lease alone, a successor is elsewhere
+        lease = take_lease(layout, ttl_s=config.slurm.node_timeout_s if multi else LOCAL_TTL_S,
+                           batch=not args.successor, locked_here=lock is not None)
     except RunDirBusy as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         return _unusable(layout, exc)
+    if isinstance(lease, str):
+        print(f"trainwarden: {lease}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         journal = open_journal(layout.journal, root=layout.root, echo=console or sys.stderr)
-        supervisor = Supervisor(config, layout, journal, config_path=args.config,
-                                ignore_stop_file=args.ignore_stop_file, launcher=launcher)
-        if console is not None:
-            supervisor.status_listeners.append(console.status)
     except OSError as exc:  # a symlink, FIFO or directory where the supervisor's own files go
-        lock.close()
+        if lock is not None:
+            lock.close()
         return _unusable(layout, exc)
     try:
-        code = supervisor.run()
+        supervisor = _supervise(config, layout, journal, args, lease, console)
     finally:
         journal.close()
-        lock.close()
+        if lock is not None:
+            lock.close()
         if console is not None:
             console.close()
+    if isinstance(supervisor, int):  # unusable run dir, or the successor's exit code
+        return supervisor
+    code = supervisor.state.exit_code or 0
     _say_goodput(layout)  # first: why it ended stays the last word
     if code != 0:
         _say_why(supervisor.state, layout)
+    if args.successor:  # no batch script may be left to end the job as its exit code says
+        end_job(layout, code, exclude=_excluded_now(layout, config),
+                nodes=(config.nodes, config.nodes + config.spare_nodes), say=_say)
     return code
+
+
+def _supervise(config: JobConfig, layout: RunLayout, journal: Any, args: argparse.Namespace, lease: Lease,
+               console: Console | None) -> Supervisor | int:
+    """Supervise, and after handing over (cut off, or deposed), wait: either the run is ours again, or the
+    exit code is the successor's. The last supervisor that ran, or an exit code."""
+    while True:
+        factory = functools.partial(SlurmLauncher, lease=lease, args=args.argv) if _multi_node(config) \
+            else LocalLauncher
+        try:
+            supervisor = Supervisor(config, layout, journal, config_path=args.config, launcher=factory, lease=lease,
+                                    ignore_stop_file=args.ignore_stop_file)
+        except OSError as exc:  # a symlink, FIFO or directory where the supervisor's own files go
+            return _unusable(layout, exc)
+        if console is not None:
+            supervisor.status_listeners.append(console.status)
+        if supervisor.run() is not None:
+            return supervisor
+        if not _multi_node(config):  # on one machine nobody hands over: another host took the run dir meanwhile
+            _say(f"stopped supervising {layout.root}: {supervisor.handed_over}")
+            return EXIT_FAILED
+        outcome = wait_after_handover(layout, lease, say=_say)
+        if isinstance(outcome, int):
+            return outcome
+        lease = outcome
+
+
+def _say(line: str) -> None:
+    print(f"trainwarden: {line}", file=sys.stderr, flush=True)
+
+
+def _multi_node(config: JobConfig) -> bool:
+    return config.nodes > 1 or config.spare_nodes > 0
+
+
+def _slurm_problem(config: JobConfig) -> str | None:
+    """Why a multi-node config cannot run here (outside a Slurm allocation, too few nodes), or None."""
+    if not _multi_node(config):
+        return None
+    wanted = f"nodes: {config.nodes}" + (f" and spare_nodes: {config.spare_nodes}" if config.spare_nodes else "")
+    if not in_allocation():
+        return f"{wanted} needs a Slurm allocation: run it inside sbatch or salloc (SLURM_JOB_ID is not set)"
+    try:
+        nodes = allocation()
+    except SlurmError as exc:
+        return str(exc)
+    if len(nodes) < config.nodes:
+        return f"{wanted}, but the allocation has {len(nodes)} node(s): {', '.join(nodes)}"
+    return None
+
+
+def _excluded_now(layout: RunLayout, config: JobConfig) -> list[str]:
+    """The nodes the ledger excludes now, for a requeue or a resubmission."""
+    try:
+        ledger = Ledger.load(layout)
+    except (OSError, ValueError):
+        return []
+    slurm = config.slurm
+    return sorted(ledger.excluded(time.time(), max_failures=slurm.max_node_failures,
+                                  window_s=slurm.node_failure_window_s, cooldown_s=slurm.node_cooldown_s))
 
 
 def _console(requested: str | None) -> Console | None:
@@ -144,23 +236,6 @@ def _console(requested: str | None) -> Console | None:
     except (AttributeError, ValueError):
         live = False
     return Console(sys.stderr, live=live)
-
-
-def _launcher(config: JobConfig) -> LauncherFactory | str:
-    """Ranks on this machine, or node agents in Slurm job steps when the config asks for more than one node
-    (or spares); why neither can run the config, as a message."""
-    if config.nodes == 1 and config.spare_nodes == 0:
-        return LocalLauncher
-    wanted = f"nodes: {config.nodes}" + (f" and spare_nodes: {config.spare_nodes}" if config.spare_nodes else "")
-    if not in_allocation():
-        return f"{wanted} needs a Slurm allocation: run it inside sbatch or salloc (SLURM_JOB_ID is not set)"
-    try:
-        nodes = allocation()
-    except SlurmError as exc:
-        return str(exc)
-    if len(nodes) < config.nodes:
-        return f"{wanted}, but the allocation has {len(nodes)} node(s): {', '.join(nodes)}"
-    return SlurmLauncher
 
 
 def _say_why(state: State, layout: RunLayout) -> None:
@@ -230,7 +305,68 @@ def _stop(args: argparse.Namespace) -> int:
     when = "at the next step every rank can agree on" if args.at_step is None else f"at step {args.at_step}"
     then = "continue" if args.keep_going else "exit"
     print(f"wrote {content or '(empty)'} to {path}: the run saves a checkpoint {when}, then {then}s")
+    # One rule for every later start (a requeue, a resubmission, systemd, a successor): the file is kept.
+    until = "once that checkpoint is saved, remove it" if args.keep_going else "to go on later, remove it"
+    print(f"the stop file stays: while it is there, a new start of this run dir (a requeue, a resubmission, a "
+          f"restart) launches nothing and exits 0; {until} (rm {path}) or start with --ignore-stop-file")
     return 0
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    """The ledger of a multi-node run, with Slurm's view of each node where Slurm can be asked."""
+    layout = RunLayout(Path(args.run_dir).resolve())
+    if not layout.lock_file.parent.is_dir() or layout.lock_file.parent.is_symlink():
+        print(f"trainwarden: {layout.root} is not a trainwarden run dir (no supervisor/ folder in it)", file=sys.stderr)
+        return 1
+    now = time.time()
+    try:
+        for node in args.forget:
+            update_ledger(layout, lambda ledger, n=node: ledger.forgiven(n, now))
+            print(f"forgot every fault of {node}: this run may use it again (a running supervisor does so from "
+                  "its next attempt on)")
+        ledger = Ledger.load(layout)
+    except (OSError, ValueError) as exc:
+        print(f"trainwarden: {layout.node_ledger}: {exc}", file=sys.stderr)
+        return 1
+    policy = _ledger_policy(layout)
+    states = _slurm_states({fault.node for fault in ledger.faults})
+    rules = {k: policy[k] for k in ("max_failures", "window_s", "cooldown_s")}
+    if args.sbatch_args:
+        excluded = sorted(ledger.excluded(now, **rules, slurm_states=states))
+        low, high = policy["nodes"], policy["nodes"] + policy["spare_nodes"]
+        print(f"--nodes={low}" + (f"-{high}" if high > low else "") + (f" --exclude={','.join(excluded)}"
+                                                                          if excluded else ""))
+    elif not args.forget:
+        print(render_rows(ledger.rows(now, **rules, slurm_states=states)))
+    return 0
+
+
+def _ledger_policy(layout: RunLayout) -> dict[str, Any]:
+    """The run's ledger rules and node counts, as its supervisor last wrote them (defaults if it never did)."""
+    from supervisor.config import SlurmConfig
+
+    default = SlurmConfig()
+    policy = {"max_failures": default.max_node_failures, "window_s": default.node_failure_window_s,
+              "cooldown_s": default.node_cooldown_s, "nodes": 1, "spare_nodes": 0}
+    try:
+        written = read_status(layout).get("node_policy") or {}
+    except StatusError:
+        return policy
+    for key, value in policy.items():  # the state file is untrusted: each value of its type, or the default
+        got = written.get(key) if isinstance(written, dict) else None
+        if type(got) is type(value) or (isinstance(value, float) and type(got) is int):
+            policy[key] = got
+    return policy
+
+
+def _slurm_states(nodes: set[str]) -> dict[str, str]:
+    """Slurm's state of `nodes` where Slurm answers here (a login node, a job); {} elsewhere."""
+    if not nodes:
+        return {}
+    try:
+        return node_states(nodes)
+    except SlurmError:
+        return {}
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -90,6 +90,7 @@ class SlurmConfig:
     node_timeout_s: float = 10.0  # a node agent silent this long is lost (its node died or is cut off)
     max_node_failures: int = 2  # a node charged this often within node_failure_window_s is not used again
     node_failure_window_s: float = 3600.0
+    node_cooldown_s: float = 600.0  # a node lost while Slurm still calls it healthy (a blip) rests this long
     srun_args: list[str] = field(default_factory=list)  # extra options for the agents' `srun` (e.g. --gpus-per-node)
 
 
@@ -176,6 +177,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.node_timeout_s": (lambda v: v >= 2, "at least 2 (node agents report every second)"),
     "slurm.max_node_failures": (lambda v: v >= 1, "at least 1"),
     "slurm.node_failure_window_s": (lambda v: v > 0, "more than 0"),
+    "slurm.node_cooldown_s": (lambda v: v >= 0, "0 or more"),
     "stragglers.margin": (lambda v: v > 0, "more than 0"),
     "stragglers.sustain_s": (lambda v: v >= 0, "0 or more"),
     "standby.prewarm_imports": (lambda v: all(_MODULE.fullmatch(name) for name in v),

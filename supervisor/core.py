@@ -22,7 +22,8 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     STOPPING --ChildExited(refusal)--> STOPPING, the refused step passed over from now on
     STOPPING --ChildExited(abort info), a relaunch pending--> STOPPING, the relaunch now a rollback (or fail)
     STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL);
-    TERM lasts the kill grace, or until every save in flight is past its save timeout, whichever is later
+    TERM lasts the kill grace, or until every save in flight is past its save timeout, whichever is later; ranks
+    known blocked in a collective (with a lost node's ranks, or behind the hang's culprit) get SIGKILL at once
     STOPPING --deadline in KILL--> FAILED (a rank survived SIGKILL)
     STOPPING --second SIGINT of the run--> SIGKILL now (a save in flight: at the third); a stop request cancels a
              pending relaunch
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -186,6 +188,7 @@ class ChildExited:
     cause: Cause | None = None  # why it failed, from its stderr; None: only the returncode is known
     step: int | None = None  # the newest step the rank logged (truer than its throttled heartbeat)
     node: str | None = None  # the host it ran on, in a multi-node run
+    lost_with: tuple[int, ...] = ()  # its node was lost: the ranks lost with it (their exits follow)
 
 
 @dataclass(frozen=True)
@@ -219,14 +222,16 @@ class StopRequested:
 class StacksCollected:
     """Stack dumps of a hung attempt's ranks were written (`paths`, possibly none).
 
-    `culprit`: the one rank the stacks show outside any collective, if they do; `last_steps`: (rank, step)
-    pairs from the ranks' event logs, truer than the throttled heartbeats.
+    `culprit`: the one rank the stacks show outside any collective, if they do; `blocked`: then, the ranks they
+    show inside one (waiting for the culprit); `last_steps`: (rank, step) pairs from the ranks' event logs, truer
+    than the throttled heartbeats.
     """
 
     attempt: int
     paths: tuple[str, ...]
     culprit: int | None = None
     last_steps: tuple[tuple[int, int], ...] = ()
+    blocked: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -262,10 +267,11 @@ class LaunchRanks:
 
 @dataclass(frozen=True)
 class SignalRanks:
-    """Send `signum` to the process group of every rank of `attempt` still running."""
+    """Send `signum` to the process group of every rank of `attempt` still running (of `ranks`, when given)."""
 
     attempt: int
     signum: int
+    ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -575,7 +581,9 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
     then, verdict = Then.STOP, []  # a stop on request is carried out; the failure changes nothing
     if not stopping_on_request(state):
         state, then, verdict = _after_failure(state)
-    state, stop_actions = _begin_stop(state, then, now)
+    others = [r.rank for r in state.ranks if r.rank not in event.lost_with]  # they wait in a collective for them
+    blocked = ("blocked in a collective with a lost node", others) if cause.kind is CauseKind.NODE_LOST else None
+    state, stop_actions = _begin_stop(state, then, now, blocked=blocked)
     return state, actions + verdict + stop_actions
 
 
@@ -791,7 +799,8 @@ def _after_failure(state: State) -> tuple[State, Then, list[Action]]:
     return state, then, _exhausted_records(state, then)
 
 
-def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = False) -> tuple[State, list[Action]]:
+def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = False,
+                blocked: tuple[str, Collection[int]] | None = None) -> tuple[State, list[Action]]:
     state = replace(state, phase=Phase.STOPPING, then=then)
     if not any(r.running for r in state.ranks):
         return _all_down(state, now)
@@ -800,16 +809,30 @@ def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = Fa
         with_handler = tuple(r.rank for r in state.ranks if r.running and r.heartbeat_seq is not None)
         state = replace(state, stop_stage=StopStage.STACKS, deadline=now + state.policy.hang.stacks_timeout_s)
         return state, [DumpStacks(state.attempt, running, with_handler)]
-    return _terminate(state, now)
+    return _terminate(state, now, blocked)
 
 
-def _terminate(state: State, now: float) -> tuple[State, list[Action]]:
-    """SIGTERM every rank; SIGKILL follows after the grace, or once a rank's save in flight had its save timeout."""
+def _terminate(state: State, now: float, blocked: tuple[str, Collection[int]] | None = None
+               ) -> tuple[State, list[Action]]:
+    """SIGTERM every rank; SIGKILL follows after the grace, or once a rank's save in flight had its save timeout.
+
+    `blocked` (why, ranks): ranks known to wait inside a collective for a peer that will never come (it was lost,
+    or it hangs) cannot run a SIGTERM handler, and have nothing to save: they get SIGKILL at once, not the grace.
+    A rank inside a save still gets its save timeout."""
     grace_end = now + state.policy.kill_grace_s
     state = replace(state, stop_stage=StopStage.TERM, deadline=max(grace_end, saves_end(state, now)))
-    actions: list[Action] = [SignalRanks(state.attempt, signal.SIGTERM)]
+    savers = [r.rank for r in saving(state)]
+    doomed = () if blocked is None else tuple(
+        r.rank for r in state.ranks if r.running and r.rank in blocked[1] and r.rank not in savers)
+    termed = tuple(r.rank for r in state.ranks if r.running and r.rank not in doomed)
+    actions: list[Action] = []
+    if doomed:
+        assert blocked is not None
+        actions += [_record("ranks_killed_at_once", ranks=list(doomed), attempt=state.attempt, why=blocked[0]),
+                    SignalRanks(state.attempt, signal.SIGKILL, doomed)]
+    if termed:
+        actions.append(SignalRanks(state.attempt, signal.SIGTERM, termed if doomed else None))
     if state.deadline > grace_end:
-        savers = [r.rank for r in saving(state)]
         actions.append(_record("stop_waits_for_save", ranks=savers, wait_s=round(state.deadline - now, 3)))
     return state, actions
 
@@ -931,7 +954,8 @@ def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tu
     if state.hang is not None:
         hang = _refine_hang(state, state.hang, event)
         state = _revise_hang_failure(replace(state, hang=hang, last_failure=_hang_failure(hang)), hang)
-    state, actions = _terminate(state, now)
+    blocked = (f"blocked in a collective waiting for rank {event.culprit}", event.blocked) if event.blocked else None
+    state, actions = _terminate(state, now, blocked)
     record = _record("stacks_collected", attempt=event.attempt, paths=list(event.paths), culprit=event.culprit,
                      last_steps=dict(event.last_steps))
     return state, [record, *actions]

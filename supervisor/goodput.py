@@ -16,7 +16,8 @@ time between categories, so the categories always add up to `wall_s`:
 - `restart_s`: downtime from a failure to the next attempt's first step progress: stopping the failed attempt,
   backoff, process start, checkpoint load, up to the first step. The first launch's start-up (`Started` to the first
   step) counts here too ("startup": as ByteRobust, initial start-up is unproductive), and so does the gap while no
-  supervisor ran after one died mid-run (the state file was left in a non-final state).
+  supervisor ran after one died mid-run (the state file was left in a non-final state) or ended asking to be
+  requeued (exit 75: a job's time limit, too few healthy nodes).
 - `save_s`: time spent saving checkpoints, from the heartbeats' cumulative `save_s` (the most any rank of the attempt
   reports), taken out of training time (kept or not); saves of checkpoints never used count here too.
 - `hang_s`: from the last progress of an attempt to the moment a hang is declared (from the launch, for a hang
@@ -28,7 +29,9 @@ time between categories, so the categories always add up to `wall_s`:
 A run whose ranks send no heartbeats (no worker library) shows only start-up while running; an attempt of it that
 ends cleanly counts as productive. An attempt that beats but never gets past its resume step trained nothing.
 Steps are tracked as a kept timeline, (step, productive seconds when it was first seen) points, thinned in the past;
-rolling back to step R interpolates between the points around R.
+rolling back to step R interpolates between the points around R. Save time reported after a point was recorded (a
+slower rank's save, a heartbeat seen late) can leave less productive time than the point holds: it came out of the
+training before the point, so points above the productive total (or above a later point) are lowered to it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 
 from supervisor.core import Event, HeartbeatSeen, Phase, RanksLaunched, State, Then
 from supervisor.observe import JournalRecord
+from worker.contract import EXIT_REQUEUE
 
 __all__ = ["CATEGORIES", "Goodput", "describe"]
 
@@ -129,8 +133,10 @@ class Goodput:
             saved = max(self._saves.values()) - before
             if saved > 0:  # out of the training since the last progress first, then of this attempt's kept time
                 moved = self._take(_TAIL, saved)
-                moved += self._take("productive_s", min(saved - moved, self._trained))
-                self._add("save_s", moved)
+                taken = self._take("productive_s", min(saved - moved, self._trained))
+                if taken > 0:
+                    self._kept = _lowered(self._kept, self._totals["productive_s"])
+                self._add("save_s", moved + taken)
         if event.step > self._top:
             if self._progressed:
                 self._add("productive_s", self._take(_TAIL, self._tail))
@@ -206,6 +212,16 @@ def _thinned(kept: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [kept[0], *kept[2:half:2], *kept[half:]]
 
 
+def _lowered(kept: list[tuple[int, float]], productive: float) -> list[tuple[int, float]]:
+    """No point above the productive total or a later point: save time reported after it came out of the training
+    before it."""
+    lowered: list[tuple[int, float]] = []
+    for step, seconds in reversed(kept):
+        productive = min(productive, seconds)
+        lowered.append((step, productive))
+    return lowered[::-1]
+
+
 def _saved_points(kept: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """At most KEPT_SAVED points: the first, some spread over the past, and the newest KEPT_RECENT."""
     if len(kept) <= KEPT_SAVED:
@@ -238,6 +254,8 @@ def _carried(previous: Mapping[str, Any]) -> tuple[dict[str, float], list[tuple[
 
 
 def _carried_points(points: Any, productive: float) -> list[tuple[int, float]] | None:
+    """The saved points: from step 0, in rising steps, lowered as `_lowered` does (a file may hold them unlowered:
+    an older version wrote it, or a person edited it); None for anything malformed."""
     if not isinstance(points, list) or not 0 < len(points) <= KEPT_SAVED:
         return None
     kept: list[tuple[int, float]] = []
@@ -245,23 +263,24 @@ def _carried_points(points: Any, productive: float) -> list[tuple[int, float]] |
         if not isinstance(point, list) or len(point) != 2:
             return None
         step, seconds = point
-        if type(step) is not int or not _seconds(seconds) or seconds > productive:
-            return None
-        if kept and (step <= kept[-1][0] or seconds < kept[-1][1]):
+        if type(step) is not int or not _seconds(seconds) or (kept and step <= kept[-1][0]):
             return None
         kept.append((step, float(seconds)))
-    return kept if kept[0][0] == 0 else None
+    return _lowered(kept, productive) if kept[0][0] == 0 else None
 
 
 def _gap(previous: Mapping[str, Any], wall_now: float) -> tuple[float, str | None]:
     """The wall-clock time since the previous supervisor last wrote its state, and where it goes: stopped after a
-    stop or a failure, restart after a supervisor that died mid-run; nowhere after a finished run."""
+    stop or a failure, restart after a supervisor that died mid-run or asked to be requeued (exit 75: the time
+    limit, too few healthy nodes; the queue wait is an outage of the run); nowhere after a finished run."""
     updated_at = previous.get("updated_at")
     if not _seconds(updated_at) or not math.isfinite(wall_now):
         return 0.0, None
     died = ("starting", "running", "stopping", "backoff")  # its successor restarts the run
     category = {"stopped": "stopped_s", "failed": "stopped_s", **dict.fromkeys(died, "restart_s")}.get(
         previous.get("state"))
+    if category == "stopped_s" and previous.get("exit_code") == EXIT_REQUEUE:
+        category = "restart_s"
     return max(0.0, wall_now - updated_at), category
 
 

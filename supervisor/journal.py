@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
@@ -13,7 +14,7 @@ import structlog
 from supervisor.console import Console
 from worker.files import open_append
 
-__all__ = ["Journal", "open_journal"]
+__all__ = ["Journal", "append_event", "open_journal"]
 
 
 _JSON = structlog.processors.JSONRenderer(default=str)
@@ -68,3 +69,15 @@ def open_journal(path: Path, *, root: Path, echo: IO[str] | Console | None = sys
         ],
     )
     return Journal(logger, stream)
+
+
+def append_event(path: Path, *, root: Path, event: str, level: str = "info", **fields: Any) -> None:
+    """One event written to the journal by a process other than the supervisor (a node agent), in the
+    supervisor's format: one line in one write, so lines of several writers never interleave (O_APPEND)."""
+    time = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    line = _JSON(None, "", {"event": event, **fields, "level": level, "time": time}) + "\n"
+    fd = open_append(path, root=root)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)

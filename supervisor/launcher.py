@@ -31,7 +31,7 @@ from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWat
 from worker.contract import RunLayout, StopOrder
 from worker.files import atomic_write_json, read_bytes, unlink_quietly
 
-__all__ = ["Launcher", "LocalLauncher", "Spawned", "publish_order"]
+__all__ = ["Isolated", "Launcher", "LocalLauncher", "Spawned", "publish_order"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -44,6 +44,14 @@ class Spawned:
     pids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Isolated:
+    """The launcher found the supervisor's own link broken (every remote node silent, the Slurm controller out of
+    reach): the supervisor must stop acting and hand over, charging no node."""
+
+    why: str
+
+
 class Launcher(Protocol):
     """Starts, signals and watches the ranks of one attempt at a time."""
 
@@ -52,6 +60,9 @@ class Launcher(Protocol):
 
     def close(self) -> None:
         """Kill whatever is left of the run, ranks included: nothing outlives the supervisor."""
+
+    def hand_over(self) -> None:
+        """Stop without killing what a successor may live in: the ranks are fenced by their agents."""
 
     def launch(self, attempt: Attempt) -> Spawned | LaunchFailed | None:
         """Start every rank; the outcome now, or None when it will be posted."""
@@ -138,6 +149,9 @@ class LocalLauncher:
             self._standbys.close()
         sigkill(descendants())
         self._watcher.stop()
+
+    def hand_over(self) -> None:
+        self.close()  # on one machine there is nobody to hand over to
 
     def launch(self, attempt: Attempt) -> Spawned | LaunchFailed:
         def on_exit(number: int, rank: int, code: int) -> None:

@@ -7,6 +7,7 @@ import math
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 import zlib
@@ -57,7 +58,8 @@ from supervisor.core import (
 )
 from supervisor.goodput import Goodput
 from supervisor.journal import Journal
-from supervisor.launcher import Launcher, LocalLauncher, Spawned
+from supervisor.launcher import Isolated, Launcher, LocalLauncher, Spawned
+from supervisor.lease import ABDICATED, RELEASED, Lease, LeaseHolder, LeaseLost, read_relayed_signal
 from supervisor.metrics import MetricsExporter
 from supervisor.notify import Notifier, ServiceReporter
 from supervisor.observe import Counts, Observer, Progress
@@ -121,7 +123,8 @@ class Supervisor:
     """Runs one job to its end and returns the exit code."""
 
     def __init__(self, config: JobConfig, layout: RunLayout, journal: Journal, *, config_path: str,
-                 ignore_stop_file: bool = False, launcher: LauncherFactory = LocalLauncher) -> None:
+                 ignore_stop_file: bool = False, launcher: LauncherFactory = LocalLauncher,
+                 lease: Lease | None = None) -> None:
         self.config = config
         self.layout = layout
         self.stop_file = config.stop_file(layout)
@@ -132,6 +135,10 @@ class Supervisor:
         self.state: State = initial_state(config.policy(), step_gaps=gaps)
         self._config_path = config_path
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lease = None if lease is None else LeaseHolder(layout, lease, self._inbox.put_nowait)
+        self.handed_over: str | None = None  # why this supervisor stopped acting for the run (another may act)
+        self._abdicate = False  # it found itself cut off: its lease is free for a successor at once
+        self._relayed: str | None = None  # the id of the last signal the batch process relayed to us
         self._launcher = launcher(config, layout, self._inbox.put_nowait, self.log)
         self._launching: LaunchPrepared | None = None  # what the ranks being started resume from
         self._stop_watcher = StopFileWatcher(self.stop_file, self._inbox.put_nowait)
@@ -150,9 +157,12 @@ class Supervisor:
         self.status_listeners.append(self._metrics.publish)
         self._newest_checkpoint: tuple[int, float | None] | None = None  # (step, when it was completed)
 
-    def run(self) -> int:
-        """Supervise until the run finishes, fails or is stopped."""
+    def run(self) -> int | None:
+        """Supervise until the run finishes, fails or is stopped (its exit code), or until this supervisor must
+        stop acting for it (None: `handed_over` says why; a successor may carry on)."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in HANDLED_SIGNALS}
+        if self._lease is not None:
+            self._lease.start()
         self._launcher.start()
         self._stop_watcher.start()
         self.log.info("supervisor_started", pid=os.getpid(), config=self._config_path, run_dir=str(self.layout.root),
@@ -168,17 +178,39 @@ class Supervisor:
             self._metrics.start()
             if not self._stop_file_blocks_start():
                 self._handle(Started())
-            while not self.state.phase.terminal:
+            while not self.state.phase.terminal and self.handed_over is None:
                 self._handle(self._next_event())
         finally:
-            self._launcher.close()  # on any way out, no process of the run outlives the supervisor
+            if self.handed_over is None:
+                self._launcher.close()  # on any way out, no process of the run outlives the supervisor
+            else:
+                self._launcher.hand_over()  # the agents fence their ranks; a successor may live in their step
             self._stop_watcher.stop()
             self._metrics.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._end_lease()
+        if self.handed_over is not None:
+            return None
         self.log.info("supervisor_exiting", state=self.state.phase.value, exit_code=self.state.exit_code,
                       reason=self.state.reason)
         return self.state.exit_code or 0
+
+    def _end_lease(self) -> None:
+        """Released with the exit code (whoever claims it next starts the run afresh), or abdicated."""
+        if self._lease is None:
+            return
+        if self.handed_over is None:
+            self._lease.end(RELEASED, self.state.exit_code if self.state.phase.terminal else None)
+        elif self._abdicate:
+            self._lease.end(ABDICATED)
+
+    def _hand_over(self, why: str, *, abdicate: bool) -> None:
+        """Stop acting for the run at once: nothing more is launched, signalled or written by this supervisor."""
+        if self.handed_over is None:
+            self.handed_over, self._abdicate = why, abdicate
+            self.log.error("supervisor_isolated" if abdicate else "supervisor_deposed", why=why,
+                           attempt=self.state.attempt, action="fencing this node's ranks; handing over")
 
     def _stop_file_blocks_start(self) -> bool:
         """A stop file present at start means the run was stopped on purpose: an automatic restart must not undo
@@ -199,6 +231,18 @@ class Supervisor:
                              reason=f"not started: stop file {self.stop_file} is present")
         self._write_status(durable=True)
         return True
+
+    def _relayed_signal(self) -> list[Event]:
+        """A signal the job's batch process got while it waits as the job's keeper for us, a successor (Slurm's
+        time-limit warning reaches only the batch shell)."""
+        if self._lease is None:
+            return []
+        relayed = read_relayed_signal(self.layout, self._lease.lease.generation)
+        if relayed is None or relayed[0] == self._relayed:
+            return []
+        self._relayed = relayed[0]
+        self.log.info("signal_relayed", signal=signal.Signals(relayed[1]).name, by="the batch process")
+        return [SignalReceived(relayed[1])]
 
     def _read_stop_file(self) -> list[Event]:
         """A StopRequested for each new, settled write of the stop file; a warning for garbage."""
@@ -316,6 +360,8 @@ class Supervisor:
 
     def _handle(self, item: Any) -> None:
         pending: deque[Event] = deque(self._translate(item))
+        if self.handed_over is not None:
+            return  # what this supervisor knew is no longer the run's state: a successor writes that
         before = (self.state.phase, self.state.attempt)
         while pending:
             event = pending.popleft()
@@ -338,9 +384,13 @@ class Supervisor:
         """Turn adapter hints into core events; a Tick also polls the launcher (hints can be lost)."""
         if isinstance(item, StopFileChanged):
             return self._read_stop_file()
+        if isinstance(item, LeaseLost):
+            self._hand_over(item.why, abdicate=False)
+            return []
         if isinstance(item, Tick):
             self._next_poll = time.monotonic() + POLL_INTERVAL_S
-            return [*self._launcher.poll(), *self._read_stop_file(), item]
+            found = [e for event in self._launcher.poll() for e in self._from_launcher(event)]
+            return [*found, *self._read_stop_file(), *self._relayed_signal(), item]
         if isinstance(item, ChildExited):
             beat = self._launcher.last_heartbeat(item.rank) if item.returncode else []  # the step it reached, fresh
             return [*beat, self._explained(item)]
@@ -351,7 +401,10 @@ class Supervisor:
         events = self._launcher.translate(item)
         return [item] if events is None else [e for found in events for e in self._from_launcher(found)]
 
-    def _from_launcher(self, found: Event | Spawned) -> list[Event]:
+    def _from_launcher(self, found: Event | Spawned | Isolated) -> list[Event]:
+        if isinstance(found, Isolated):
+            self._hand_over(found.why, abdicate=True)
+            return []
         if isinstance(found, Spawned):
             return self._spawned(found)
         return [self._explained(found) if isinstance(found, ChildExited) else found]
@@ -366,7 +419,8 @@ class Supervisor:
         if isinstance(action, Record):
             getattr(self.log, action.level)(action.event, **dict(action.fields))
         elif isinstance(action, SignalRanks):
-            running = {r.rank for r in self.state.ranks if r.running}
+            chosen = action.ranks
+            running = {r.rank for r in self.state.ranks if r.running and (chosen is None or r.rank in chosen)}
             sent = self._launcher.signal(action.attempt, action.signum, running)
             self.log.info("ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent,
                           attempt=action.attempt)
@@ -431,6 +485,10 @@ class Supervisor:
             newest, why = choice.passed_over[0]
             return LaunchFailed(attempt, f"no usable checkpoint (newest, step {newest}: {why}); "
                                          "refusing to start from scratch (worker.no_usable_checkpoint: refuse)")
+        if self._lease is not None and not self._lease.valid():  # launching now could race a successor
+            self._hand_over(self._lease.lost.why if self._lease.lost else "the lease could not be renewed in time",
+                            abdicate=False)
+            return None
         for rank in range(self.config.world_size):  # a beat from an earlier run must not pass for this one
             unlink_quietly(self.layout.heartbeat(rank))
         self._sort_out_junk()
@@ -530,6 +588,8 @@ class Supervisor:
             "config": self._config_path,
             "stop_file": str(self.stop_file),
             "supervisor_pid": os.getpid(),
+            "supervisor_host": socket.gethostname(),
+            "lease_generation": None if self._lease is None else self._lease.lease.generation,
             "started_at": self._started_at,
             "last_checkpoint": {"step": steps[-1]} if steps else None,
             "last_checkpoint_at": self._completed_at(steps[-1]) if steps else None,

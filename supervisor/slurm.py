@@ -1,14 +1,17 @@
 """Multi-node runs inside a Slurm allocation: each attempt is one `srun` job step with one node agent per node.
 
-Slurm places, starts and cleans up; the supervisor decides. Per attempt the launcher picks `nodes` nodes of the
-allocation that the node ledger does not exclude (spares wait their turn), starts the agents with
-`srun --overlap -N k -w <nodes> --ntasks-per-node=1`, and waits for each to dial in over TCP with the run's
-token. It then places the ranks (node i runs ranks i*n .. i*n+n-1, GROUP_RANK i; MASTER_ADDR is node 0 as the
-supervisor reaches it, MASTER_PORT a port node 0 found free) and turns what the agents report into the core's
-events. A node whose agent falls silent for `slurm.node_timeout_s` (or whose stream breaks) is lost: its ranks
-count as killed, it is charged in the ledger and excluded, and the next attempt runs on the rest plus a spare.
-A step stuck on a dead node is not waited for (Slurm may take minutes to give it up): `--overlap` lets the next
-step start beside it. Nothing here reads heartbeats or exits from the shared filesystem (NFS caches them).
+Slurm places, starts and cleans up; the supervisor decides. Per attempt the launcher asks Slurm for the job's
+nodes now and their states (off the main loop), picks `nodes` of them that the node ledger does not exclude
+(spares wait their turn), starts the agents with `srun --overlap -N k -w <nodes> --ntasks-per-node=1`, and waits
+for each to dial in over TCP with the run's token. It then places the ranks (node i runs ranks i*n .. i*n+n-1,
+GROUP_RANK i; MASTER_ADDR is node 0 as the supervisor reaches it, MASTER_PORT a port node 0 found free), tells
+every agent how to take the supervisor's place (succession.py), and turns what the agents report into the core's
+events. A node whose agent's stream breaks, or that falls silent for `slurm.node_timeout_s`, is lost: its ranks
+count as killed, it is charged in the ledger (excluded for a cool-down, for good once Slurm marks it down), and
+the next attempt runs on the rest plus a spare. When every other node falls silent at once, the supervisor first
+tests its own link (can it reach the Slurm controller?): if not, it is the one cut off, charges nobody, and hands
+over (Isolated). A step stuck on a dead node is not waited for: `--overlap` lets the next step start beside it.
+Nothing here reads heartbeats or exits from the shared filesystem (NFS caches them).
 """
 
 from __future__ import annotations
@@ -26,50 +29,39 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from supervisor import slurmctl
 from supervisor.causes import Cause, CauseKind
 from supervisor.config import JobConfig
 from supervisor.core import ChildExited, Event, HeartbeatSeen, LaunchFailed, RankState, SignalReceived, StacksCollected
-from supervisor.launcher import Spawned, publish_order
-from supervisor.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes
+from supervisor.launcher import Isolated, Spawned, publish_order
+from supervisor.lease import ABDICATED, RELEASED, Lease
+from supervisor.lease import read as read_lease
+from supervisor.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
 from supervisor.ranks import Attempt, Placement, contract_env, rank_argv
-from supervisor.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, outside_collectives
+from supervisor.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, blocked_behind, outside_collectives
+from supervisor.succession import Succession
 from supervisor.watch import progress_fields
 from supervisor.wire import Peer, WireError
 from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
-from worker.files import open_append
+from worker.files import open_append, read_bytes
 
-__all__ = ["SlurmError", "SlurmLauncher", "allocation", "in_allocation"]
+__all__ = ["SlurmLauncher", "in_allocation"]
 
 HELLO_TIMEOUT_S = 60.0  # srun to every agent dialled in: Slurm's step launch plus Python's start-up
 PING_S = 1.0
 STACKS_GRACE_S = 5.0  # beyond the agents' own dump timeouts
 SIGNAL_DEDUP_S = 5.0  # Slurm signals every node's agent at once: one stop request, not one per node
 MAX_HELLO_WAIT_S = 10.0  # a connection that says nothing for this long is dropped
-
-
-class SlurmError(Exception):
-    """Not in a usable Slurm allocation."""
+STEP_END_WAIT_S = 3.0  # an agent gone before launch: this long for srun to say the whole step failed
+SRUN_LOG_TAIL = 4096
 
 
 def in_allocation() -> bool:
     return bool(os.environ.get("SLURM_JOB_ID"))
-
-
-def allocation() -> list[str]:
-    """The allocation's hostnames, in Slurm's order (`scontrol show hostnames` expands `node[1-3]`)."""
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-    if not nodelist:
-        raise SlurmError("SLURM_JOB_NODELIST is not set: not inside an sbatch/salloc allocation")
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise SlurmError(f"cannot expand the node list {nodelist!r} with scontrol: {exc}") from None
-    return out.split()
 
 
 @dataclass
@@ -87,6 +79,17 @@ class _Node:
     exited: set[int] = field(default_factory=set)
     state: str = "starting"  # starting, running, done, lost
     stacks: dict[str, Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.peer is not None and self.state in ("starting", "running")
+
+    def shown_state(self) -> str:
+        """For `status`: a node whose ranks all exited runs nothing, whatever its agent last said."""
+        if self.state == "done" or (self.state in ("starting", "running") and self.pids
+                                    and set(self.ranks) <= self.exited):
+            return "ended"
+        return self.state
 
 
 @dataclass(frozen=True)
@@ -109,16 +112,48 @@ class _AgentArrived:
     hello: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """What Slurm said before an attempt: the job's nodes now and their states, or why it could not be asked."""
+
+    attempt: int
+    nodes: tuple[str, ...] = ()
+    states: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+    reachable: bool = True  # the controller answered `scontrol ping`
+
+
+@dataclass(frozen=True)
+class _SrunExited:
+    pid: int  # which srun: an attempt placed again (a node lost before launch) keeps its number
+    returncode: int
+
+
+@dataclass(frozen=True)
+class _LinkChecked:
+    """`scontrol ping` from here, asked when every other node fell silent or srun failed before any agent spoke."""
+
+    attempt: int
+    reachable: bool
+    suspects: tuple[str, ...]  # the silent nodes ((): an srun failure)
+    why: str
+
+
 class SlurmLauncher:
     """Node agents in one Slurm job step per attempt, reporting over TCP."""
 
     def __init__(self, config: JobConfig, layout: RunLayout, post: Callable[[object], None], log: Any,
-                 *, nodes: list[str] | None = None) -> None:
+                 *, lease: Lease | None = None, args: Sequence[str] = ()) -> None:
         self._config = config
         self._layout = layout
         self._post = post
         self._log = log
-        self._allocation = allocation() if nodes is None else nodes
+        self._lease = lease
+        self._args = tuple(args)  # our own command line, for a successor
+        self._host = socket.gethostname()
+        self._allocation = _nodelist_at_start()  # until the first plan asks Slurm for the nodes now
+        self._seen = list(self._allocation)  # every node the job held: one Slurm dropped is still worth showing
+        self._states: dict[str, str] = {}  # Slurm's state of each node, as of the last plan
         self._token = secrets.token_hex(16)
         self._server = socket.create_server(("0.0.0.0", 0), backlog=64)
         self._attempt: int | None = None
@@ -127,24 +162,40 @@ class SlurmLauncher:
         self._srun: list[subprocess.Popen] = []
         self._hello_deadline: float | None = None
         self._stacks_deadline: float | None = None
+        self._checking_link = False
+        self._ended_early: dict[str, tuple[str, float]] = {}  # node -> (why, until): its stream ended before launch
         self._signalled = False  # the supervisor signalled this attempt's ranks: later deaths are its doing
         self._last_ping = 0.0
         self._forwarded: dict[int, float] = {}  # signum -> when an agent's last forwarded one was posted
-        self._spares: list[str] = []
         self._failed_on: str | None = None
+        self._ledger = self._load_ledger()
+
+    def _load_ledger(self) -> Ledger:
         try:
-            self._ledger = Ledger.load(layout)
+            return Ledger.load(self._layout)
         except (OSError, ValueError) as exc:
-            log.error("node_ledger_unreadable", path=str(layout.node_ledger), error=str(exc), action="starting empty")
-            self._ledger = Ledger()
+            self._log.error("node_ledger_unreadable", path=str(self._layout.node_ledger), error=str(exc),
+                            action="starting empty")
+            return Ledger()
 
     # ---- lifecycle ----
 
     def start(self) -> None:
         threading.Thread(target=self._accept, daemon=True, name="agents").start()
-        excluded = self._excluded()
-        self._log.info("slurm_allocation", job=os.environ.get("SLURM_JOB_ID"), nodes=self._allocation,
-                       excluded=excluded or None, listening=self._advertised())
+        self._charge_predecessor()
+        self._log.info("slurm_allocation", job=slurmctl.job_id(), host=self._host, excluded=self._excluded() or None,
+                       listening=self._advertised())
+
+    def _charge_predecessor(self) -> None:
+        """Taking over within the job: the last supervisor's host went silent or cut itself off, so it is charged
+        as a lost node (a cool-down, for good once Slurm marks it down), and no attempt waits on it."""
+        before = None if self._lease is None else read_lease(self._layout, self._lease.generation - 1)
+        if before is None or before.state == RELEASED or before.host == self._host or before.job != self._lease.job:
+            return
+        self._log.warning("supervision_taken_over", previous_host=before.host, previous_generation=before.generation,
+                          previous_pid=before.pid, lease=before.state, generation=self._lease.generation)
+        self._charge(before.host, f"lost: the supervisor's host (lease generation {before.generation} "
+                                  f"{'abdicated' if before.state == ABDICATED else 'lapsed'})", "lost")
 
     def close(self) -> None:
         for node in self._nodes.values():
@@ -155,6 +206,11 @@ class SlurmLauncher:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         self._kill_steps()
+        self.hand_over()
+
+    def hand_over(self) -> None:
+        """Every agent's stream ends without a word: each fences its ranks and stands for successor. The srun
+        clients are left alone: killing one ends its step, and a successor may live in it."""
         for node in self._nodes.values():
             if node.peer is not None:
                 node.peer.close()
@@ -167,34 +223,73 @@ class SlurmLauncher:
     # ---- launching ----
 
     def launch(self, attempt: Attempt) -> Spawned | LaunchFailed | None:
-        for node in self._nodes.values():  # the last attempt's agents, if any is still there, fence themselves
+        """Ask Slurm for the nodes (in a thread: the controller may be slow or out of reach); `_Planned` goes on."""
+        for node in self._nodes.values():  # the last attempt's agents, if any is still there, go
             if node.peer is not None:
+                node.peer.send({"type": "exit"})  # said, not a fence: the supervisor is alive
                 node.peer.close()
         self._kill_steps()  # a step stuck on a lost node is not waited for
+        self._attempt, self._pending, self._nodes = None, attempt, {}
+        self._hello_deadline, self._ended_early = None, {}
+        threading.Thread(target=self._plan, args=(attempt.number, sorted(self._ledger_nodes())), daemon=True,
+                         name="slurm-plan").start()
+        return None
+
+    def _ledger_nodes(self) -> set[str]:
+        return {fault.node for fault in self._ledger.faults}
+
+    def _plan(self, attempt: int, known: list[str]) -> None:
         try:
-            nodes, self._spares = plan_nodes(self._allocation, self._excluded(), self._config.nodes)
+            nodes = slurmctl.allocation()
+            states = slurmctl.node_states([*nodes, *known])
+        except slurmctl.SlurmError as exc:
+            self._post(_Planned(attempt, error=str(exc), reachable=slurmctl.controller_reachable()))
+            return
+        self._post(_Planned(attempt, tuple(nodes), states))
+
+    def _planned(self, planned: _Planned) -> list[Event | Isolated]:
+        if planned.attempt != self._pending.number or self._attempt is not None:
+            return []
+        if planned.error is not None:
+            if not planned.reachable:
+                return [Isolated(f"cannot reach the Slurm controller ({planned.error})")]
+            return [LaunchFailed(planned.attempt, f"cannot ask Slurm for the job's nodes: {planned.error}")]
+        self._allocation, self._states = list(planned.nodes), planned.states
+        self._seen += [node for node in planned.nodes if node not in self._seen]
+        self._update_ledger(lambda ledger: ledger.confirmed(self._states, time.time()))
+        try:
+            nodes, spares = plan_nodes(self._allocation, self._excluded(), self._config.nodes)
         except TooFewNodes as exc:
             self._log.error("too_few_nodes", error=str(exc), resubmit_with=exc.exclude_option)
-            return LaunchFailed(attempt.number, f"{exc}; requeue with {exc.exclude_option}", exit_code=EXIT_REQUEUE)
+            return [LaunchFailed(planned.attempt, f"{exc}; requeue with {exc.exclude_option}",
+                                 exit_code=EXIT_REQUEUE)]
+        failed = self._start_step(self._pending, nodes, spares)
+        return [] if failed is None else [failed]
+
+    def _start_step(self, attempt: Attempt, nodes: list[str], spares: list[str]) -> LaunchFailed | None:
         n = self._config.nproc_per_node
-        self._attempt, self._pending = attempt.number, attempt
+        self._attempt = attempt.number
         self._nodes = {name: _Node(name, i, tuple(range(i * n, (i + 1) * n))) for i, name in enumerate(nodes)}
         self._signalled, self._failed_on = False, None
-        argv = self._srun_argv(attempt.number, nodes)
         env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": self._token}
         try:
-            log = open_append(self._layout.root / "supervisor" / f"srun_attempt_{attempt.number}.log",
-                              root=self._layout.root)  # the agents' stderr, labelled by srun
+            log = open_append(self._srun_log(attempt.number), root=self._layout.root)  # agents' stderr, labelled
             try:
-                self._srun.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                                   start_new_session=True))
+                proc = subprocess.Popen(self._srun_argv(attempt.number, nodes), env=env, stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=log, start_new_session=True)
             finally:
                 os.close(log)
         except OSError as exc:
             return LaunchFailed(attempt.number, f"cannot start srun: {exc.strerror or exc}")
+        self._srun.append(proc)
+        threading.Thread(target=lambda: self._post(_SrunExited(proc.pid, proc.wait())), daemon=True,
+                         name=f"srun-a{attempt.number}").start()
         self._hello_deadline = time.monotonic() + HELLO_TIMEOUT_S
-        self._log.info("agents_starting", attempt=attempt.number, nodes=nodes, spares=self._spares)
+        self._log.info("agents_starting", attempt=attempt.number, nodes=nodes, spares=spares)
         return None
+
+    def _srun_log(self, attempt: int) -> Any:
+        return self._layout.root / "supervisor" / f"srun_attempt_{attempt}.log"
 
     def _srun_argv(self, attempt: int, nodes: list[str]) -> list[str]:
         srun = shutil.which("srun") or "srun"
@@ -214,7 +309,8 @@ class SlurmLauncher:
     def _advertised(self) -> str:
         """host:port the agents dial: TRAINWARDEN_SUPERVISOR_ADDR, else our address on the route to the nodes."""
         port = self._server.getsockname()[1]
-        host = os.environ.get("TRAINWARDEN_SUPERVISOR_ADDR") or _route_address(self._allocation[0])
+        host = os.environ.get("TRAINWARDEN_SUPERVISOR_ADDR") or _route_address(
+            next(iter(self._allocation), None) or os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1")
         return f"{host}:{port}"
 
     def _place(self) -> None:
@@ -224,14 +320,26 @@ class SlurmLauncher:
         master, port = first.address or "127.0.0.1", first.port or 29500
         world, n = self._config.world_size, self._config.nproc_per_node
         argv = rank_argv(self._config)
+        succession = self._succession()
         for node in self._nodes.values():
             envs = {str(rank): contract_env(self._config, self._layout,
                                             Placement(rank, rank - node.ranks[0], node.group_rank, world, n), attempt,
                                             master_addr=master, port=port) for rank in node.ranks}
             assert node.peer is not None
+            if succession is not None:
+                node.peer.send({"type": "succession", "succession": succession.to_json()})
             node.peer.send({"type": "launch", "argv": argv, "envs": envs})
         self._log.info("ranks_placed", attempt=attempt.number, master_addr=master, master_port=port,
                        nodes={node.name: list(node.ranks) for node in self._nodes.values()})
+
+    def _succession(self) -> Succession | None:
+        """How an agent takes our place: the other nodes of the attempt, in group-rank order, may."""
+        if self._lease is None:
+            return None
+        lease = self._lease
+        order = tuple(node.name for node in sorted(self._nodes.values(), key=lambda n: n.group_rank)
+                      if node.name != self._host)
+        return Succession(lease.generation, lease.ttl_s, order, self._args, os.getcwd(), dict(os.environ))
 
     # ---- the agents' stream ----
 
@@ -259,7 +367,7 @@ class SlurmLauncher:
             return
         self._post(_AgentArrived(peer, hello))
 
-    def translate(self, item: object) -> list[Event | Spawned] | None:
+    def translate(self, item: object) -> list[Event | Spawned | Isolated] | None:
         if isinstance(item, _AgentArrived):
             return self._arrived(item.peer, item.hello)
         if isinstance(item, _AgentSaid):
@@ -276,7 +384,17 @@ class SlurmLauncher:
             node = self._nodes.get(item.node)
             if item.attempt != self._attempt or node is None or node.state in ("done", "lost"):
                 return []
-            return self._lose(node, f"its agent's connection ended ({item.why or 'closed'})")
+            why = f"its agent's connection ended ({item.why or 'closed'})"
+            if node.state == "starting":  # the whole step may be failing (srun gave up on another node): wait
+                self._ended_early[node.name] = (why, time.monotonic() + STEP_END_WAIT_S)
+                return []
+            return self._lose(node, why)
+        if isinstance(item, _Planned):
+            return self._planned(item)
+        if isinstance(item, _SrunExited):
+            return self._srun_exited(item)
+        if isinstance(item, _LinkChecked):
+            return self._link_checked(item)
         return None
 
     def _arrived(self, peer: Peer, hello: dict[str, Any]) -> list[Event]:
@@ -343,7 +461,7 @@ class SlurmLauncher:
         node.exited.add(rank)
         if code < 0 and not self._signalled and self._failed_on is None:  # the first death, not the stop's
             self._failed_on = node.name
-            self._charge(node.name, f"rank {rank} killed by {_signal_name(-code)}", fatal=False)
+            self._charge(node.name, f"rank {rank} killed by {_signal_name(-code)}", "failed")
         return [ChildExited(self._attempt or 0, rank, code, node=node.name)]
 
     def _forwarded_signal(self, signum: int) -> list[Event]:
@@ -356,15 +474,18 @@ class SlurmLauncher:
         self._forwarded[signum] = now
         return [SignalReceived(signum)]
 
+    # ---- lost nodes, and our own link ----
+
     def _lose(self, node: _Node, why: str) -> list[Event]:
-        """A node is gone: its ranks count as killed, it is charged and never used again by this run."""
+        """A node is gone: its ranks count as killed (they are blocked with a lost peer), it is charged."""
         node.state = "lost"
         if node.peer is not None:
             node.peer.close()
         if self._failed_on is None:
             self._failed_on = node.name
-        self._log.error("node_lost", node=node.name, attempt=self._attempt, why=why, ranks=list(node.ranks))
-        self._charge(node.name, f"lost: {why}", fatal=True)
+        self._log.error("node_lost", node=node.name, attempt=self._attempt, why=why, ranks=list(node.ranks),
+                        slurm_state=self._states.get(node.name))
+        self._charge(node.name, f"lost: {why}", "lost")
         if any(n.state == "starting" for n in self._nodes.values()):  # no rank runs yet: start over without it
             return self._launch_again()
         cause = Cause(CauseKind.NODE_LOST, f"node {node.name} lost: {why}")
@@ -372,7 +493,8 @@ class SlurmLauncher:
         for rank in node.ranks:
             if rank not in node.exited:
                 node.exited.add(rank)
-                events.append(ChildExited(self._attempt or 0, rank, -signal.SIGKILL, cause=cause, node=node.name))
+                events.append(ChildExited(self._attempt or 0, rank, -signal.SIGKILL, cause=cause, node=node.name,
+                                          lost_with=node.ranks))
         if node.stacks is None and self._stacks_deadline is not None:
             node.stacks = {"paths": [], "stacks": {}, "last_steps": []}
             events += self._stacks_if_all_in()
@@ -380,24 +502,66 @@ class SlurmLauncher:
 
     def _launch_again(self) -> list[Event]:
         """The attempt lost a node before its ranks started: the same attempt on the nodes left (each retry
-        excludes a node for good, so this ends: at worst with too few nodes)."""
+        excludes a node at least for its cool-down, so this ends: at worst with too few nodes)."""
         failed = self.launch(self._pending)
         return [] if failed is None else [failed]
 
-    def _charge(self, node: str, reason: str, *, fatal: bool) -> None:
-        self._ledger = self._ledger.charged(NodeFault(node, time.time(), reason, fatal))
-        try:
-            self._ledger.save(self._layout)
-        except OSError as exc:
-            self._log.error("node_ledger_write_failed", error=str(exc))
+    def _check_link(self, suspects: tuple[str, ...], why: str) -> None:
+        """Is it us? `scontrol ping` in a thread; `_LinkChecked` goes on."""
+        self._checking_link = True
+        attempt = self._attempt if self._attempt is not None else self._pending.number
+        threading.Thread(target=lambda: self._post(_LinkChecked(attempt, slurmctl.controller_reachable(), suspects,
+                                                                why)), daemon=True, name="link-check").start()
+
+    def _link_checked(self, checked: _LinkChecked) -> list[Event | Isolated]:
+        self._checking_link = False
+        if checked.attempt not in (self._attempt, self._pending.number):
+            return []
+        if not checked.reachable:
+            return [Isolated(f"{checked.why}, and the Slurm controller is out of reach from {self._host}")]
+        if not checked.suspects:  # srun failed, the controller answers: the launch failed, no node is to blame
+            return [LaunchFailed(checked.attempt, checked.why)]
+        events: list[Event | Isolated] = []
+        now = time.monotonic()
+        for name in checked.suspects:
+            node = self._nodes.get(name)
+            if node is not None and node.active and now - node.heard > self._config.slurm.node_timeout_s:
+                events += self._lose(node, f"no word from its agent for {now - node.heard:.1f} s")
+        return events
+
+    def _srun_exited(self, exited: _SrunExited) -> list[Event | Isolated]:
+        """srun ended before every agent dialled in: the launch failed (Slurm refused the step, or cannot be
+        reached from here), which no node is charged for."""
+        current = self._srun[-1].pid if self._srun and self._attempt is not None else None
+        if exited.pid != current or all(n.peer is not None for n in self._nodes.values()):
+            return []
+        self._hello_deadline, self._ended_early = None, {}
+        tail = _last_line(self._srun_log(self._attempt or 0))
+        why = f"srun exited with code {exited.returncode} before every agent connected" + (f": {tail}" if tail else "")
+        self._log.error("srun_failed", attempt=self._attempt, returncode=exited.returncode, said=tail)
+        if not self._checking_link:
+            self._check_link((), why)
+        return []
+
+    def _charge(self, node: str, reason: str, kind: str) -> None:
+        self._update_ledger(lambda ledger: ledger.charged(NodeFault(node, time.time(), reason, kind)))
         excluded = self._excluded()
         if node in excluded:
             self._log.warning("node_excluded", node=node, why=excluded[node])
 
+    def _update_ledger(self, change: Callable[[Ledger], Ledger]) -> None:
+        """Through the file, under its lock: an operator may have forgiven a node meanwhile."""
+        try:
+            self._ledger = update_ledger(self._layout, change)
+        except (OSError, ValueError) as exc:
+            self._ledger = change(self._ledger)  # the decision still holds for this supervisor's lifetime
+            self._log.error("node_ledger_write_failed", error=str(exc))
+
     def _excluded(self) -> dict[str, str]:
         slurm = self._config.slurm
         return self._ledger.excluded(time.time(), max_failures=slurm.max_node_failures,
-                                     window_s=slurm.node_failure_window_s)
+                                     window_s=slurm.node_failure_window_s, cooldown_s=slurm.node_cooldown_s,
+                                     slurm_states=self._states)
 
     # ---- orders to the agents ----
 
@@ -442,9 +606,9 @@ class SlurmLauncher:
         culprit = outside_collectives(by_rank)
         suspect = next((n for n in self._nodes.values() if culprit in n.ranks), None)
         if suspect is not None:
-            self._charge(suspect.name, f"hang: rank {culprit} was the one rank outside a collective", fatal=False)
+            self._charge(suspect.name, f"hang: rank {culprit} was the one rank outside a collective", "failed")
         return [StacksCollected(self._attempt or 0, tuple(sorted(paths)), culprit=culprit,
-                                last_steps=tuple(last_steps))]
+                                last_steps=tuple(last_steps), blocked=blocked_behind(by_rank, culprit))]
 
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
         """Each agent kills its ranks' grandchildren itself before it reports done."""
@@ -459,35 +623,63 @@ class SlurmLauncher:
     def last_heartbeat(self, rank: int) -> list[Event]:
         return []  # the agent sent the rank's last beat before its exit
 
-    def poll(self) -> list[Event]:
+    def poll(self) -> list[Event | Isolated]:
         now = time.monotonic()
-        events: list[Event] = []
+        events: list[Event | Isolated] = []
         if self._hello_deadline is not None and now > self._hello_deadline:
-            self._hello_deadline = None
-            missing = [n.name for n in self._nodes.values() if n.peer is None]
-            for name in missing:
-                self._log.error("node_lost", node=name, attempt=self._attempt, why="its agent never connected")
-                self._charge(name, f"lost: its agent did not connect within {HELLO_TIMEOUT_S:g} s", fatal=True)
-            events += self._launch_again()
+            events += self._hello_timed_out()
         if self._stacks_deadline is not None and now > self._stacks_deadline:
             events += self._stacks_if_all_in(timed_out=True)
-        timeout = self._config.slurm.node_timeout_s
-        for node in list(self._nodes.values()):
-            if node.peer is not None and node.state in ("starting", "running") and now - node.heard > timeout:
-                events += self._lose(node, f"no word from its agent for {now - node.heard:.1f} s")
+        events += self._silent_nodes(now)
+        for name, (why, until) in list(self._ended_early.items()):
+            if now >= until:  # srun still runs: this node's agent died on its own
+                del self._ended_early[name]
+                if (node := self._nodes.get(name)) is not None and node.state == "starting":
+                    events += self._lose(node, why)
         if now - self._last_ping >= PING_S:
             self._last_ping = now
             for node in self._nodes.values():
-                if node.peer is not None and node.state in ("starting", "running"):
-                    node.peer.send({"type": "ping"})
+                if node.active:
+                    node.peer.send({"type": "ping"})  # type: ignore[union-attr]
+        return events
+
+    def _hello_timed_out(self) -> list[Event]:
+        """Some agents never dialled in. With others in, those nodes are lost; with none, it may be us."""
+        self._hello_deadline = None
+        missing = tuple(n.name for n in self._nodes.values() if n.peer is None)
+        if len(missing) == len(self._nodes):
+            if not self._checking_link:
+                self._check_link((), f"no agent connected within {HELLO_TIMEOUT_S:g} s of srun")
+            return []
+        for name in missing:
+            self._log.error("node_lost", node=name, attempt=self._attempt, why="its agent never connected")
+            self._charge(name, f"lost: its agent did not connect within {HELLO_TIMEOUT_S:g} s", "lost")
+        return self._launch_again()
+
+    def _silent_nodes(self, now: float) -> list[Event]:
+        """Nodes silent past the timeout are lost, unless every other node is: then our own link is tested first."""
+        if self._checking_link:
+            return []
+        timeout = self._config.slurm.node_timeout_s
+        silent = [n for n in self._nodes.values() if n.active and now - n.heard > timeout]
+        if not silent:
+            return []
+        remote = {n.name for n in self._nodes.values() if n.active and n.name != self._host}
+        suspects = tuple(n.name for n in silent)
+        if remote and remote <= set(suspects):
+            self._check_link(suspects, f"every other node went silent ({', '.join(sorted(remote))})")
+            return []
+        events: list[Event] = []
+        for node in silent:
+            events += self._lose(node, f"no word from its agent for {now - node.heard:.1f} s")
         return events
 
     def next_deadline(self) -> float:
         """The moment the quietest node's agent has been silent for the node timeout: it is declared lost then,
-        not at the next once-a-second tick."""
+        not at the next once-a-second tick (while our own link is tested, its answer is awaited instead)."""
         timeout = self._config.slurm.node_timeout_s
-        heard = [n.heard for n in self._nodes.values() if n.peer is not None and n.state in ("starting", "running")]
-        return min(heard) + timeout + 0.01 if heard else math.inf
+        heard = [n.heard + timeout + 0.01 for n in self._nodes.values() if n.active and not self._checking_link]
+        return min([*heard, *(until for _, until in self._ended_early.values())], default=math.inf)
 
     def oom_killed(self) -> bool:
         return False  # another node's cgroup is not ours to read
@@ -495,14 +687,19 @@ class SlurmLauncher:
     def details(self) -> dict[str, Any]:
         now = time.monotonic()
         excluded = self._excluded()
-        nodes = [{"node": n.name, "group_rank": n.group_rank, "state": n.state, "ranks": list(n.ranks),
+        nodes = [{"node": n.name, "group_rank": n.group_rank, "state": n.shown_state(), "ranks": list(n.ranks),
                   "heartbeat_age_s": None if n.peer is None else round(now - n.heard, 3)}
                  for n in sorted(self._nodes.values(), key=lambda n: n.group_rank)]
-        nodes += [{"node": name, "state": "spare"} for name in self._spares]
+        spares = [name for name in self._allocation if name not in self._nodes and name not in excluded]
+        nodes += [{"node": name, "state": "spare"} for name in spares]  # a cooled-down node is one again
         nodes += [{"node": name, "state": "excluded", "why": why} for name, why in excluded.items()
-                  if name in self._allocation]
-        return {"nodes": nodes, "failed_on": self._failed_on, "slurm_job": os.environ.get("SLURM_JOB_ID"),
-                "excluded_nodes": sorted(excluded)}
+                  if name in self._seen]
+        slurm = self._config.slurm
+        policy = {"max_failures": slurm.max_node_failures, "window_s": slurm.node_failure_window_s,
+                  "cooldown_s": slurm.node_cooldown_s, "nodes": self._config.nodes,
+                  "spare_nodes": self._config.spare_nodes}  # for `trainwarden nodes`, which has only the run dir
+        return {"nodes": nodes, "failed_on": self._failed_on, "slurm_job": slurmctl.job_id(),
+                "excluded_nodes": sorted(excluded), "node_policy": policy}
 
     def _kill_steps(self) -> None:
         """Kill the srun clients of earlier attempts; their agents fence themselves when the stream ends."""
@@ -513,6 +710,15 @@ class SlurmLauncher:
         self._srun = [proc for proc in self._srun if proc.poll() is None]
 
 
+def _nodelist_at_start() -> list[str]:
+    """The job's nodes as its environment says (fixed at its start): good enough to find our route to them."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    try:
+        return slurmctl.hostnames(nodelist) if nodelist else []
+    except slurmctl.SlurmError:
+        return []
+
+
 def _route_address(node: str) -> str:
     """Our address on the route to `node` (a UDP connect sends nothing), so its agent can dial back."""
     try:
@@ -521,6 +727,16 @@ def _route_address(node: str) -> str:
             return sock.getsockname()[0]
     except OSError:
         return socket.gethostname()
+
+
+def _last_line(path: Any) -> str:
+    """The last line srun (or an agent) wrote to an attempt's log: why a step failed, in Slurm's words."""
+    try:
+        data = read_bytes(path, 1 << 20)[-SRUN_LOG_TAIL:]
+    except OSError:
+        return ""
+    lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 def _signal_name(signum: int) -> str:

@@ -27,7 +27,8 @@ from supervisor.rank_logs import last_step
 from worker.contract import STACK_DUMP_SIGNAL, RunLayout
 from worker.files import atomic_write_bytes, open_regular
 
-__all__ = ["StackDumps", "collect_stacks", "find_pyspy", "outside_collectives", "start_stack_collection"]
+__all__ = ["StackDumps", "blocked_behind", "collect_stacks", "find_pyspy", "outside_collectives",
+           "start_stack_collection"]
 
 PYSPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0
@@ -60,8 +61,9 @@ def _collect(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler
     try:
         dumps = collect_stacks(layout, attempt, pids, faulthandler_ranks)
     finally:
-        post(StacksCollected(attempt, dumps.paths, culprit=outside_collectives(dumps.by_rank),
-                             last_steps=dumps.last_steps))
+        culprit = outside_collectives(dumps.by_rank)
+        post(StacksCollected(attempt, dumps.paths, culprit=culprit, last_steps=dumps.last_steps,
+                             blocked=blocked_behind(dumps.by_rank, culprit)))
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,14 @@ def collect_stacks(layout: RunLayout, attempt: int, pids: dict[int, int],
     by_rank = {rank: "".join(t for p, t in dumps.items() if Path(p).parent.name == f"rank_{rank}") for rank in pids}
     last_steps = tuple((rank, step) for rank in pids if (step := last_step(layout, rank, attempt)) is not None)
     return StackDumps(tuple(sorted(dumps)), by_rank, last_steps)
+
+
+def blocked_behind(stacks: dict[int, str], culprit: int | None) -> tuple[int, ...]:
+    """With a culprit named, the other ranks whose stacks show them inside a collective (waiting for it)."""
+    if culprit is None:
+        return ()
+    return tuple(sorted(rank for rank, text in stacks.items()
+                        if rank != culprit and text and any(m in text for m in _COLLECTIVE_FRAMES)))
 
 
 def outside_collectives(stacks: dict[int, str]) -> int | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import socket
 import time
 from dataclasses import asdict
 from typing import Any
@@ -10,6 +10,7 @@ from typing import Any
 from supervisor.core import Failure, State
 from supervisor.goodput import describe as describe_goodput
 from supervisor.hangs import TRAIN_PHASE, phase_timeout
+from supervisor.lease import LOCAL_TTL_S, newest, pid_alive
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, read_json
 
@@ -67,6 +68,7 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "cause": state.cause,
         "failures": [_failure(f) for f in state.failures[-FAILURES_SHOWN:]],
         "reason": state.reason,
+        "exit_code": state.exit_code,
         "updated_at": time.time(),
         **extra,
     }
@@ -86,7 +88,8 @@ def read_status(layout: RunLayout) -> dict[str, Any]:
         raise StatusError(f"{layout.state_file}: unreadable: {exc}") from None
     if not isinstance(status, dict) or not isinstance(status.get("ranks"), list):
         raise StatusError(f"{layout.state_file}: not a trainwarden state file")
-    status["supervisor_alive"] = _pid_alive(status.get("supervisor_pid"))
+    status["supervisor"] = _supervisor(layout, status)
+    status["supervisor_alive"] = status["supervisor"]["alive"]
     try:
         # Ages were true when written; a beat only gets older, whether the supervisor lives to rewrite them or not.
         since = max(0.0, time.time() - status.get("updated_at", time.time()))
@@ -99,12 +102,32 @@ def read_status(layout: RunLayout) -> dict[str, Any]:
     return status
 
 
+def _supervisor(layout: RunLayout, status: dict[str, Any]) -> dict[str, Any]:
+    """Whether the supervisor lives, judged from here: by its pid on its own host, elsewhere by the age of its
+    lease (renewed every second); with where it runs and when it was last heard."""
+    now, here = time.time(), socket.gethostname()
+    lease = newest(layout)
+    if lease is None:  # a run of a version without a lease: its state file's host and stamp
+        host, pid = status.get("supervisor_host"), status.get("supervisor_pid")
+        at, ttl, state = status.get("updated_at"), LOCAL_TTL_S, "held"
+    else:
+        host, pid, at, ttl, state = lease.host, lease.pid, lease.renewed_at, lease.ttl_s, lease.state
+    heard = round(now - at, 1) if type(at) in (int, float) else None
+    if state != "held":
+        alive = False
+    elif host in (None, here):
+        alive = type(pid) is int and pid_alive(pid)
+    else:
+        alive = heard is not None and heard <= ttl
+    return {"alive": alive, "host": host, "pid": pid, "heard_s_ago": heard, "lease": state,
+            "generation": None if lease is None else lease.generation}
+
+
 def render(status: dict[str, Any]) -> str:
     """A short human summary of a status dict."""
     lines = [f"run {status.get('run_dir')}: {status['state']}, attempt {status['attempt']}, "
              f"restarts {status['restarts']}/{status.get('max_restarts')}"]
-    if not status.get("supervisor_alive") and status["state"] not in ("finished", "stopped", "failed"):
-        lines.append(f"  supervisor (pid {status.get('supervisor_pid')}) is not running; this state is stale")
+    lines += _supervisor_lines(status)
     ckpt = status.get("last_checkpoint")
     lines.append(f"  last checkpoint: {'step ' + str(ckpt['step']) if ckpt else 'none'}"
                  + (f"; resumed from step {status['resumed_from']['step']}" if status.get("resumed_from") else ""))
@@ -146,18 +169,36 @@ def render(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _supervisor_lines(status: dict[str, Any]) -> list[str]:
+    """Where the supervisor runs, said plainly when it is gone (a state nobody updates is stale)."""
+    ended = status["state"] in ("finished", "stopped", "failed")
+    sup = status.get("supervisor") if isinstance(status.get("supervisor"), dict) else {}
+    where = f"pid {sup.get('pid', status.get('supervisor_pid'))}" + (f" on {sup['host']}" if sup.get("host") else "")
+    heard = sup.get("heard_s_ago")
+    if status.get("supervisor_alive") or ended:
+        return [f"  supervisor: {where}, heard {heard:.1f} s ago"] if status.get("nodes") and not ended and \
+            heard is not None else []
+    if sup.get("lease") == "abdicated":
+        return [f"  supervisor ({where}) lost its link and handed over; no successor has taken the run yet; "
+                "this state is stale"]
+    ago = "" if heard is None else f", last heard {heard:.0f} s ago"
+    return [f"  supervisor ({where}) is gone{ago}; this state is stale"]
+
+
 def _node_lines(status: dict[str, Any]) -> list[str]:
     """Multi-node runs: one line per node of the allocation, and where the last failure was."""
     lines = []
     if status.get("slurm_job"):
         failed = f"; last failure on {status['failed_on']}" if status.get("failed_on") else ""
         lines.append(f"  slurm job {status['slurm_job']}{failed}")
+    stale = not status.get("supervisor_alive") and status["state"] not in ("finished", "stopped", "failed")
     for node in status.get("nodes") or []:
         ranks = f", ranks {node['ranks'][0]}-{node['ranks'][-1]}" if node.get("ranks") else ""
         age = node.get("heartbeat_age_s")
-        heard = "" if age is None else f", agent heard {age:.1f} s ago"
+        heard = "" if age is None or stale or node["state"] == "ended" else f", agent heard {age:.1f} s ago"
         why = f" ({node['why']})" if node.get("why") else ""
-        lines.append(f"  node {node['node']}: {node['state']}{why}{ranks}{heard}")
+        state = f"{node['state']} when the supervisor was last heard" if stale else node["state"]
+        lines.append(f"  node {node['node']}: {state}{why}{ranks}{heard}")
     return lines
 
 
@@ -185,15 +226,3 @@ def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
         on = f" on {failure['node']}" if failure.get("node") else ""
         lines.append(f"    attempt {failure['attempt']}: rank {failure['rank']}{on}{at}{resumed}: {failure['cause']}")
     return lines
-
-
-def _pid_alive(pid: Any) -> bool:
-    if type(pid) is not int or not 0 < pid < 2**31:  # pid_t
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -61,7 +61,8 @@ def failure(run_dir: Path, attempt: int) -> dict[str, Any]:
 
 def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(stream: Path) -> None:
     """Rank 1 stops before an all-reduce after step 15, rank 0 blocks in it: the hang is declared after the 3 s
-    train timeout, both ranks' stacks are saved and name the culprit, both are stopped, the relaunch resumes from 10."""
+    train timeout, both ranks' stacks are saved and name the culprit; rank 0, blocked in the collective (it could not
+    act on SIGTERM), is SIGKILLed at once, the culprit SIGTERMed; the relaunch resumes from 10."""
     (detected,) = events(stream, "hang_detected", attempt=0)
     assert (detected["phase"], detected["timeout_s"]) == ("train", TRAIN_TIMEOUT_S)
     assert TRAIN_TIMEOUT_S <= detected["silent_s"] < TRAIN_TIMEOUT_S + 2
@@ -76,8 +77,11 @@ def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(stream: Pa
     assert (hang["rank"], hang["step"], hang["kind"]) == (1, 15, "hang")
     assert hang["cause"].startswith("hang: rank 1 (the only rank outside a collective) silent in phase train "
                                     "after step 15 for ")
+    (killed,) = events(stream, "ranks_killed_at_once", attempt=0)
+    assert (killed["ranks"], killed["why"]) == ([0], "blocked in a collective waiting for rank 1")
     stopped = events(stream, "rank_stopped", attempt=0)
-    assert sorted((e["rank"], e["description"]) for e in stopped) == [(r, "killed by SIGTERM") for r in (0, 1)]
+    assert sorted((e["rank"], e["description"]) for e in stopped) == [(0, "killed by SIGKILL"),
+                                                                      (1, "killed by SIGTERM")]
     assert [e["resume_step"] for e in events(stream, "ranks_launched", attempt=1)] == [10]
 
 

@@ -156,6 +156,21 @@ def test_a_symlink_where_the_journal_goes_refuses_to_start_and_writes_nothing_ou
     assert victim.read_text() == "precious\n" and not (layout.root / "logs").exists()
 
 
+def test_a_symlink_where_the_lease_goes_refuses_to_start_and_writes_nothing_outside(tmp_path: Path) -> None:
+    """A run dir whose supervisor/lease is a symlink to another directory: exit 78, one line, nothing written there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    layout = RunLayout(tmp_path / "run")
+    (layout.root / "supervisor").mkdir(parents=True)
+    (layout.root / "supervisor" / "lease").symlink_to(elsewhere)
+    done = run_supervisor(hostile_job(tmp_path), layout.root, timeout=30)
+
+    assert done.returncode == 78
+    assert done.stderr.strip().splitlines() == [
+        f"trainwarden: cannot use run dir {layout.root}: lease: a symbolic link or not a directory (not followed)"]
+    assert list(elsewhere.iterdir()) == [] and not (layout.root / "logs").exists()
+
+
 def test_stop_writes_only_into_a_run_dir(tmp_path: Path) -> None:
     """`trainwarden stop` on a path that is not a run dir fails and creates nothing; on a run watching another
     stop file it names that file and writes nowhere."""

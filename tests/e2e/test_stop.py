@@ -94,6 +94,8 @@ def test_stop_orders_in_turn_garbage_a_continue_one_a_step_already_passed_and_an
     out = subprocess.run([sys.executable, "-m", "supervisor", "stop", str(run_dir), "--at-step", "5", "--continue"],
                          cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
     assert f"wrote -5 to {stop_file}" in out.stdout
+    assert "the stop file stays: while it is there, a new start of this run dir" in out.stdout
+    assert f"once that checkpoint is saved, remove it (rm {stop_file})" in out.stdout
     (early,) = wait_until(lambda: events_named(run_dir, "stop_step_too_early"), timeout=30, what="the warning")
     assert early["requested"] == 5 and early["step"] > past
     wait_for_step(run_dir, early["step"] + 1)

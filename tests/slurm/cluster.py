@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, TypeVar
 
 SIM = Path(__file__).resolve().parent / "sim"
-NODES = 3
+NODES = 4
 NET = "192.168.251"
 TERMINAL_STATES = {
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED",

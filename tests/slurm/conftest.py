@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -53,3 +54,16 @@ def _slurm_reset(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if _ready and "slurm" in request.fixturenames:
         cluster.reset(cluster.NODES)
+
+
+@pytest.fixture(scope="session")
+def reference(slurm: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """An uninterrupted 2x2 run on the cluster: the state every interrupted run must end in, bitwise."""
+    from tests.slurm.test_multinode import final_states, finished, status, submit
+
+    tmp = tmp_path_factory.mktemp("reference")
+    job, run_dir = submit(slurm, tmp)
+    code, out = finished(slurm, job, tmp)
+    assert code == 0, out[-3000:]
+    assert status(run_dir)["restarts"] == 0
+    return final_states(run_dir)

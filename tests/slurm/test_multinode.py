@@ -30,11 +30,11 @@ TRAINWARDEN = Path(sys.executable).parent / "trainwarden"
 
 
 def submit(slurm: Any, tmp_path: Path, *, sbatch: tuple[str, ...] = ("-N3",), name: str = "job",
-           **overrides: Any) -> tuple[int, Path]:
+           slurm_keys: dict[str, Any] | None = None, **overrides: Any) -> tuple[int, Path]:
     """An sbatch job running the supervisor on a 2-node x 2-rank demo config (one spare of 3 nodes)."""
     run_dir = tmp_path / "run"
     config = {"nodes": 2, "nproc_per_node": 2, "spare_nodes": 1, "args": ["--steps", str(STEPS)],
-              "slurm": {"node_timeout_s": NODE_TIMEOUT_S}, **overrides}
+              "slurm": {"node_timeout_s": NODE_TIMEOUT_S, **(slurm_keys or {})}, **overrides}
     job_yaml = write_config(tmp_path / f"{name}.yaml", **config)
     script = tmp_path / f"{name}.sbatch"
     script.write_text(f"#!/bin/bash\n#SBATCH --no-kill\n#SBATCH --output={tmp_path}/{name}-%j.out\n"
@@ -104,17 +104,6 @@ def journal_time(event: dict[str, Any]) -> float:
     return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
 
-@pytest.fixture(scope="module")
-def reference(slurm: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """An uninterrupted 2x2 run on the cluster: the state every interrupted run must end in, bitwise."""
-    tmp = tmp_path_factory.mktemp("reference")
-    job, run_dir = submit(slurm, tmp)
-    code, out = finished(slurm, job, tmp)
-    assert code == 0, out[-3000:]
-    assert status(run_dir)["restarts"] == 0
-    return final_states(run_dir)
-
-
 def test_a_rank_crash_on_the_second_node_relaunches_every_node_and_resumes_bitwise(slurm, tmp_path, reference):
     job, run_dir = submit(slurm, tmp_path, env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "3:sigkill@15"})
     code, out = finished(slurm, job, tmp_path)
@@ -144,26 +133,11 @@ def test_a_hang_across_nodes_dumps_stacks_of_every_rank_on_every_node_before_the
     assert_same_training_state(run_dir, reference)
 
 
-def test_a_crashed_node_is_declared_at_once_and_the_spare_takes_its_place(slurm, tmp_path, reference):
-    job, run_dir = submit(slurm, tmp_path)
-    wait_for_step(slurm, run_dir, 12)
-    crashed_at = time.time()
-    slurm.crash_node("twnode2")
-    code, out = finished(slurm, job, tmp_path)
-
-    assert code == 0, out[-3000:]
-    lost, = events(run_dir, "node_lost")
-    assert lost["node"] == "twnode2" and journal_time(lost) - crashed_at < 2.0  # its agent's stream broke
-    placed = [e["nodes"] for e in events(run_dir, "ranks_placed")]
-    assert placed[-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
-    nodes = {n["node"]: n for n in status(run_dir)["nodes"]}
-    assert nodes["twnode2"]["state"] == "excluded" and "lost" in nodes["twnode2"]["why"]
-    assert status(run_dir)["failures"][-1]["node"] == "twnode2"
-    assert_same_training_state(run_dir, reference)
-
-
-def test_a_partitioned_node_is_declared_within_the_node_timeout_and_fenced_off(slurm, tmp_path, reference):
-    job, run_dir = submit(slurm, tmp_path)
+def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_forgiven_after_its_cool_down(
+        slurm, tmp_path, reference):
+    """twnode2 cut off at step 12: declared lost within the node timeout, its own agent has killed its ranks, the
+    spare takes its place; its link back before Slurm noticed, it is a spare again after its 4 s cool-down."""
+    job, run_dir = submit(slurm, tmp_path, slurm_keys={"node_cooldown_s": 4})
     wait_for_step(slurm, run_dir, 12)
     old_ranks = rank_pids(slurm, "twnode2", attempt=0)
     assert sorted(old_ranks) == [2, 3]
@@ -174,10 +148,15 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_and_fenced_off(s
     assert lost["node"] == "twnode2" and NODE_TIMEOUT_S - 1 < journal_time(lost) - cut_at < NODE_TIMEOUT_S + 1
     # Cut off, its agent heard no ping for half the node timeout and killed its ranks: no split job.
     assert not rank_pids(slurm, "twnode2", attempt=0)
+    slurm.heal("twnode2")
+    slurm.wait_for(lambda: {"node": "twnode2", "state": "spare"} in status(run_dir)["nodes"], 20,
+                   "twnode2 forgiven after its cool-down")
     code, out = finished(slurm, job, tmp_path)
 
     assert code == 0, out[-3000:]
     assert [e["nodes"] for e in events(run_dir, "ranks_placed")][-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
+    killed, = events(run_dir, "ranks_killed_at_once")  # blocked in gloo with the lost ranks: no grace to wait out
+    assert (killed["ranks"], killed["why"]) == ([0, 1], "blocked in a collective with a lost node")
     assert_same_training_state(run_dir, reference)
 
 
@@ -216,7 +195,7 @@ def test_too_few_healthy_nodes_exit_75_naming_the_node_and_a_resubmission_withou
                           spare_nodes=0)
     code, out = finished(slurm, elsewhere, tmp_path, "elsewhere")
     assert code == 0, out[-3000:]
-    assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode1": [0, 1], "twnode3": [2, 3]}
+    assert "twnode2" not in events(run_dir, "ranks_placed")[-1]["nodes"]
     assert status(run_dir)["resumed_from"]["step"] >= 10
 
 
@@ -267,13 +246,17 @@ def test_the_readme_demo_sbatch_stops_on_the_time_limit_warning_and_resubmits_it
     run_dir = tmp_path / "runs" / "slurm-demo"
     wait_for_step(slurm, run_dir, 5)
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job)], check=True, timeout=30)
-    code, out = slurm.wait_job(job, JOB_TIMEOUT_S), (tmp_path / f"slurm-demo-{job}.out").read_text()
+    code = slurm.wait_job(job, JOB_TIMEOUT_S)
+    out = (run_dir / "logs" / f"slurm_job_{job}.out").read_text()  # the script's output, in the run dir's logs
 
     assert code == ("FAILED", 75), out[-3000:]
     stopped, = events(run_dir, "run_stopped")
     assert stopped["source"] == "SIGUSR1"
     chained = slurm.wait_for(lambda: [j for j in queued_jobs() if j != job], 30, "the resubmitted job")
-    assert slurm.job_info(chained[0])["JobName"] == "trainwarden-demo"  # it resumes runs/slurm-demo; reset ends it
+    info = slurm.job_info(chained[0])
+    assert info["JobName"] == "trainwarden-demo"  # it resumes runs/slurm-demo; reset ends it
+    assert info["NumNodes"].startswith("2-3")  # nodes to nodes + spares: whatever Slurm has
+    assert not list(tmp_path.glob("slurm-*.out"))  # nothing lands beside the checkout
 
 
 def queued_jobs() -> list[int]:

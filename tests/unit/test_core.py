@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from supervisor.causes import Cause, CauseKind
 from supervisor.core import (
     Action,
     ChildExited,
@@ -845,6 +846,33 @@ def test_stacks_collected_moves_to_term_with_sigterm():
     assert shape(actions) == ["stacks_collected", SignalRanks(0, signal.SIGTERM)]
     assert dict(record(actions, "stacks_collected").fields) == {"attempt": 0, "paths": list(STACKS), "culprit": None,
                                                                 "last_steps": {}}
+
+
+def test_stacks_showing_ranks_blocked_behind_the_culprit_sigkill_them_at_once_and_sigterm_the_culprit():
+    """Ranks the stacks show inside a collective, waiting for the culprit, cannot act on SIGTERM: SIGKILL now."""
+    state, actions = decide(hung(), StacksCollected(0, STACKS, culprit=1, blocked=(0,)), HUNG_AT + 3)
+    assert (state.stop_stage, state.deadline) == (StopStage.TERM, HUNG_AT + 3 + 10.0)
+    assert shape(actions) == ["stacks_collected", "ranks_killed_at_once", SignalRanks(0, signal.SIGKILL, (0,)),
+                              SignalRanks(0, signal.SIGTERM, (1,))]
+    assert dict(record(actions, "ranks_killed_at_once").fields) == {
+        "ranks": [0], "attempt": 0, "why": "blocked in a collective waiting for rank 1"}
+
+
+def test_a_lost_node_sigkills_the_other_ranks_at_once_but_lets_a_save_in_flight_finish():
+    """A node's ranks lost: every other rank waits in a collective for them forever (SIGKILL now), except one inside
+    a save, which is SIGTERMed and given its save timeout as after any crash."""
+    state = beat(beat(running(replace(POLICY, nproc=3)), 1, 1, NOW, phase="save"), 2, 1, NOW)
+    lost = Cause(CauseKind.NODE_LOST, "node n2 lost: silent")
+    state, actions = decide(state, ChildExited(0, 0, -signal.SIGKILL, cause=lost, node="n2", lost_with=(0,)), NOW + 1)
+    assert shape(actions)[-4:] == ["ranks_killed_at_once", SignalRanks(0, signal.SIGKILL, (2,)),
+                                   SignalRanks(0, signal.SIGTERM, (1,)), "stop_waits_for_save"]
+    assert dict(record(actions, "ranks_killed_at_once").fields)["why"] == "blocked in a collective with a lost node"
+
+
+def test_a_crashed_rank_sigterms_its_peers_with_the_grace():
+    """An ordinary crash kills nobody at once: the peers' collectives fail on the closed connection and they exit."""
+    _, actions = decide(running(), ChildExited(0, 1, -signal.SIGSEGV), NOW + 1)
+    assert shape(actions)[-1] == SignalRanks(0, signal.SIGTERM) and "ranks_killed_at_once" not in shape(actions)
 
 
 def test_stacks_naming_a_culprit_rename_the_hung_rank():

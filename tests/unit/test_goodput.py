@@ -245,6 +245,14 @@ def test_gap_after_a_supervisor_that_died_mid_run_is_restart_time():
     assert Goodput(previous, wall_now=5030.0).totals()["restart_s"] == pytest.approx(5 + 30)
 
 
+@pytest.mark.parametrize("state", ["stopped", "failed"])
+def test_gap_after_a_run_that_asked_to_be_requeued_is_restart_time(state: str):
+    """Exit 75 (time limit, too few healthy nodes): the wait in Slurm's queue is an outage of the run, not a stop."""
+    previous = {**forced_stop_status(), "state": state, "exit_code": 75}
+    totals = Goodput(previous, wall_now=5030.0).totals()
+    assert (totals["restart_s"], totals["stopped_s"]) == (pytest.approx(5 + 30), pytest.approx(2))
+
+
 def test_gap_after_a_finished_run_is_not_counted():
     """A finished run started again: the time it lay finished was nobody's."""
     previous = {**forced_stop_status(), "state": "finished"}
@@ -264,8 +272,9 @@ def test_malformed_previous_totals_are_dropped_with_the_gap(goodput: Any):
 
 
 @pytest.mark.parametrize("kept", [
-    None, "x", [[0, 0.0], [5, 1.0], [3, 2.0]], [[0, 0.0], [5, 2.0], [6, 1.0]], [[1, 0.0], [5, 1.0]],
-    [[0, 0.0], [5, 99.0]], [[0, 0.0], [5.0, 1.0]], [[0, 0.0, 1]], [[0, 0.0]] * (KEPT_SAVED + 1),
+    None, "x", [[0, 0.0], [5, 1.0], [3, 2.0]], [[0, 0.0], [5, 1.0], [5, 2.0]], [[1, 0.0], [5, 1.0]],
+    [[0, 0.0], [5, -1.0]], [[0, 0.0], [5, True]], [[0, 0.0], [5.0, 1.0]], [[0, 0.0, 1]],
+    [[0, 0.0]] * (KEPT_SAVED + 1),
 ])
 def test_malformed_kept_timeline_keeps_the_carried_productive_time(kept: Any):
     """Without a usable kept timeline, the carried productive time cannot be placed on steps: none of it is lost."""
@@ -276,6 +285,73 @@ def test_malformed_kept_timeline_keeps_the_carried_productive_time(kept: Any):
     assert run.goodput.totals()["lost_s"] == pytest.approx(10)
     assert run.goodput.totals()["productive_s"] == pytest.approx(10)
 
+
+
+def test_carried_points_above_the_total_or_a_later_point_are_lowered_not_dropped():
+    """Save time heard of after a point came out of the training before it: such points are lowered, and a resume
+    from step 0 still loses all the carried productive time."""
+    previous = {"state": "stopped", "updated_at": 1.0, "goodput": dict.fromkeys(CATEGORIES, 10.0),
+                "goodput_kept": [[0, 0.0], [5, 2.0], [6, 1.0], [8, 99.0]]}
+    run = Run(Goodput(previous, wall_now=1.0))
+    assert run.goodput.status()["goodput_kept"] == [[0, 0.0], [5, 1.0], [6, 1.0], [8, 10.0]]
+    run.start(resume_step=0)
+    assert run.goodput.totals()["lost_s"] == pytest.approx(10 + 10)
+    assert run.goodput.totals()["productive_s"] == pytest.approx(0)
+
+
+def checkpointed_run(*, saves: bool) -> Run:
+    """Two ranks train to step 20 and save a checkpoint there (rank 0 in 3 s, rank 1 in 5 s: rank 0 waits for it in
+    step 21, whose beat is heard before rank 1's save report); `saves` False: no rank reports save_s."""
+    run = Run()
+    run.start()
+    run.beat(5, 1)
+    run.beat(15, 10)
+    run.beat(25, 20, phase="save")
+    run.beat(28, 20, save_s=3.0 if saves else None, ranks=(0,))
+    run.beat(30, 21, save_s=3.0 if saves else None, ranks=(0,))
+    run.beat(30, 20, save_s=5.0 if saves else None, ranks=(1,))
+    return run
+
+
+def died_at(run: Run, at: float) -> dict[str, Any]:
+    """The state file a supervisor last wrote (at a tick, wall clock 5000) before its node crashed mid-run."""
+    run.feed(Tick(), at)
+    assert run.state.phase is Phase.RUNNING
+    return {"state": "running", "updated_at": 5000.0, **run.goodput.status()}
+
+
+def test_successor_of_a_supervisor_that_died_mid_run_loses_the_training_past_the_checkpoint():
+    """Requeued 60 s after a supervisor died at t=42, step 40, resuming from checkpoint 20: the 12 s trained past it
+    (t=25-42 less the 5 s save) are lost, the outage is restart time, and the kept timeline written was consistent."""
+    run = checkpointed_run(saves=True)
+    run.beat(31, 22)
+    run.beat(41, 40)
+    previous = died_at(run, 42)
+    assert previous["goodput_kept"][-4:] == [[20, 20.0], [21, 20.0], [22, 21.0], [40, 31.0]]
+    successor = Run(Goodput(previous, wall_now=5060.0))
+    successor.start(500, resume_step=20, launched=502)
+    assert successor.split() == expect(restart_s=5 + 60 + 2, productive_s=20, lost_s=12, save_s=5)  # wall_s 104
+    assert ("info", "work_lost", {"attempt": 0, "resume_step": 20, "last_step": 40, "lost_s": 12.0}) in (
+        successor.records)
+
+
+def test_successor_of_a_supervisor_that_died_just_after_a_late_save_report_loses_the_training_past_it():
+    """Died 0.5 s after rank 1's save report took its surplus out of the training already kept: that 0.5 s of
+    training past checkpoint 20 is lost, the outage is restart time."""
+    previous = died_at(checkpointed_run(saves=True), 30.5)
+    successor = Run(Goodput(previous, wall_now=5060.0))
+    successor.start(500, resume_step=20, launched=502)
+    assert successor.split() == expect(restart_s=5 + 60 + 2, productive_s=20, lost_s=0.5, save_s=5)
+
+
+def test_successor_of_a_supervisor_that_died_mid_run_without_save_reports_loses_the_training_past_the_checkpoint():
+    """The same death with no save_s in the heartbeats: all 17 s trained past checkpoint 20 (t=25-42) are lost."""
+    run = checkpointed_run(saves=False)
+    run.beat(31, 22)
+    run.beat(41, 40)
+    successor = Run(Goodput(died_at(run, 42), wall_now=5060.0))
+    successor.start(500, resume_step=20, launched=502)
+    assert successor.split() == expect(restart_s=5 + 60 + 2, productive_s=20, lost_s=17)
 
 def test_ranks_without_steps_are_start_up_until_a_clean_end_makes_them_productive():
     """A script that reports no steps (no worker library): its attempt counts once it ends, by how it ended."""

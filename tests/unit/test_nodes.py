@@ -2,25 +2,51 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import time
 
 import pytest
 
-from supervisor.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes
+from supervisor.nodes import (
+    Ledger,
+    NodeFault,
+    TooFewNodes,
+    is_strong_slurm_state,
+    parse_sinfo,
+    plan_nodes,
+    render_rows,
+    update_ledger,
+)
 from worker.contract import RunLayout
 
 HOUR = 3600.0
+POLICY = {"max_failures": 2, "window_s": HOUR, "cooldown_s": 600.0}
+
+
+@pytest.fixture
+def layout(tmp_path):
+    (tmp_path / "supervisor").mkdir()
+    return RunLayout(tmp_path)
+
+
+def lost(node: str, at: float, why: str = "silent") -> NodeFault:
+    return NodeFault(node, at, f"lost: {why}", "lost")
 
 
 def test_nodes_are_used_in_allocation_order_and_the_rest_are_spares():
+    """The first `needed` nodes of the allocation run, the rest are spares."""
     assert plan_nodes(["n1", "n2", "n3"], {}, 2) == (["n1", "n2"], ["n3"])
 
 
 def test_an_excluded_node_is_replaced_by_a_spare_and_keeps_the_order():
+    """An excluded node is skipped and a spare takes its place, in allocation order."""
     assert plan_nodes(["n1", "n2", "n3"], {"n2": "lost"}, 2) == (["n1", "n3"], [])
 
 
 def test_too_few_nodes_names_the_bad_ones_and_the_exclude_option():
+    """Too few usable nodes raises TooFewNodes naming each excluded node and the --exclude to resubmit with."""
     with pytest.raises(TooFewNodes) as caught:
         plan_nodes(["n1", "n2", "n3"], {"n2": "lost", "n3": "failed twice"}, 2)
     assert "needs 2 nodes, 1 usable left" in str(caught.value)
@@ -28,48 +54,213 @@ def test_too_few_nodes_names_the_bad_ones_and_the_exclude_option():
     assert caught.value.exclude_option == "--exclude=n2,n3"
 
 
-def test_a_lost_node_is_excluded_at_once_and_for_good():
-    ledger = Ledger().charged(NodeFault("n2", 0.0, "lost: silent", fatal=True))
-    assert ledger.excluded(100 * HOUR, max_failures=2, window_s=HOUR) == {"n2": "lost: silent"}
+def test_a_lost_node_slurm_keeps_up_cools_down_then_is_usable_again():
+    """A node lost while Slurm has it up is excluded for cooldown_s, saying for how long, then used again."""
+    ledger = Ledger().charged(lost("n2", 0.0))
+    states = {"n2": "mixed"}
+    assert ledger.excluded(108.0, **POLICY, slurm_states=states) == {
+        "n2": "lost: silent; cooling down for another 8m12s"}
+    assert ledger.excluded(599.0, **POLICY) == {"n2": "lost: silent; cooling down for another 1s"}
+    assert ledger.excluded(600.0, **POLICY, slurm_states=states) == {}
+
+
+def test_a_lost_node_slurm_marks_down_is_excluded_for_good_and_confirmed_makes_it_durable():
+    """Lost plus a strong Slurm state excludes for good; confirmed() records it so Slurm resuming the node
+    later does not bring it back."""
+    ledger = Ledger().charged(lost("n2", 0.0))
+    assert ledger.excluded(100 * HOUR, **POLICY, slurm_states={"n2": "down*"}) == {
+        "n2": "for good: lost: silent; Slurm says down*"}
+    confirmed = ledger.confirmed({"n2": "down*", "n1": "idle"}, 50.0)
+    assert confirmed.faults[-1] == NodeFault("n2", 50.0, "lost: silent; Slurm marked it down*", "down")
+    assert confirmed.excluded(100 * HOUR, **POLICY, slurm_states={"n2": "idle"}) == {
+        "n2": "for good: lost: silent; Slurm marked it down*"}
+
+
+def test_confirmed_returns_the_same_ledger_when_nothing_changes():
+    """confirmed() returns the ledger itself unless a lost node's Slurm state turned strong."""
+    ledger = Ledger().charged(lost("n1", 0.0)).charged(NodeFault("n2", 1.0, "rank 3 killed by SIGSEGV"))
+    assert ledger.confirmed({"n1": "idle*", "n2": "drained"}, 9.0) is ledger  # n2 only failed: not a loss
+    once = ledger.confirmed({"n1": "fail"}, 9.0)
+    assert once is not ledger and once.confirmed({"n1": "fail"}, 10.0) is once
+
+
+def test_a_loss_followed_by_a_failure_is_not_made_for_good_by_slurm():
+    """Only a node whose latest fault is a loss is taken out for good by a strong Slurm state."""
+    ledger = Ledger().charged(lost("n1", 0.0)).charged(NodeFault("n1", 2 * HOUR, "rank 0 killed by SIGBUS"))
+    assert ledger.excluded(2 * HOUR, **POLICY, slurm_states={"n1": "drained"}) == {}
+    assert ledger.confirmed({"n1": "drained"}, 2 * HOUR) is ledger
+
+
+def test_forgiving_a_node_clears_every_earlier_fault():
+    """A forgiven node is usable again whatever it did before; faults after the forgiveness count again."""
+    ledger = (Ledger().charged(lost("n1", 0.0)).confirmed({"n1": "down"}, 1.0)
+              .charged(NodeFault("n2", 2.0, "a")).charged(NodeFault("n2", 3.0, "b")).charged(lost("n3", 4.0)))
+    assert set(ledger.excluded(5.0, **POLICY)) == {"n1", "n2", "n3"}
+    forgiven = ledger.forgiven("n1", 6.0).forgiven("n2", 6.0).forgiven("n3", 6.0)
+    assert forgiven.faults[-1] == NodeFault("n3", 6.0, "forgiven by an operator", "forgiven")
+    assert forgiven.excluded(7.0, **POLICY, slurm_states={"n1": "down", "n3": "drained"}) == {}
+    again = forgiven.charged(NodeFault("n2", 8.0, "c"))
+    assert again.excluded(9.0, **POLICY) == {}
+    assert again.charged(NodeFault("n2", 9.0, "d")).excluded(10.0, **POLICY) == {
+        "n2": "failed 2 times in 3600 s, last: d"}
 
 
 def test_a_node_is_excluded_after_max_failures_within_the_window_only():
+    """Failures exclude a node at max_failures within window_s, and stop counting once they age out."""
     ledger = Ledger().charged(NodeFault("n1", 0.0, "rank 0 killed by SIGSEGV"))
-    assert ledger.excluded(10.0, max_failures=2, window_s=HOUR) == {}
+    assert ledger.excluded(10.0, **POLICY) == {}
     twice = ledger.charged(NodeFault("n1", 60.0, "rank 1 killed by SIGBUS"))
-    excluded = twice.excluded(70.0, max_failures=2, window_s=HOUR)
-    assert list(excluded) == ["n1"] and "failed 2 times" in excluded["n1"] and "SIGBUS" in excluded["n1"]
-    assert twice.excluded(2 * HOUR, max_failures=2, window_s=HOUR) == {}  # the first fault aged out
+    excluded = twice.excluded(70.0, **POLICY)
+    assert excluded == {"n1": "failed 2 times in 3600 s, last: rank 1 killed by SIGBUS"}
+    assert twice.excluded(2 * HOUR, **POLICY) == {}  # the first fault aged out
 
 
-def test_the_ledger_survives_a_round_trip_through_the_run_dir(tmp_path):
-    layout = RunLayout(tmp_path)
-    (tmp_path / "supervisor").mkdir()
-    ledger = Ledger().charged(NodeFault("n1", 5.0, "lost", fatal=True)).charged(NodeFault("n2", 6.0, "x"))
+def test_the_ledger_survives_a_round_trip_through_the_run_dir(tmp_path, layout):
+    """A saved ledger loads back equal, kinds included; a run dir without one loads empty."""
+    ledger = (Ledger().charged(lost("n1", 5.0)).charged(NodeFault("n2", 6.0, "x"))
+              .confirmed({"n1": "down"}, 7.0).forgiven("n2", 8.0))
     ledger.save(layout)
     assert Ledger.load(layout) == ledger
+    assert [f["kind"] for f in json.loads(layout.node_ledger.read_text())["faults"]] == [
+        "lost", "failed", "down", "forgiven"]
     assert Ledger.load(RunLayout(tmp_path / "none")) == Ledger()
+
+
+def test_an_old_ledger_loads_fatal_faults_as_lost_and_the_rest_as_failed(layout):
+    """A ledger written before kinds: fatal true is a loss, fatal false or none a failure."""
+    layout.node_ledger.write_text(json.dumps({"faults": [
+        {"node": "n1", "at": 1, "reason": "lost: silent", "fatal": True},
+        {"node": "n2", "at": 2.5, "reason": "x", "fatal": False},
+        {"node": "n3", "at": 3, "reason": "y"},
+    ]}))
+    assert Ledger.load(layout).faults == (NodeFault("n1", 1.0, "lost: silent", "lost"),
+                                          NodeFault("n2", 2.5, "x", "failed"), NodeFault("n3", 3.0, "y", "failed"))
+
+
+def test_an_unknown_kind_is_refused_with_a_clear_error(layout):
+    """A fault of a kind this version does not know is refused, from the file or in code."""
+    layout.node_ledger.write_text('{"faults": [{"node": "n1", "at": 1, "reason": "x", "kind": "cursed"}]}')
+    with pytest.raises(ValueError, match="n1 has an unknown kind 'cursed'"):
+        Ledger.load(layout)
+    with pytest.raises(ValueError, match="unknown kind"):
+        NodeFault("n1", 1.0, "x", "fatal")
+
+
+@pytest.mark.parametrize("node", ["", "n1\n", "x" * 256])
+def test_forgiving_a_bad_host_name_is_refused_before_it_reaches_the_ledger(node):
+    """`--forget` with a name the loader would refuse raises at once instead of corrupting the ledger."""
+    with pytest.raises(ValueError, match="not a host name"):
+        Ledger().forgiven(node, 1.0)
 
 
 @pytest.mark.parametrize("content", [
     b"[]", b'{"faults": 3}', b'{"faults": [{"node": 5, "at": 1, "reason": "x"}]}',
     b'{"faults": [{"node": "n1", "at": "yesterday", "reason": "x"}]}', b'{"faults": [{"node": "\\u0000", "at": 1}]}',
+    b'{"faults": [{"node": "n1", "at": 1, "reason": "x", "fatal": "yes"}]}',
+    b'{"faults": [{"node": "n1", "at": 1, "reason": "x", "kind": ["lost"]}]}',
     b"\xff\xfe", b'{"faults": [' + b"[" * 5000 + b"]}",
 ])
-def test_a_damaged_ledger_is_refused_with_a_clear_error(tmp_path, content):
-    layout = RunLayout(tmp_path)
-    (tmp_path / "supervisor").mkdir()
+def test_a_damaged_ledger_is_refused_with_a_clear_error(layout, content):
+    """Any ledger that is not a list of well-formed faults is refused with ValueError or OSError."""
     layout.node_ledger.write_bytes(content)
     with pytest.raises((ValueError, OSError)):
         Ledger.load(layout)
 
 
-def test_the_ledger_keeps_only_the_newest_faults(tmp_path):
+def test_the_ledger_keeps_only_the_newest_faults(layout):
+    """The ledger keeps its newest 1000 faults, in memory and on disk."""
     ledger = Ledger()
     for i in range(1500):
         ledger = ledger.charged(NodeFault(f"n{i}", float(i), "x"))
     assert len(ledger.faults) == 1000 and ledger.faults[0].node == "n500"
-    layout = RunLayout(tmp_path)
-    (tmp_path / "supervisor").mkdir()
     ledger.save(layout)
     assert len(json.loads(layout.node_ledger.read_text())["faults"]) == 1000
+
+
+def test_rows_list_every_node_worst_first_with_its_counts_and_slurm_state():
+    """rows() gives each node ever charged, worst status first then by name, with its counted faults."""
+    ledger = (Ledger().charged(NodeFault("n9", 0.0, "a")).charged(NodeFault("n9", 10.0, "b"))
+              .charged(lost("n4", 20.0)).charged(lost("n3", 30.0)).confirmed({"n3": "drained"}, 31.0)
+              .charged(NodeFault("n1", 40.0, "c")).forgiven("n1", 50.0).charged(NodeFault("n2", 5.0, "d")))
+    rows = ledger.rows(100.0, **POLICY, slurm_states={"n3": "idle", "n4": "mixed"})
+    assert rows == [
+        {"node": "n3", "status": "excluded for good", "reason": "for good: lost: silent; Slurm marked it drained",
+         "faults": 1, "last_fault_at": 30.0, "slurm_state": "idle"},
+        {"node": "n9", "status": "excluded", "reason": "failed 2 times in 3600 s, last: b", "faults": 2,
+         "last_fault_at": 10.0, "slurm_state": None},
+        {"node": "n4", "status": "cooling down", "reason": "lost: silent; cooling down for another 8m40s",
+         "faults": 1, "last_fault_at": 20.0, "slurm_state": "mixed"},
+        {"node": "n1", "status": "usable", "reason": "forgiven by an operator", "faults": 0, "last_fault_at": None,
+         "slurm_state": None},
+        {"node": "n2", "status": "usable", "reason": "last: d", "faults": 1, "last_fault_at": 5.0,
+         "slurm_state": None},
+    ]
+
+
+def test_render_rows_prints_one_aligned_line_per_node_under_a_header():
+    """render_rows() prints a header and one line per row, columns aligned, the reason last."""
+    at = 1_700_000_000.0
+    text = render_rows([
+        {"node": "gpu-node-12", "status": "cooling down", "reason": "lost: silent; cooling down for another 1s",
+         "faults": 1, "last_fault_at": at, "slurm_state": "mixed"},
+        {"node": "n1", "status": "usable", "reason": "forgiven by an operator", "faults": 0,
+         "last_fault_at": None, "slurm_state": None},
+    ])
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+    assert text.splitlines() == [
+        "NODE         STATUS        FAULTS  LAST FAULT           SLURM  REASON",
+        f"gpu-node-12  cooling down  1       {stamp}  mixed  lost: silent; cooling down for another 1s",
+        "n1           usable        0       -                    -      forgiven by an operator",
+    ]
+    assert render_rows([]) == "no node has been charged with a fault in this run"
+
+
+def test_update_ledger_loads_changes_and_saves(layout):
+    """update_ledger() applies the change to the ledger on disk and saves the result, which it returns."""
+    first = update_ledger(layout, lambda ledger: ledger.charged(lost("n1", 1.0)))
+    second = update_ledger(layout, lambda ledger: ledger.forgiven("n1", 2.0))
+    assert first.faults == (lost("n1", 1.0),) and Ledger.load(layout) == second
+    assert second.faults == (lost("n1", 1.0), NodeFault("n1", 2.0, "forgiven by an operator", "forgiven"))
+    assert layout.node_ledger.with_suffix(".lock").is_file()
+
+
+def test_update_ledger_saves_nothing_when_nothing_changes(layout):
+    """A change that returns the ledger as it was writes no file."""
+    assert update_ledger(layout, lambda ledger: ledger.confirmed({}, 1.0)) == Ledger()
+    assert not layout.node_ledger.exists()
+
+
+def test_update_ledger_leaves_a_damaged_ledger_alone(layout):
+    """A ledger that cannot be read raises ValueError and stays on disk as it was."""
+    layout.node_ledger.write_bytes(b'{"faults": 3}')
+    with pytest.raises(ValueError, match="not a node ledger"):
+        update_ledger(layout, lambda ledger: ledger.charged(lost("n1", 1.0)))
+    assert layout.node_ledger.read_bytes() == b'{"faults": 3}'
+
+
+def test_update_ledger_goes_on_without_the_lock_when_another_writer_holds_it(layout):
+    """A lock held elsewhere past the wait does not block the update: it is applied anyway."""
+    holder = os.open(layout.node_ledger.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        update_ledger(layout, lambda ledger: ledger.charged(lost("n1", 1.0)), lock_wait_s=0.0)
+    finally:
+        os.close(holder)
+    assert Ledger.load(layout).faults == (lost("n1", 1.0),)
+
+
+@pytest.mark.parametrize(("state", "strong"), [
+    ("down", True), ("down*", True), ("DOWN", True), ("drained", True), ("draining", True), ("drain*", True),
+    ("fail", True), ("failing", True), ("mixed+drain", True), ("idle+drain*", True), ("down~", True),
+    ("idle", False), ("idle*", False), ("idle~", False), ("mixed", False), ("allocated", False),
+    ("allocated+", False), ("completing", False), ("reserved", False), ("unknown", False), ("", False), (None, False),
+])
+def test_slurm_states_that_take_a_node_out_are_strong(state, strong):
+    """Down, drain(ed/ing) and fail(ing), as a base state or a +flag, with any suffix mark, are strong."""
+    assert is_strong_slurm_state(state) is strong
+
+
+def test_parse_sinfo_reads_node_state_lines_and_prefers_a_strong_state():
+    """parse_sinfo() maps each node to its state, skips odd lines, and keeps a strong state over a weak one."""
+    text = "n1 idle\nn2 down*\n\ngarbage\nn3 mixed+drain\nn2 idle\nn4 allocated extra\nn1 drained\n"
+    assert parse_sinfo(text) == {"n1": "drained", "n2": "down*", "n3": "mixed+drain"}

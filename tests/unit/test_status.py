@@ -63,6 +63,7 @@ def test_snapshot_of_running_state_with_heartbeat():
         "cause": None,
         "failures": [],
         "reason": None,
+        "exit_code": None,
         "run_dir": "runs/x",
     }
 
@@ -90,7 +91,9 @@ def test_write_then_read_status_round_trips(tmp_path):
     status = snapshot(running(), now=NOW, extra={"run_dir": str(tmp_path), "supervisor_pid": None})
     write_status(layout, status, durable=False)
     assert os.listdir(layout.state_file.parent) == ["state.json"]
-    assert read_status(layout) == {**status, "supervisor_alive": False}
+    read = read_status(layout)
+    assert read.pop("supervisor")["alive"] is False
+    assert read == {**status, "supervisor_alive": False}
 
 
 def test_read_status_of_live_supervisor_ages_heartbeats(tmp_path):
@@ -215,7 +218,7 @@ def test_render_of_an_older_state_file_without_causes():
 def test_render_flags_stale_state_of_dead_supervisor():
     """A non-terminal status whose supervisor is gone is flagged as stale."""
     status = {**snapshot(running(), now=NOW, extra={"supervisor_pid": 4242}), "supervisor_alive": False}
-    assert "  supervisor (pid 4242) is not running; this state is stale" in render(status).splitlines()
+    assert "  supervisor (pid 4242) is gone; this state is stale" in render(status).splitlines()
 
 
 def test_render_terminal_state_not_flagged_stale():
@@ -232,3 +235,33 @@ def test_status_file_is_json(tmp_path):
     layout = RunLayout(tmp_path)
     write_status(layout, {"state": "running", "attempt": 0}, durable=False)
     assert json.loads(layout.state_file.read_text()) == {"state": "running", "attempt": 0}
+
+
+def _leased(tmp_path, host: str, *, age_s: float, state: str = "held", pid: int = 4242) -> RunLayout:
+    from supervisor.lease import Lease, claim
+
+    layout = RunLayout(tmp_path)
+    write_status(layout, snapshot(running(), now=NOW, extra={"supervisor_pid": pid}), durable=False)
+    claim(layout, Lease(1, host, pid, time.time() - age_s, 10.0, state))
+    return layout
+
+
+def test_a_supervisor_on_another_host_is_alive_while_its_lease_is_fresh_whatever_its_pid_means_here(tmp_path):
+    """Seen from another host a pid means nothing: the lease's age decides, and status says where it runs."""
+    status = read_status(_leased(tmp_path, "twnode2", age_s=0.5, pid=os.getpid() + 10**6))
+    assert status["supervisor_alive"] is True
+    assert (status["supervisor"]["host"], status["supervisor"]["pid"]) == ("twnode2", os.getpid() + 10**6)
+
+
+def test_a_supervisor_on_another_host_silent_past_its_lease_is_gone_however_alive_a_pid_here(tmp_path):
+    """The batch host died: its lease is 43 s old; a live process here with the same pid changes nothing."""
+    status = read_status(_leased(tmp_path, "twnode1", age_s=43, pid=os.getpid()))
+    assert status["supervisor_alive"] is False
+    gone = f"  supervisor (pid {os.getpid()} on twnode1) is gone, last heard 43 s ago; this state is stale"
+    assert gone in render(status).splitlines()
+
+
+def test_a_supervisor_that_abdicated_is_said_to_have_handed_over(tmp_path):
+    """Cut off, it gave up its lease: status says no successor has taken the run yet."""
+    status = read_status(_leased(tmp_path, "twnode1", age_s=1, state="abdicated"))
+    assert not status["supervisor_alive"] and "lost its link and handed over" in render(status)

@@ -1,0 +1,217 @@
+"""A multi-node run outlives its supervisor's node: the lease's life cycle around the supervisor.
+
+The supervisor of a Slurm run normally lives in the job's batch script, on the batch host. If that host dies or is
+cut off, the agents on the other nodes stop hearing it: each fences its ranks, and the first of them in the order
+the supervisor handed out (`Succession.order`, group-rank order without the supervisor's own host) that can reach
+the Slurm controller claims the next generation of the lease once the old one expired or was abdicated, and turns
+itself into a new supervisor inside the same allocation (`exec`, with the command line, working directory and
+environment the old supervisor gave it: nothing read from the run dir is ever run). The new supervisor resumes
+the run from the newest complete checkpoint on the nodes left.
+
+The batch script's own supervisor, if it lives on (a partition, not a crash), hands over: it fenced its node's
+ranks and abdicated when it found itself cut off; once its link is back it waits as the job's keeper while the
+successor supervises, and exits with the successor's exit code, so that the job ends as the batch script says
+(its resubmission logic included). With no keeper (the batch host died), the successor ends the job itself:
+`scancel`, or, for "requeue me" (75), a Slurm requeue away from the excluded nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor import slurmctl
+from supervisor.lease import (
+    HELD,
+    RELAYED_SIGNALS,
+    RELEASED,
+    Lease,
+    claim,
+    claimable,
+    newest,
+    pid_alive,
+    read_keeper,
+    relay_signal,
+    write_keeper,
+)
+from worker.contract import EXIT_REQUEUE, RunLayout
+from worker.files import open_append
+
+__all__ = ["Succession", "end_job", "stand_for_successor", "take_lease", "wait_after_handover"]
+
+STAGGER_S = 1.0  # the n-th candidate in the order waits n times this long: the first one normally wins
+POLL_S = 0.25
+KEEPER_GRACE_S = 10.0  # how long a successor leaves the end of the job to a live keeper (it polls every second)
+
+
+@dataclass(frozen=True)
+class Succession:
+    """What a supervisor tells its agents, so that one of them can take its place."""
+
+    generation: int  # the lease generation the agents serve
+    ttl_s: float
+    order: tuple[str, ...]  # the candidates, in the order they may claim
+    args: tuple[str, ...]  # `trainwarden` arguments (run CONFIG ...)
+    cwd: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"generation": self.generation, "ttl_s": self.ttl_s, "order": list(self.order),
+                "args": list(self.args), "cwd": self.cwd, "env": self.env}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Succession:
+        """KeyError, TypeError or ValueError for anything but a whole succession message."""
+        env = {str(k): str(v) for k, v in dict(raw["env"]).items()}
+        return cls(int(raw["generation"]), float(raw["ttl_s"]), tuple(map(str, raw["order"])),
+                   tuple(map(str, raw["args"])), str(raw["cwd"]), env)
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "supervisor", *self.args, "--successor"]
+
+
+# ---- a supervisor taking the lease ----
+
+
+def take_lease(layout: RunLayout, *, ttl_s: float, batch: bool, locked_here: bool = False) -> Lease | str:
+    """Claim the next generation, or say why not (another supervisor of the run is alive). A successor finds the
+    generation its agent claimed for it (same host, same pid: the agent became it). `locked_here`: we hold the run
+    dir's lock on this host, so no other holder here is alive, whatever its pid now belongs to."""
+    here, job = socket.gethostname(), slurmctl.job_id()
+    top = newest(layout)
+    if top is not None and top.state == HELD and top.host == here and top.pid == os.getpid():
+        return top
+    alive = (lambda _pid: False) if locked_here else pid_alive
+    why = claimable(top, time.time(), here=here, pid_alive=alive, job_running=slurmctl.job_running, job=job)
+    if why is None:
+        assert top is not None
+        return (f"{layout.root} is already supervised by pid {top.pid} on {top.host} (lease generation "
+                f"{top.generation}, renewed {top.age(time.time()):.1f} s ago)")
+    lease = Lease((top.generation if top else 0) + 1, here, os.getpid(), time.time(), ttl_s, HELD, job, batch)
+    taken = claim(layout, lease)
+    return taken if taken is not None else f"{layout.root}: another supervisor claimed it at the same moment"
+
+
+def wait_after_handover(layout: RunLayout, lease: Lease, *, say: Callable[[str], None],
+                        reachable: Callable[[], bool] = slurmctl.controller_reachable) -> Lease | int:
+    """After this supervisor handed over: a new lease when the run is ours again (nobody took over and our link is
+    back), or the exit code to end with: the successor's, once it released the lease (the batch process, which
+    waits as the job's keeper meanwhile and passes Slurm's signals on to the successor), or 0 at once for a
+    successor (another one carries on)."""
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda s, _f: caught.append(s)) for sig in RELAYED_SIGNALS}
+    try:
+        return _wait(layout, lease, say, reachable, caught)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(layout: RunLayout, lease: Lease, say: Callable[[str], None], reachable: Callable[[], bool],
+          caught: list[int]) -> Lease | int:
+    announced = False
+    while True:
+        top = newest(layout)
+        if top is not None and top.generation > lease.generation and top.state == RELEASED:
+            return top.exit_code if lease.batch and top.exit_code is not None else 0
+        now = time.time()
+        free = top is None or top.generation == lease.generation or claimable(
+            top, now, here=lease.host, pid_alive=pid_alive, job_running=slurmctl.job_running, job=lease.job)
+        if free and caught:  # asked to stop while nobody supervises the run: nothing to save, stop now
+            say(f"{signal.Signals(caught[0]).name} while no supervisor holds the run: stopping")
+            return EXIT_REQUEUE if caught[0] == signal.SIGUSR1 else 0
+        if free and reachable():
+            taken = take_lease(layout, ttl_s=lease.ttl_s, batch=lease.batch)
+            if isinstance(taken, Lease):
+                return taken
+        elif not free and top is not None:
+            if not lease.batch:
+                return 0
+            if not announced:
+                say(f"supervision handed over to {top.host} (lease generation {top.generation}); "
+                    "waiting for it to end the run")
+                announced = True
+            with contextlib.suppress(OSError, ValueError):
+                write_keeper(layout, top.generation, now)
+                while caught:
+                    signum = caught.pop(0)
+                    relay_signal(layout, top.generation, signum)
+                    say(f"passed {signal.Signals(signum).name} on to the supervisor on {top.host}")
+        time.sleep(1.0)
+
+
+def end_job(layout: RunLayout, code: int, *, exclude: Iterable[str], nodes: tuple[int, int],
+            say: Callable[[str], None]) -> None:
+    """A successor's last act, where no batch script is left to end the job: `scancel` it, or requeue it away from
+    `exclude` for 75. A live keeper (the batch process) is given KEEPER_GRACE_S to end it as its script says."""
+    job = slurmctl.job_id()
+    if job is None:
+        return
+    deadline = time.monotonic() + KEEPER_GRACE_S
+    while (at := read_keeper(layout)) is not None and time.time() - at < KEEPER_GRACE_S / 2:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(1.0)  # Slurm ends this process with the job when the batch script exits
+    try:
+        if code == EXIT_REQUEUE:
+            say(f"requeueing job {job} (the batch script is gone): exit 75, requeue me")
+            slurmctl.requeue_job(job, exclude=exclude, nodes=nodes)
+        else:
+            say(f"ending job {job} (the batch script is gone): the run ended with exit {code}")
+            slurmctl.cancel_job(job)
+    except slurmctl.SlurmError as exc:
+        say(f"could not end job {job}: {exc}; end it with `scancel {job}`")
+
+
+# ---- an agent standing for successor ----
+
+
+def stand_for_successor(layout: RunLayout, succession: Succession, *, here: str, deadline: float,
+                        reachable: Callable[[], bool] = slurmctl.controller_reachable) -> tuple[Lease | None, str]:
+    """Wait (until `deadline`, monotonic) for the supervisor's lease to lapse, then claim the next generation if
+    it is our turn and we can reach the controller: (the lease claimed, or None; why, in a few words)."""
+    if here not in succession.order:
+        return None, "not a candidate (the supervisor's own host, or not in the attempt)"
+    turn = succession.order.index(here) * STAGGER_S
+    unreachable = False
+    while time.monotonic() < deadline:
+        top = newest(layout)
+        if top is None or top.generation != succession.generation or top.state == RELEASED:
+            return None, "the run ended" if top is not None and top.state == RELEASED else "another took over"
+        lapsed_at = _lapsed_at(top, time.time())
+        if lapsed_at is not None and time.time() >= lapsed_at + turn:
+            if reachable():
+                lease = Lease(top.generation + 1, here, os.getpid(), time.time(), succession.ttl_s, HELD,
+                              slurmctl.job_id(), batch=False)
+                claimed = claim(layout, lease)
+                return claimed, "claimed" if claimed else "another claimed it first"
+            unreachable = True  # cut off ourselves, maybe: ask again while there is time, others may win
+        time.sleep(POLL_S)
+    return None, "the Slurm controller did not answer" if unreachable else "the supervisor's lease did not lapse"
+
+
+def _lapsed_at(lease: Lease, now: float) -> float | None:
+    """When the lease became claimable (wall clock), or None while its holder may still act."""
+    if lease.state != HELD:
+        return lease.renewed_at
+    expiry = lease.renewed_at + lease.ttl_s
+    return expiry if now > expiry else None
+
+
+def become_successor(layout: RunLayout, succession: Succession, lease: Lease) -> None:
+    """Replace this process by the new supervisor (never returns): the old one's command line, directory and
+    environment; stdout and stderr to a log in the run dir (the srun that carried ours may be gone with its host)."""
+    log = open_append(layout.root / "supervisor" / f"successor_{lease.generation}.log", root=layout.root)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.chdir(succession.cwd)
+    argv = succession.argv()
+    os.execve(argv[0], argv, succession.env)
