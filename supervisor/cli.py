@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import ConfigError, JobConfig, check_launchable, load_config
+from supervisor.config import ConfigError, JobConfig, SlurmConfig, check_launchable, load_config
 from supervisor.console import ENV_LOG_FORMAT, LOG_FORMATS, Console, choose_format
 from supervisor.core import Phase, State
 from supervisor.goodput import describe as describe_goodput
@@ -222,9 +222,7 @@ def _excluded_now(layout: RunLayout, config: JobConfig) -> list[str]:
         ledger = Ledger.load(layout)
     except (OSError, ValueError):
         return []
-    slurm = config.slurm
-    return sorted(ledger.excluded(time.time(), max_failures=slurm.max_node_failures,
-                                  window_s=slurm.node_failure_window_s, cooldown_s=slurm.node_cooldown_s))
+    return sorted(ledger.excluded(time.time(), **config.slurm.ledger_rules))
 
 
 def _console(requested: str | None) -> Console | None:
@@ -330,7 +328,7 @@ def _nodes(args: argparse.Namespace) -> int:
         return 1
     policy = _ledger_policy(layout)
     states = _slurm_states({fault.node for fault in ledger.faults})
-    rules = {k: policy[k] for k in ("max_failures", "window_s", "cooldown_s")}
+    rules = {k: policy[k] for k in SlurmConfig().ledger_rules}
     if args.sbatch_args:
         excluded = sorted(ledger.excluded(now, **rules, slurm_states=states))
         low, high = policy["nodes"], policy["nodes"] + policy["spare_nodes"]
@@ -343,11 +341,7 @@ def _nodes(args: argparse.Namespace) -> int:
 
 def _ledger_policy(layout: RunLayout) -> dict[str, Any]:
     """The run's ledger rules and node counts, as its supervisor last wrote them (defaults if it never did)."""
-    from supervisor.config import SlurmConfig
-
-    default = SlurmConfig()
-    policy = {"max_failures": default.max_node_failures, "window_s": default.node_failure_window_s,
-              "cooldown_s": default.node_cooldown_s, "nodes": 1, "spare_nodes": 0}
+    policy: dict[str, Any] = {**SlurmConfig().ledger_rules, "nodes": 1, "spare_nodes": 0}
     try:
         written = read_status(layout).get("node_policy") or {}
     except StatusError:

@@ -93,6 +93,12 @@ class SlurmConfig:
     node_cooldown_s: float = 600.0  # a node lost while Slurm still calls it healthy (a blip) rests this long
     srun_args: list[str] = field(default_factory=list)  # extra options for the agents' `srun` (e.g. --gpus-per-node)
 
+    @property
+    def ledger_rules(self) -> dict[str, float]:
+        """The node ledger's keyword arguments (`Ledger.excluded`, `Ledger.rows`)."""
+        return {"max_failures": self.max_node_failures, "window_s": self.node_failure_window_s,
+                "cooldown_s": self.node_cooldown_s}
+
 
 @dataclass(frozen=True)
 class MetricsConfig:

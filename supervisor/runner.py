@@ -235,7 +235,7 @@ class Supervisor:
     def _relayed_signal(self) -> list[Event]:
         """A signal the job's batch process got while it waits as the job's keeper for us, a successor (Slurm's
         time-limit warning reaches only the batch shell)."""
-        if self._lease is None:
+        if self._lease is None or self._lease.lease.batch:  # only a successor has a keeper to relay for it
             return []
         relayed = read_relayed_signal(self.layout, self._lease.lease.generation)
         if relayed is None or relayed[0] == self._relayed:

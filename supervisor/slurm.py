@@ -558,10 +558,7 @@ class SlurmLauncher:
             self._log.error("node_ledger_write_failed", error=str(exc))
 
     def _excluded(self) -> dict[str, str]:
-        slurm = self._config.slurm
-        return self._ledger.excluded(time.time(), max_failures=slurm.max_node_failures,
-                                     window_s=slurm.node_failure_window_s, cooldown_s=slurm.node_cooldown_s,
-                                     slurm_states=self._states)
+        return self._ledger.excluded(time.time(), **self._config.slurm.ledger_rules, slurm_states=self._states)
 
     # ---- orders to the agents ----
 
@@ -694,9 +691,7 @@ class SlurmLauncher:
         nodes += [{"node": name, "state": "spare"} for name in spares]  # a cooled-down node is one again
         nodes += [{"node": name, "state": "excluded", "why": why} for name, why in excluded.items()
                   if name in self._seen]
-        slurm = self._config.slurm
-        policy = {"max_failures": slurm.max_node_failures, "window_s": slurm.node_failure_window_s,
-                  "cooldown_s": slurm.node_cooldown_s, "nodes": self._config.nodes,
+        policy = {**self._config.slurm.ledger_rules, "nodes": self._config.nodes,
                   "spare_nodes": self._config.spare_nodes}  # for `trainwarden nodes`, which has only the run dir
         return {"nodes": nodes, "failed_on": self._failed_on, "slurm_job": slurmctl.job_id(),
                 "excluded_nodes": sorted(excluded), "node_policy": policy}
