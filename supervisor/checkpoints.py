@@ -5,9 +5,11 @@ it. A candidate is passed over, with the reason logged, when a rank lacks either
 checksum differs from its record (truncated, corrupted), or when a rank tagged its part unhealthy.
 `health_ckpts.json` (seed 000's format, `is_health` 0 = healthy) lists every complete checkpoint.
 
-Checkpoints are per rank, so only a run with the same number of ranks can resume them: each completion
-record names the world size that wrote it (older records do not; then the rank dirs holding the step tell).
-Checkpoints of another world size are never resumed, rotated or listed.
+Per-rank checkpoints can only be resumed by a run with the same number of ranks: each completion record names
+the world size that wrote it (older records do not; then the rank dirs holding the step tell). Those of another
+world size are never resumed, rotated or listed. A sharded checkpoint (`PREFIX-STEP.dcp/`, worker.manifest) is
+one directory for all ranks, complete once its manifest exists, and resumes at any world size: it is checked by its
+manifest, every file it lists by size and checksum.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ from __future__ import annotations
 import os
 import re
 import stat
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from supervisor.config import MAX_NPROC
-from worker.contract import SNAPSHOT_DIR, CheckpointStore, RunLayout
-from worker.files import atomic_write_json, open_regular, read_json
+from worker.contract import MANIFEST, SNAPSHOT_DIR, CheckpointStore, RunLayout, parse_sharded_name
+from worker.files import atomic_write_json, file_crc32, read_json
+from worker.manifest import is_our_file, manifest_problem, read_manifest
 
 __all__ = [
     "Choice",
@@ -42,7 +44,6 @@ __all__ = [
     "write_health_file",
 ]
 
-_CHUNK = 1 << 20
 # What worker.files.atomic_write names its temporaries: `.NAME.XXXXXXXX.tmp`.
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp$")
 
@@ -86,10 +87,13 @@ def choose_resume(stores: list[CheckpointStore], world_size: int, prefix: str, *
 
 
 def _any_steps(store: CheckpointStore, world_size: int, prefix: str) -> set[int]:
-    return set().union(*(store.steps(rank, prefix, kind="any") for rank in range(world_size)))
+    per_rank = (store.steps(rank, prefix, kind="any") for rank in range(world_size))
+    return set().union(store.sharded_steps(prefix, kind="any"), *per_rank)
 
 
 def _problem(store: CheckpointStore, world_size: int, prefix: str, step: int, require_healthy: bool) -> str | None:
+    if store.is_sharded(step, prefix):
+        return manifest_problem(store.sharded_dir(step, prefix), step, require_healthy=require_healthy)
     for rank in range(world_size):
         try:
             record = read_record(store, rank, step, prefix)
@@ -133,6 +137,8 @@ def completed_at(store: CheckpointStore, world_size: int, prefix: str, step: int
     """When the checkpoint of `step` became complete (wall clock): its newest completion record's modification time;
     None when a record cannot be looked at."""
     try:
+        if store.is_sharded(step, prefix):
+            return os.stat(store.sharded_dir(step, prefix) / MANIFEST, follow_symlinks=False).st_mtime
         return max(os.stat(store.record(rank, step, prefix), follow_symlinks=False).st_mtime
                    for rank in range(world_size))
     except (OSError, ValueError):  # ValueError: world_size 0 (no ranks, no time)
@@ -147,7 +153,8 @@ def _declared_world_size(record: dict[str, Any]) -> int | None:
 
 def world_sizes(store: CheckpointStore, steps: Iterable[int], prefix: str) -> dict[int, int | None]:
     """How many ranks wrote each step's checkpoint: what rank 0's completion record says, or (older records) how
-    many rank dirs in a row hold the step complete; None where rank 0's record cannot be read."""
+    many rank dirs in a row hold the step complete; None where rank 0's record cannot be read. Sharded checkpoints
+    are left out: any world size resumes them."""
     held: dict[int, set[int]] = {}
 
     def holds(rank: int, step: int) -> bool:
@@ -157,6 +164,8 @@ def world_sizes(store: CheckpointStore, steps: Iterable[int], prefix: str) -> di
 
     sizes: dict[int, int | None] = {}
     for step in steps:
+        if store.is_sharded(step, prefix):
+            continue
         try:
             sizes[step] = _declared_world_size(read_record(store, 0, step, prefix))
         except (OSError, ValueError):
@@ -187,6 +196,8 @@ class WorldSizeMismatch:
 def world_size_mismatch(stores: list[CheckpointStore], world_size: int, prefix: str) -> WorldSizeMismatch | None:
     """Why resuming must be refused: the stores hold checkpoints, but none written by `world_size` ranks (then
     the newest of them); None when one was (resume picks it, passing over the others with their reason)."""
+    if any(store.sharded_steps(prefix) for store in stores):
+        return None  # a sharded checkpoint resumes at this world size (and choose_resume prefers the newest usable)
     found = [(step, -i, size) for i, store in enumerate(stores)
              for step, size in world_sizes(store, store.steps(0, prefix), prefix).items()]
     if any(size == world_size for *_, size in found):
@@ -205,22 +216,13 @@ def _health_reasons(record: dict[str, Any]) -> str:
     return ", ".join(str(reason)[:200] for reason in reasons[:10])
 
 
-def file_crc32(path: Any, limit: int | None = None) -> tuple[int, str]:
-    """(size, CRC-32) of a regular file as the worker's HashingWriter writes it, reading at most `limit` + 1
-    bytes (a file longer than its record says is not read to its end); symlinks and FIFOs are refused."""
-    crc, size = 0, 0
-    fd = open_regular(path)
-    with os.fdopen(fd, "rb") as f:
-        while chunk := f.read(_CHUNK if limit is None else min(_CHUNK, limit + 1 - size)):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return size, f"{crc:08x}"
-
-
 def health_entries(store: CheckpointStore, world_size: int, prefix: str, steps: list[int]) -> list[dict[str, Any]]:
     """Seed 000 entries for complete checkpoints: healthy (0) only if every rank's part is."""
     entries = []
     for step in steps:
+        if store.is_sharded(step, prefix):
+            entries.append(_sharded_health(store, prefix, step))
+            continue
         unhealthy = []
         for rank in range(world_size):
             try:
@@ -231,6 +233,17 @@ def health_entries(store: CheckpointStore, world_size: int, prefix: str, steps: 
         entries.append({"is_health": int(bool(unhealthy)), "ckpt_name": store.file(0, step, prefix).name,
                         "step": step, "unhealthy_ranks": unhealthy})
     return entries
+
+
+def _sharded_health(store: CheckpointStore, prefix: str, step: int) -> dict[str, Any]:
+    directory = store.sharded_dir(step, prefix)
+    try:
+        manifest = read_manifest(directory, step)
+        unhealthy = [r.get("rank") for r in manifest["ranks"] if r.get("is_health", 0) != 0]
+        healthy = manifest.get("is_health", 0) == 0 and not unhealthy
+    except (OSError, ValueError):
+        unhealthy, healthy = [], False
+    return {"is_health": int(not healthy), "ckpt_name": directory.name, "step": step, "unhealthy_ranks": unhealthy}
 
 
 def write_health_file(layout: RunLayout, entries: list[dict[str, Any]]) -> None:
@@ -267,11 +280,23 @@ def find_junk(layout: RunLayout, world_size: int, prefix: str) -> Junk:
     expected = {f"rank_{rank}" for rank in range(world_size)}
     for store in layout.checkpoint_stores():
         for entry in _entries(store.root):
+            sharded = parse_sharded_name(entry.name)
             if entry.name in expected and _is_dir(entry):
                 _sort_rank_dir(store, int(entry.name.removeprefix("rank_")), prefix, torn, foreign)
+            elif sharded and sharded[0] == prefix and _is_dir(entry):
+                _sort_sharded_dir(entry, torn, foreign)
             elif not (store == layout.checkpoints and entry.name == SNAPSHOT_DIR):
                 foreign.append(entry)
     return Junk(tuple(torn), tuple(foreign))
+
+
+def _sort_sharded_dir(directory: Path, torn: list[Path], foreign: list[Path]) -> None:
+    """Without its manifest, a sharded directory holding only our files is a torn save (all of it goes); names
+    not ours inside are reported either way."""
+    strangers = [entry for entry in _entries(directory) if not (is_our_file(entry.name) and _is_regular(entry))]
+    foreign.extend(strangers)
+    if not strangers and not _is_regular(directory / MANIFEST):
+        torn.append(directory)
 
 
 def _sort_rank_dir(store: CheckpointStore, rank: int, prefix: str, torn: list[Path], foreign: list[Path]) -> None:

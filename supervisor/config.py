@@ -226,6 +226,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.feature_value_check.min_steps": (lambda v: v >= 0, "0 or more"),
     "worker.keep_checkpoint_max": (lambda v: v >= 0, "0 or more"),
     "worker.no_usable_checkpoint": (lambda v: v in ("scratch", "refuse"), "scratch or refuse"),
+    "worker.checkpoint_format": (lambda v: v in ("auto", "files", "dcp"), "auto, files or dcp"),
     "worker.resume_training": (lambda v: isinstance(v, bool) or _step_of(v) is not None,
                                "true, false, or a checkpoint name such as demo_rank_0-40.ckpt or 40"),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),

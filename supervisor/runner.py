@@ -79,6 +79,7 @@ from worker.contract import (
     resume_stores,
 )
 from worker.files import DIR_MODE, open_in, open_regular, unlink_quietly
+from worker.manifest import remove_sharded
 
 __all__ = ["LauncherFactory", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
@@ -516,7 +517,10 @@ class Supervisor:
         """Before a launch (no save can be in flight): delete our torn temporaries, report anything foreign once."""
         junk = find_junk(self.layout, self.config.world_size, self.config.worker.prefix)
         for path in junk.torn:
-            unlink_quietly(path)
+            if path.name.endswith(".dcp"):  # a sharded save that never got its manifest: the whole directory
+                remove_sharded(path)
+            else:
+                unlink_quietly(path)
             self.log.info("torn_temporary_removed", path=str(path))
         unreported = [str(path) for path in junk.foreign if path not in self._reported_junk]
         if unreported:
@@ -547,7 +551,8 @@ class Supervisor:
             return self._health_steps
         prefix, world = self.config.worker.prefix, self.config.world_size
         sizes = world_sizes(self.layout.checkpoints, steps, prefix)
-        ours = [step for step in steps if sizes[step] in (world, None)]  # another world size's: not ours to rotate
+        # Another world size's per-rank checkpoints are not ours to rotate; sharded ones (no size here) are anyone's.
+        ours = [step for step in steps if sizes.get(step, world) in (world, None)]
         entries = health_entries(self.layout.checkpoints, world, prefix, ours)
         doomed = self._rotate(ours, {e["step"] for e in entries if e["is_health"] == 0})
         self._health_seen = [step for step in steps if step not in doomed]
@@ -567,6 +572,8 @@ class Supervisor:
         protected = {self.state.resume_step} if resumed_here else set()
         doomed = rotation(steps, healthy, keep_max=self.config.worker.keep_checkpoint_max, protected=protected)
         for step in doomed:
+            if self.layout.checkpoints.is_sharded(step, self.config.worker.prefix):
+                remove_sharded(self.layout.checkpoints.sharded_dir(step, self.config.worker.prefix))
             for rank in range(self.config.world_size):
                 unlink_quietly(self.layout.checkpoints.record(rank, step, self.config.worker.prefix))
                 unlink_quietly(self.layout.checkpoints.file(rank, step, self.config.worker.prefix))

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import stat
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "ENV_RUN_DIR",
     "ENV_SKIP_TO_BATCH",
     "ENV_WORKER_CONFIG",
+    "MANIFEST",
     "EXIT_ANOMALY",
     "EXIT_CHECKPOINT_REFUSED",
     "EXIT_CONFIG",
@@ -39,6 +41,7 @@ __all__ = [
     "newest_complete",
     "resume_stores",
     "parse_checkpoint_name",
+    "parse_sharded_name",
 ]
 
 # Set by the supervisor for every rank (besides torchrun's RANK, WORLD_SIZE, MASTER_ADDR, ...).
@@ -77,6 +80,9 @@ SNAPSHOT_SLOTS = (0, 1)
 # ASCII digits, at most 18: any name that matches gives a rank and step that fit 64 bits.
 _CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d{1,18})-(?P<step>\d{1,18})\.(?P<kind>ckpt|json)$", re.ASCII)
 _STEP = re.compile(r"\d{1,18}", re.ASCII)
+# A sharded (DCP) checkpoint: one directory per step, complete once its manifest exists (worker.manifest).
+_SHARDED_NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{1,18})\.dcp$", re.ASCII)
+MANIFEST = "MANIFEST.json"
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,10 @@ class WorkerConfig:
     # agree on the step); 0 here and 0 steps: no checkpoints at all, which the rank says loudly at start
     save_checkpoint_interval_s: float = 600.0
     prefix: str = "ckpt"  # seed 001's checkpoint file prefix
+    # "files": one torch.save file per rank; "dcp": sharded (torch.distributed.checkpoint), resumable at another
+    # world size; "auto": dcp when the model holds DTensors (FSDP2, tensor parallel), else files
+    checkpoint_format: str = "auto"
+    async_save: bool = True  # dcp: the loop pays only the staging copy; the write runs in a background thread
     keep_checkpoint_max: int = 0  # seed 001; the supervisor deletes older complete checkpoints; 0 keeps all
     snapshot_steps: int = 0  # seed 004's oss_snapshot_freq: also save into two alternating snapshot slots; 0: off
     load_checkpoint: str | None = None  # seed 001: another run's checkpoint directory to resume from as well
@@ -245,6 +255,27 @@ class CheckpointStore:
     def meta(self, rank: int) -> Path:
         return self.rank_dir(rank) / "meta.json"
 
+    def sharded_dir(self, step: int, prefix: str) -> Path:
+        """A sharded (DCP) checkpoint of `step`: every rank's shard, its own state and, written last, the manifest."""
+        return self.root / f"{prefix}-{step}.dcp"
+
+    def sharded_steps(self, prefix: str, kind: str = "complete") -> set[int]:
+        """Steps with a sharded checkpoint directory holding its manifest (`kind="complete"`), or any (`"any"`)."""
+        try:
+            names = os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        steps = set()
+        for name in names:
+            match = _SHARDED_NAME.match(name)
+            if match and match["prefix"] == prefix and (kind == "any" or _is_file(self.root / name / MANIFEST)):
+                steps.add(int(match["step"]))
+        return steps
+
+    def is_sharded(self, step: int, prefix: str) -> bool:
+        """Whether the checkpoint of `step` here is a sharded one (its directory exists, complete or not)."""
+        return _is_dir(self.sharded_dir(step, prefix))
+
     def owns(self, name: str, rank: int, prefix: str) -> bool:
         """Whether `name` in `rank_dir(rank)` is one of our files: a checkpoint, its record or meta.json."""
         match = _CKPT_NAME.match(name)
@@ -265,11 +296,32 @@ class CheckpointStore:
         return {step for step, kinds in found.items() if kind == "any" or kinds == {"ckpt", "json"}}
 
     def complete_steps(self, world_size: int, prefix: str) -> list[int]:
-        """Steps, oldest first, whose checkpoint file and completion record exist on every rank."""
+        """Steps, oldest first, whose checkpoint file and completion record exist on every rank, or whose sharded
+        checkpoint has its manifest (any world size: it reshards on load)."""
         common = self.steps(0, prefix)
         for rank in range(1, world_size):
             common &= self.steps(rank, prefix)
-        return sorted(common)
+        return sorted(common | self.sharded_steps(prefix))
+
+
+def parse_sharded_name(name: str) -> tuple[str, int] | None:
+    """(prefix, step) of a sharded checkpoint directory's name, or None."""
+    match = _SHARDED_NAME.match(name)
+    return (match["prefix"], int(match["step"])) if match else None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def parse_checkpoint_name(name: str) -> int | None:

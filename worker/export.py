@@ -1,10 +1,11 @@
-"""Weights out of a run: rank 0's model state_dict of a checkpoint, without wrapper prefixes, as a plain file.
+"""Weights out of a run: the model's state_dict of a checkpoint, without wrapper prefixes, as a plain file.
 
 The file loads with `model.load_state_dict(torch.load(path, weights_only=True))` in a script that never
 imports trainwarden. By default the checkpoint is the newest one a resume would pick (complete on every rank,
 size and checksum as recorded, healthy); the choice is the supervisor's own (`supervisor.checkpoints`), so
-export and resume never disagree. Only rank 0's part is read: DistributedDataParallel keeps every rank's
-model equal. torch is imported only when a file is read or written.
+export and resume never disagree. Of a per-rank checkpoint only rank 0's part is read (DistributedDataParallel
+keeps every rank's model equal); a sharded one is consolidated from every rank's shard, in this one process.
+torch is imported only when a file is read or written.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.checkpoint import CheckpointRefused, load_checkpoint
-from worker.contract import EXIT_CHECKPOINT_REFUSED, EXIT_FAILED, CheckpointStore, RunLayout
+from worker.contract import EXIT_CHECKPOINT_REFUSED, EXIT_FAILED, CheckpointStore, RunLayout, parse_sharded_name
 from worker.files import atomic_write
 
 __all__ = ["WRAPPER_PREFIXES", "ExportError", "Exported", "export_weights", "plain_state_dict"]
@@ -87,7 +88,8 @@ def export_weights(run_dir: str | Path, out: str | Path, *, step: int | None = N
     stores = layout.checkpoint_stores()
     prefix = prefix if prefix is not None else _discover_prefix(layout, stores)
     store, chosen, passed_over = _choose(layout, stores, prefix, step)
-    state = _model_state(store, chosen, prefix)
+    state = _sharded_model_state(layout, store, chosen, prefix) if store.is_sharded(chosen, prefix) else \
+        _model_state(store, chosen, prefix)
     out = Path(out)
     _write(out, state)
     tensors = sum(1 for value in state.values() if _is_tensor(value))
@@ -102,9 +104,13 @@ def _discover_prefix(layout: RunLayout, stores: list[CheckpointStore]) -> str:
             match = _RANK_0_FILE.match(name)
             if match and store.steps(0, match["prefix"]):
                 found.add(match["prefix"])
+        for name in _names(store.root):
+            sharded = parse_sharded_name(name)
+            if sharded and store.sharded_steps(sharded[0]):
+                found.add(sharded[0])
     if not found:
         raise ExportError(f"no checkpoint in {layout.checkpoint_dir} (no complete rank_0/PREFIX_rank_0-STEP.ckpt "
-                          f"with its .json record)")
+                          f"with its .json record, no PREFIX-STEP.dcp with its manifest)")
     if len(found) > 1:
         raise ExportError(f"{layout.checkpoint_dir} holds checkpoints of several prefixes ({', '.join(sorted(found))})"
                           f": name one with --prefix")
@@ -117,7 +123,7 @@ def _choose(layout: RunLayout, stores: list[CheckpointStore], prefix: str,
     from supervisor.checkpoints import choose_explicit, choose_resume  # the supervisor's rules; scripts need none
 
     if step is not None:
-        store = next((s for s in stores if step in s.steps(0, prefix)), None)
+        store = next((s for s in stores if step in _rank_0_steps(s, prefix)), None)
         if store is None:
             raise ExportError(f"no complete checkpoint of step {step} in {layout.checkpoint_dir} "
                               f"(complete: {_steps_named(stores, prefix)})")
@@ -129,10 +135,10 @@ def _choose(layout: RunLayout, stores: list[CheckpointStore], prefix: str,
             raise ExportError(f"step {step} of {layout.root} is not usable: {why}",
                               EXIT_CHECKPOINT_REFUSED if complete else EXIT_FAILED)
         return store, step, ()
-    newest = sorted({s for store in stores for s in store.steps(0, prefix)}, reverse=True)
+    newest = sorted({s for store in stores for s in _rank_0_steps(store, prefix)}, reverse=True)
     if not newest:
         raise ExportError(f"no complete checkpoint with prefix {prefix!r} in {layout.checkpoint_dir}")
-    world = _world_size(next(s for s in stores if newest[0] in s.steps(0, prefix)), newest, prefix)
+    world = _world_size(next(s for s in stores if newest[0] in _rank_0_steps(s, prefix)), newest, prefix)
     choice = choose_resume(stores, world, prefix, require_healthy=True)
     if choice.step is None or choice.store is None:
         newest_step, why = choice.passed_over[0] if choice.passed_over else (newest[0], "not complete")
@@ -148,9 +154,14 @@ def _world_size(store: CheckpointStore, steps: list[int], prefix: str) -> int:
     return next((sizes[step] for step in steps if sizes.get(step) is not None), None) or 1
 
 
+def _rank_0_steps(store: CheckpointStore, prefix: str) -> set[int]:
+    """Steps rank 0 has complete: its per-rank files, or a sharded checkpoint's manifest."""
+    return store.steps(0, prefix) | store.sharded_steps(prefix)
+
+
 def _steps_named(stores: list[CheckpointStore], prefix: str) -> str:
     """The newest ten steps rank 0 has complete, for a message."""
-    steps = sorted({s for store in stores for s in store.steps(0, prefix)})
+    steps = sorted({s for store in stores for s in _rank_0_steps(store, prefix)})
     shown = ", ".join(map(str, steps[-10:])) or "none"
     return shown if len(steps) <= 10 else f"..., {shown}"
 
@@ -165,6 +176,22 @@ def _model_state(store: CheckpointStore, step: int, prefix: str) -> OrderedDict[
     if not isinstance(model, Mapping) or not all(isinstance(key, str) for key in model):
         path = store.file(0, step, prefix)
         raise ExportError(f"checkpoint {path} holds no model state_dict under 'model'", EXIT_CHECKPOINT_REFUSED)
+    return plain_state_dict(model)
+
+
+def _sharded_model_state(layout: RunLayout, store: CheckpointStore, step: int, prefix: str) -> OrderedDict[str, Any]:
+    """Every rank's shards of the model, consolidated (the manifest and each file were checked by `_choose`)."""
+    import pickle
+
+    from worker.sharded import load_sharded_model
+
+    directory = store.sharded_dir(step, prefix)
+    try:
+        model = load_sharded_model(directory, layout.root)
+    except (OSError, ValueError, pickle.UnpicklingError, RuntimeError) as exc:
+        raise ExportError(f"checkpoint {directory} refused: {exc}", EXIT_CHECKPOINT_REFUSED) from None
+    if not model:
+        raise ExportError(f"checkpoint {directory} holds no model state_dict under 'model'", EXIT_CHECKPOINT_REFUSED)
     return plain_state_dict(model)
 
 

@@ -7,7 +7,12 @@ in the rank's folder of the run dir remembers it): a stream of faults over sever
 needs, under the supervisor or torchrun alike.
 Kinds:
 - `sigkill`: the rank SIGKILLs itself right after finishing step STEP.
-- `sigkill_in_save`: the rank SIGKILLs itself halfway through writing its checkpoint of step STEP.
+- `sigkill_in_save`: the rank SIGKILLs itself halfway through writing its checkpoint of step STEP (a sharded
+  one: at its first write into its shard, in the background thread with async_save).
+- `sigkill_in_async_write`: the same, named for what it tests: the rank dies while its background thread writes
+  the sharded checkpoint of step STEP and the training loop has gone on (a background writer killed is its rank).
+- `hang_in_async_write`: the background write of step STEP stalls forever; the loop goes on until it must wait
+  for that save (the next save, a stop, the end), then hangs in the save phase.
 - `sigkill_after_save`: the rank SIGKILLs itself right after its checkpoint of step STEP is complete.
 - `hang`: after step STEP the rank sleeps forever, so its peers block in the next step's all-reduce.
 - `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
@@ -40,7 +45,7 @@ __all__ = ["ENV_FAULTS", "ENV_FAULTS_ONCE", "KINDS", "Fault", "FaultPlan", "hang
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
 ENV_FAULTS_ONCE = "TRAINWARDEN_FAULTS_ONCE"
 KINDS = ("sigkill", "sigkill_in_save", "sigkill_after_save", "hang", "hang_in_save", "sigstop", "slow_save",
-         "slow", "spike", "nan", "sdc")
+         "slow", "spike", "nan", "sdc", "sigkill_in_async_write", "hang_in_async_write")
 GRADIENT_KINDS = ("spike", "nan")
 SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
 MAX_SLOW_S = 3600.0
@@ -140,6 +145,16 @@ class FaultPlan:
         if slow := self.due("slow_save", step):
             time.sleep(slow.arg if slow.arg is not None else 5.0)
         if self.due("hang_in_save", step):
+            hang_forever()
+
+    def in_background_write(self, step: int) -> None:
+        """Fire the faults that strike while a sharded checkpoint is being written (the background thread's write
+        with async_save); each strikes once, however many writes follow."""
+        if not self._due:
+            return
+        if self.strike_once("sigkill_in_save", step) or self.strike_once("sigkill_in_async_write", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.strike_once("hang_in_async_write", step):
             hang_forever()
 
     def after_save(self, step: int) -> None:

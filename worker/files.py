@@ -17,6 +17,7 @@ import math
 import os
 import secrets
 import stat
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -30,6 +31,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "ensure_dir",
+    "file_crc32",
     "open_append",
     "open_dir",
     "open_in",
@@ -44,6 +46,7 @@ MAX_JSON_BYTES = 1 << 20  # every JSON file trainwarden writes is far smaller
 MAX_INT = 2**63 - 1  # what a C long holds: anything beyond is not a step, pid or size of ours
 FILE_MODE = 0o600  # control files, logs and checkpoints: the run's owner only
 DIR_MODE = 0o700
+_CHUNK = 1 << 20
 _READ = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC  # O_NONBLOCK: opening a FIFO never waits for a writer
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -85,6 +88,18 @@ def read_bytes(path: str | Path, limit: int, *, follow_symlinks: bool = False) -
     if size > limit:
         raise Refused(errno.EFBIG, f"larger than {limit} bytes", str(path))
     return b"".join(chunks)
+
+
+def file_crc32(path: str | Path, limit: int | None = None) -> tuple[int, str]:
+    """(size, CRC-32) of a regular file as the worker's HashingWriter writes it, reading at most `limit` + 1
+    bytes (a file longer than its record says is not read to its end); symlinks and FIFOs are refused."""
+    crc, size = 0, 0
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(_CHUNK if limit is None else min(_CHUNK, limit + 1 - size)):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, f"{crc:08x}"
 
 
 def read_json(path: str | Path, limit: int = MAX_JSON_BYTES) -> Any:

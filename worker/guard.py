@@ -75,7 +75,7 @@ class StepGuard:
 
         grads = [p for p in params if p.grad is not None]
         self._inject(grads, step)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        grad_norm = _whole(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
         overflow = amp_scaling and not math.isfinite(grad_norm) and math.isfinite(loss)
         verdict = LocalVerdict() if overflow else self.detector.judge(loss, grad_norm)
         agreed = self._agree(verdict.anomalous, overflow, save_due, grads, feature_fault, order_id)
@@ -142,3 +142,9 @@ class StepGuard:
 def _json_number(value: float) -> float | str:
     """JSON has no NaN or Infinity; keep them readable as strings."""
     return value if math.isfinite(value) else str(value)
+
+
+def _whole(norm: Any) -> float:
+    """The global norm as a float; FSDP2's (a DTensor of partial sums over the shards) reduced first."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if callable(full) else norm)

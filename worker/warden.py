@@ -7,6 +7,7 @@ import contextlib
 import faulthandler
 import math
 import os
+import pickle
 import signal
 import sys
 import time
@@ -50,7 +51,9 @@ from worker.feature_rule import with_env
 from worker.files import open_append
 from worker.guard import StepGuard
 from worker.heartbeat import Heartbeat
+from worker.manifest import ManifestError, remove_sharded
 from worker.orders import StopOrders
+from worker.sharded import derived_rng
 
 __all__ = ["Warden"]
 
@@ -109,6 +112,10 @@ class Warden:
         )
         self.step = 0  # optimizer steps applied
         self.batches = 0  # data position: batches consumed, skipped ones included; the next batch's index
+        self.samples = 0  # the same as a global count of samples (with global_batch_size): exact across a resize
+        self._sharded: Any = None  # the ShardedCheckpointer, made at the first sharded save or resume (collectively)
+        self._format: str | None = None  # "files" or "dcp", chosen at the first save
+        self._background: tuple[int, CheckpointStore, Path] | None = None  # the sharded save not yet logged as done
         self._resumed = False
         self._saved_at = 0  # step of the newest regular checkpoint this rank holds (0: none)
         self._last_save = time.monotonic()  # the time-based cadence counts from here
@@ -147,6 +154,7 @@ class Warden:
         skip_to = int(os.environ.get(ENV_SKIP_TO_BATCH) or 0)
         if self.batches < skip_to:
             self.log.warning("data_window_skipped", from_batch=self.batches, to_batch=skip_to, step=self.step)
+            self.samples += (skip_to - self.batches) * (self.global_batch_size or 0)
             self.batches = skip_to
         self._last_step_end = self._compute_since = time.perf_counter()
         return step
@@ -157,14 +165,20 @@ class Warden:
             self.log.info("fresh_start")
             return 0
         store, step = found
-        state = self._load(store, step)
-        self._check_world_size(state, store, step)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if store.is_sharded(step, self.config.prefix):
+            state, resharded = self._load_sharded(store, step)
+        else:
+            state, resharded = self._load(store, step), False
+            self._check_world_size(state, store, step)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        for part, reason in restore_rng(state["rng"]).items():
-            self.log.warning(_RNG_NOT_RESTORED[part], step=step, reason=reason)
+        if resharded:
+            derived_rng(state["rng"], step, self.rank)
+        else:
+            for part, reason in restore_rng(state["rng"]).items():
+                self.log.warning(_RNG_NOT_RESTORED[part], step=step, reason=reason)
         self.data_state = state["data_state"]
         self._restore_extra_state(state, step)
         if state.get("anomaly_history") is not None:  # checkpoints before these were kept have neither
@@ -173,9 +187,34 @@ class Warden:
             self._features.load_state_dict(state["feature_history"])
         self.step = step
         self.batches = self._resumed_position(state["data_position"], state.get("global_batch_size"))
+        self.samples = self._resumed_samples(state)
         self.log.info("resumed", step=step, data_position=self.batches, saved_data_position=state["data_position"],
-                      source=store.label, directory=str(store.root))
+                      samples=self.samples, source=store.label, directory=str(store.root))
         return step
+
+    def _load_sharded(self, store: CheckpointStore, step: int) -> tuple[dict[str, Any], bool]:
+        """Model and optimizer restored from a sharded checkpoint (resharded if another world size wrote it), and
+        this rank's state (rank 0's after a change of world size); a manifest that does not check out, or a file
+        refused, ends the rank with EXIT_CHECKPOINT_REFUSED."""
+        directory = store.sharded_dir(step, self.config.prefix)
+        try:
+            loaded = self._sharded_checkpointer().load(directory, step, self.model, self.optimizer)
+        except (ManifestError, OSError, pickle.UnpicklingError) as exc:
+            self.log.error("checkpoint_refused", step=step, path=str(directory), error=str(exc), source=store.label)
+            leave(EXIT_CHECKPOINT_REFUSED)
+        if loaded.resharded:
+            self.log.warning("world_size_changed", step=step, saved_world_size=loaded.manifest["world_size"],
+                             world_size=self.world_size, resumed="resharded; RNG streams derived, not bitwise")
+        return loaded.state, loaded.resharded
+
+    def _sharded_checkpointer(self) -> Any:
+        if self._sharded is None:
+            from worker.sharded import ShardedCheckpointer
+
+            self._sharded = ShardedCheckpointer(rank=self.rank, world_size=self.world_size, root=self.layout.root,
+                                                async_save=self.config.async_save,
+                                                on_write=self._faults.in_background_write)
+        return self._sharded
 
     def _load(self, store: CheckpointStore, step: int) -> dict[str, Any]:
         """The checkpoint's contents; a refused file ends the rank with EXIT_CHECKPOINT_REFUSED (use an older one)."""
@@ -201,6 +240,13 @@ class Warden:
                   f"{self.world_size}: use a new run dir, or resume_training: false to start from scratch",
                   file=sys.stderr)
             leave(EXIT_CONFIG)
+
+    def _resumed_samples(self, state: dict[str, Any]) -> int:
+        """The global sample count to go on from: as saved, unless the data position was reset or moved."""
+        saved = state.get("samples")
+        if type(saved) is int and not self.config.ignore_data_skip and self.config.data_skip_steps is None:
+            return saved
+        return self.batches * (self.global_batch_size or 0)
 
     def _resumed_position(self, saved: int, saved_batch_size: int | None) -> int:
         """Seed 001: continue the data where the checkpoint left it, unless the dataset or batch size changed."""
@@ -284,7 +330,9 @@ class Warden:
         applied, guarded_norm, save_due = self._decision or (True, grad_norm, None)
         self._decision = None
         self.batches += 1
+        self.samples += self.global_batch_size or 0
         self.step += applied
+        self._note_background_save()
         self.log.info(
             "step",
             step=self.step,
@@ -418,23 +466,20 @@ class Warden:
         store = self.layout.snapshot_slot(SNAPSHOT_SLOTS[step // self.config.snapshot_steps % len(SNAPSHOT_SLOTS)])
         with self.phase(SAVE_PHASE):
             clear_slot(store, self.rank, self.config.prefix)
+            if self.rank == 0 and self._sharded_format:
+                for old in store.sharded_steps(self.config.prefix, kind="any"):
+                    remove_sharded(store.sharded_dir(old, self.config.prefix))
             return self._save(step, store)
 
     def _save(self, step: int, store: CheckpointStore) -> Path:
         started = time.perf_counter()
         self._faults.in_save(step)
+        if self._sharded_format:
+            return self._save_sharded(step, store, started)
         payload = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-            "rng": capture_rng(),
-            "data_position": self.batches,
-            "data_state": self._data_state_fn() if self._data_state_fn else {},
-            "world_size": self.world_size,
-            "global_batch_size": self.global_batch_size,
-            "extra_state": {name: obj.state_dict() for name, obj in self.extra_state.items()},
-            "anomaly_history": self._guard.detector.state_dict(),
-            "feature_history": self._features.state_dict(),
+            **self._rank_state(),
         }
         path = save_checkpoint(
             store,
@@ -445,20 +490,102 @@ class Warden:
             health=self._health(),
             before_rename=self._torn_save if self._faults.due("sigkill_in_save", step) else None,
         )
-        self.log.info("checkpoint_saved", step=step, path=str(path), duration_s=round(time.perf_counter() - started, 4))
-        self._last_save = time.monotonic()
-        if store == self.layout.checkpoints:
-            self._saved_at = step
+        self._saved(step, store, path, time.perf_counter() - started)
         self._heartbeat.last_save_s = round(time.perf_counter() - started, 6)
         self._heartbeat.save_s += self._heartbeat.last_save_s
         self._faults.after_save(step)
         return path
+
+    def _saved(self, step: int, store: CheckpointStore, path: Path, duration_s: float, **fields: Any) -> None:
+        self.log.info("checkpoint_saved", step=step, path=str(path), duration_s=round(duration_s, 4), **fields)
+        self._last_save = time.monotonic()
+        if store == self.layout.checkpoints:
+            self._saved_at = step
+
+    def _save_sharded(self, step: int, store: CheckpointStore, started: float) -> Path:
+        """A sharded save: with async_save the loop goes on once the state is staged (one save in flight)."""
+        self._note_background_save(wait=True)  # the previous one is done before this one starts
+        directory = store.sharded_dir(step, self.config.prefix)
+        common = {"global_batch_size": self.global_batch_size, "data_position": self.batches,
+                  "samples": self.samples if self.global_batch_size else None, "sharding": self._sharding()}
+        stall_s = self._sharded_checkpointer().save(directory, step, self.model, self.optimizer, self._rank_state(),
+                                                    self._health(), common)
+        self._heartbeat.last_save_s = round(stall_s, 6)
+        self._heartbeat.save_s += self._heartbeat.last_save_s
+        self._background = (step, store, directory)
+        if not self.config.async_save:
+            self._note_background_save(wait=True)
+        else:
+            self.log.info("checkpoint_staged", step=step, path=str(directory), stall_s=round(stall_s, 4))
+            if store == self.layout.checkpoints:
+                self._saved_at = step  # in flight: finish() and stop orders wait for it rather than save again
+        return directory
+
+    def _note_background_save(self, *, wait: bool = False) -> None:
+        """Log a sharded save that ended (waiting for it if `wait`, in the save phase so its timeout applies)."""
+        if self._sharded is None or self._background is None:
+            return
+        if wait and self._sharded.in_flight is not None:
+            with self.phase(SAVE_PHASE):
+                done = self._sharded.wait()
+        else:
+            done = self._sharded.finished()
+        if done is None:
+            return
+        step, store, directory = self._background
+        self._background = None
+        self._saved(step, store, directory, done.duration_s, stall_s=round(done.stall_s, 4),
+                    background=self.config.async_save)
+        self._faults.after_save(step)
+
+    def _sharding(self) -> dict[str, Any]:
+        """What the manifest says of how the model was laid out (for people; loading reshards whatever it was)."""
+        from worker.sharded import holds_dtensors
+
+        return {"dtensor_params": holds_dtensors(self.model), "world_size": self.world_size}
+
+
+    @property
+    def _sharded_format(self) -> bool:
+        if self._format is None:
+            self._format = self._choose_format()
+        return self._format == "dcp"
+
+    def _choose_format(self) -> str:
+        chosen = self.config.checkpoint_format
+        if chosen == "auto":
+            from worker.sharded import holds_dtensors
+
+            chosen = "dcp" if holds_dtensors(self.model) else "files"
+        if chosen == "dcp" and self.world_size > 1:
+            from worker.sharded import NUMPY_NEEDED, numpy_missing
+
+            if numpy_missing():
+                print(f"trainwarden: worker config error: {NUMPY_NEEDED}", file=sys.stderr)
+                leave(EXIT_CONFIG)
+        return chosen
+
+    def _rank_state(self) -> dict[str, Any]:
+        """Everything of this rank's state but model and optimizer (a sharded save keeps them apart)."""
+        return {
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": capture_rng(),
+            "data_position": self.batches,
+            "data_state": self._data_state_fn() if self._data_state_fn else {},
+            "world_size": self.world_size,
+            "global_batch_size": self.global_batch_size,
+            "extra_state": {name: obj.state_dict() for name, obj in self.extra_state.items()},
+            "anomaly_history": self._guard.detector.state_dict(),
+            "feature_history": self._features.state_dict(),
+            "samples": self.samples,
+        }
 
     def finish(self, *, save: bool = True) -> None:
         """Save the final state (unless saved at this step already, or checkpointing is off or `save` is False),
         mark the rank done and close its event log. Every rank calls it at the same step."""
         if save and self.step != self._saved_at and self._checkpointing:
             self.save(self.step)
+        self._note_background_save(wait=True)
         self.log.info("rank_finished", step=self.step)
         self._phase = "done"
         self._heartbeat.beat(self.step, "done", force=True)
@@ -543,7 +670,11 @@ class Warden:
             self._obey_sigterm(frame)
 
     def _obey_sigterm(self, frame: Any = None) -> None:
-        """Act on SIGTERM as the script would have without us: its own handler, or death by the signal."""
+        """Act on SIGTERM as the script would have without us: its own handler, or death by the signal; a sharded
+        save being written in the background is finished first (the supervisor's save timeout bounds it)."""
+        if self._sharded is not None and self._sharded.in_flight is not None:
+            self._heartbeat.beat(self.step, SAVE_PHASE, force=True)  # the supervisor waits for a save, not longer
+            self._sharded.wait_quietly()
         previous = self._previous_term
         if callable(previous):
             previous(signal.SIGTERM, frame)

@@ -148,7 +148,8 @@ def test_no_checkpoint_is_one_line_and_exit_1(tmp_path):
     done = export(tmp_path, out)
     assert (done.returncode, done.stdout) == (1, "")
     assert said(done) == (f"trainwarden: no checkpoint in {tmp_path / 'checkpoint'} (no complete "
-                           f"rank_0/PREFIX_rank_0-STEP.ckpt with its .json record)\n")
+                           f"rank_0/PREFIX_rank_0-STEP.ckpt with its .json record, no PREFIX-STEP.dcp with its "
+                           f"manifest)\n")
     assert not out.exists()
 
 
