@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 from supervisor.config import MAX_NPROC
 from worker.contract import MANIFEST, SNAPSHOT_DIR, CheckpointStore, RunLayout, parse_sharded_name
-from worker.files import atomic_write_json, file_crc32, read_json
+from worker.files import atomic_write_json, file_crc32, is_plain_dir, is_plain_file, read_json
 from worker.manifest import is_our_file, manifest_problem, read_manifest
 
 __all__ = [
@@ -281,9 +280,9 @@ def find_junk(layout: RunLayout, world_size: int, prefix: str) -> Junk:
     for store in layout.checkpoint_stores():
         for entry in _entries(store.root):
             sharded = parse_sharded_name(entry.name)
-            if entry.name in expected and _is_dir(entry):
+            if entry.name in expected and is_plain_dir(entry):
                 _sort_rank_dir(store, int(entry.name.removeprefix("rank_")), prefix, torn, foreign)
-            elif sharded and sharded[0] == prefix and _is_dir(entry):
+            elif sharded and sharded[0] == prefix and is_plain_dir(entry):
                 _sort_sharded_dir(entry, torn, foreign)
             elif not (store == layout.checkpoints and entry.name == SNAPSHOT_DIR):
                 foreign.append(entry)
@@ -293,34 +292,20 @@ def find_junk(layout: RunLayout, world_size: int, prefix: str) -> Junk:
 def _sort_sharded_dir(directory: Path, torn: list[Path], foreign: list[Path]) -> None:
     """Without its manifest, a sharded directory holding only our files is a torn save (all of it goes); names
     not ours inside are reported either way."""
-    strangers = [entry for entry in _entries(directory) if not (is_our_file(entry.name) and _is_regular(entry))]
+    strangers = [entry for entry in _entries(directory) if not (is_our_file(entry.name) and is_plain_file(entry))]
     foreign.extend(strangers)
-    if not strangers and not _is_regular(directory / MANIFEST):
+    if not strangers and not is_plain_file(directory / MANIFEST):
         torn.append(directory)
 
 
 def _sort_rank_dir(store: CheckpointStore, rank: int, prefix: str, torn: list[Path], foreign: list[Path]) -> None:
     for entry in _entries(store.rank_dir(rank)):
         temporary = _TEMPORARY.match(entry.name)
-        if temporary and store.owns(temporary["name"], rank, prefix) and _is_regular(entry):
+        if temporary and store.owns(temporary["name"], rank, prefix) and is_plain_file(entry):
             torn.append(entry)
         elif not store.owns(entry.name, rank, prefix):
             foreign.append(entry)
 
-
-def _is_regular(path: Path) -> bool:
-    """A plain file, not a symlink (lstat): only those are ever deleted as our temporaries."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _entries(directory: Path) -> list[Path]:

@@ -331,7 +331,9 @@ def _nodes(args: argparse.Namespace) -> int:
     rules = {k: policy[k] for k in SlurmConfig().ledger_rules}
     if args.sbatch_args:
         excluded = sorted(ledger.excluded(now, **rules, slurm_states=states))
-        low, high = policy["nodes"], policy["nodes"] + policy["spare_nodes"]
+        # A run that may shrink (slurm.min_nodes) may also start on fewer nodes: Slurm gives what it has.
+        low = min(policy["min_nodes"], policy["nodes"]) or policy["nodes"]
+        high = policy["nodes"] + policy["spare_nodes"]
         print(f"--nodes={low}" + (f"-{high}" if high > low else "") + (f" --exclude={','.join(excluded)}"
                                                                           if excluded else ""))
     elif not args.forget:
@@ -341,7 +343,7 @@ def _nodes(args: argparse.Namespace) -> int:
 
 def _ledger_policy(layout: RunLayout) -> dict[str, Any]:
     """The run's ledger rules and node counts, as its supervisor last wrote them (defaults if it never did)."""
-    policy: dict[str, Any] = {**SlurmConfig().ledger_rules, "nodes": 1, "spare_nodes": 0}
+    policy: dict[str, Any] = {**SlurmConfig().ledger_rules, "nodes": 1, "spare_nodes": 0, "min_nodes": 0}
     try:
         written = read_status(layout).get("node_policy") or {}
     except StatusError:

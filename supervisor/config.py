@@ -92,6 +92,9 @@ class SlurmConfig:
     node_failure_window_s: float = 3600.0
     node_cooldown_s: float = 600.0  # a node lost while Slurm still calls it healthy (a blip) rests this long
     srun_args: list[str] = field(default_factory=list)  # extra options for the agents' `srun` (e.g. --gpus-per-node)
+    # With no spare left, go on with fewer nodes, down to this many, rather than exit 75 (null: `nodes`, never
+    # shrink). Below `nodes` needs sharded checkpoints (worker.checkpoint_format: dcp), which reshard on load.
+    min_nodes: int | None = None
 
     @property
     def ledger_rules(self) -> dict[str, float]:
@@ -152,6 +155,11 @@ class JobConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
+
+    @property
+    def min_nodes(self) -> int:
+        """The fewest nodes an attempt may run on (`slurm.min_nodes`, by default all of `nodes`)."""
+        return self.nodes if self.slurm.min_nodes is None else self.slurm.min_nodes
 
     def stop_file(self, layout: RunLayout) -> Path:
         """Where stop requests are written: `stop.stop_file_path` (relative to the working dir) or RUN_DIR/stop."""
@@ -402,7 +410,22 @@ def parse_config(raw: Any, *, source: str = "<config>", overrides: Sequence[str]
         raise ConfigError(f"{_blamed(keys, blame, source)}: 'worker.adaptive_spike.window' ({adaptive.window}) "
                           f"must be at least 'worker.adaptive_spike.min_samples' ({adaptive.min_samples})")
     _check_feature_value_pairs(config.worker.feature_value_check, source, blame)
+    _check_min_nodes(config, source, blame)
     return config
+
+
+def _check_min_nodes(config: JobConfig, source: str, blame: Mapping[str, str]) -> None:
+    """A run may shrink only to a node count it has, and only with checkpoints that reshard."""
+    minimum = config.slurm.min_nodes
+    if minimum is None:
+        return
+    if not 1 <= minimum <= config.nodes:
+        raise ConfigError(f"{_blamed(('slurm.min_nodes', 'nodes'), blame, source)}: 'slurm.min_nodes' ({minimum}) "
+                          f"must be between 1 and 'nodes' ({config.nodes})")
+    if minimum < config.nodes and config.worker.checkpoint_format != "dcp":
+        keys = ("slurm.min_nodes", "worker.checkpoint_format")
+        raise ConfigError(f"{_blamed(keys, blame, source)}: 'slurm.min_nodes' below 'nodes' needs "
+                          f"'worker.checkpoint_format: dcp' (per-rank checkpoints cannot change world size)")
 
 
 def _blamed(names: Iterable[str], blame: Mapping[str, str], source: str, *, whole: bool = True) -> str:

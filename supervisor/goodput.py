@@ -25,6 +25,8 @@ time between categories, so the categories always add up to `wall_s`:
 - `stopped_s`: time stopping on request (the core STOPPING to stop, not to relaunch), and the wall-clock gap
   (time.time()) between a supervisor that ended stopped or failed and the next one of this run dir.
 - `ratio`: productive_s / wall_s.
+- `shrunk_s` (beside the categories, part of them): time attempts ran with fewer ranks than configured (a Slurm run
+  gone on with fewer nodes, `slurm.min_nodes`): productive, but at a fraction of the configured capacity.
 
 A run whose ranks send no heartbeats (no worker library) shows only start-up while running; an attempt of it that
 ends cleanly counts as productive. An attempt that beats but never gets past its resume step trained nothing.
@@ -78,11 +80,14 @@ class Goodput:
         self._trained = 0.0  # productive time of this attempt, for save time to come out of
         self._saves: dict[int, float] = {}  # rank -> cumulative save_s its process reported
         self._ended = False
+        self._shrunk = float(carried.get("shrunk_s", 0.0))
 
     def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
         if self._last is not None and self._category is not None and now > self._last:
             self._add(self._category, now - self._last)
             self._wall += now - self._last
+            if self._running and len(state.ranks) < state.policy.nproc:
+                self._shrunk += now - self._last
         self._last = now if self._last is None else max(self._last, now)
         records: list[JournalRecord] = []
         if isinstance(event, RanksLaunched) and event.attempt == state.attempt and state.phase is Phase.RUNNING:
@@ -108,7 +113,8 @@ class Goodput:
         totals = self.totals()
         ratio = totals["productive_s"] / totals["wall_s"] if totals["wall_s"] > 0 else None
         goodput = {name: round(value, 3) for name, value in totals.items()}
-        return {"goodput": {**goodput, "ratio": None if ratio is None else round(ratio, 4)},
+        shrunk = {"shrunk_s": round(self._shrunk, 3)} if self._shrunk else {}
+        return {"goodput": {**goodput, "ratio": None if ratio is None else round(ratio, 4), **shrunk},
                 "goodput_kept": [[step, round(kept, 3)] for step, kept in _saved_points(self._kept)]}
 
     # ---- events ----
@@ -249,6 +255,8 @@ def _carried(previous: Mapping[str, Any]) -> tuple[dict[str, float], list[tuple[
     if not isinstance(goodput, Mapping) or not all(_seconds(goodput.get(name)) for name in CATEGORIES):
         return {}, [(0, 0.0)]
     totals = {name: float(goodput[name]) for name in CATEGORIES}
+    if _seconds(goodput.get("shrunk_s")):
+        totals["shrunk_s"] = float(goodput["shrunk_s"])
     kept = _carried_points(previous.get("goodput_kept"), totals["productive_s"])
     return totals, kept or [(0, totals["productive_s"])]
 
@@ -297,7 +305,8 @@ def describe(goodput: Any) -> str | None:
     share = f"{100 * ratio:.1f} %" if _seconds(ratio) else "n/a"
     parts = [("productive", "productive_s"), ("lost", "lost_s"), ("restarts", "restart_s"), ("saves", "save_s"),
              ("hangs", "hang_s"), ("stopped", "stopped_s")]
-    return f"goodput {share} (" + ", ".join(f"{word} {duration(goodput[key])}" for word, key in parts) + ")"
+    shrunk = f"; {duration(goodput['shrunk_s'])} of it on fewer ranks" if _seconds(goodput.get("shrunk_s")) else ""
+    return f"goodput {share} (" + ", ".join(f"{word} {duration(goodput[key])}" for word, key in parts) + f"){shrunk}"
 
 
 def duration(seconds: float) -> str:

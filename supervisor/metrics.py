@@ -99,6 +99,8 @@ def families(status: Mapping[str, Any], restarts: Mapping[str, int], *, now: flo
     out.counter("trainwarden_restarts", "Relaunches, by the kind of failure that caused them", "cause", restarts)
     out.gauge("trainwarden_max_restarts", "Relaunches allowed before the run fails (restart.max_restarts)",
               status.get("max_restarts"))
+    out.gauge("trainwarden_world_size", "Ranks of the current attempt on Slurm (fewer than configured while shrunk)",
+              status.get("world_size"))
     _progress(status, out)
     written = _number(status.get("updated_at"))
     _ranks(status, 0.0 if written is None else max(0.0, now - written), out)

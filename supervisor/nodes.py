@@ -255,9 +255,11 @@ class TooFewNodes(Exception):
         return f"--exclude={','.join(sorted(self.excluded))}"
 
 
-def plan_nodes(allocation: Sequence[str], excluded: Mapping[str, str], needed: int) -> tuple[list[str], list[str]]:
-    """(the nodes to run on, in group-rank order; the spares), in the allocation's order less the excluded."""
+def plan_nodes(allocation: Sequence[str], excluded: Mapping[str, str], needed: int,
+               minimum: int | None = None) -> tuple[list[str], list[str]]:
+    """(the nodes to run on, in group-rank order; the spares), in the allocation's order less the excluded: `needed`
+    of them, or with fewer usable every one, down to `minimum` (default: `needed`; TooFewNodes below)."""
     usable = [node for node in allocation if node not in excluded]
-    if len(usable) < needed:
-        raise TooFewNodes(needed, usable, excluded)
+    if len(usable) < (needed if minimum is None else minimum):
+        raise TooFewNodes(needed if minimum is None else minimum, usable, excluded)
     return usable[:needed], usable[needed:]

@@ -258,11 +258,14 @@ class SlurmLauncher:
         self._seen += [node for node in planned.nodes if node not in self._seen]
         self._update_ledger(lambda ledger: ledger.confirmed(self._states, time.time()))
         try:
-            nodes, spares = plan_nodes(self._allocation, self._excluded(), self._config.nodes)
+            nodes, spares = plan_nodes(self._allocation, self._excluded(), self._config.nodes, self._config.min_nodes)
         except TooFewNodes as exc:
             self._log.error("too_few_nodes", error=str(exc), resubmit_with=exc.exclude_option)
             return [LaunchFailed(planned.attempt, f"{exc}; requeue with {exc.exclude_option}",
                                  exit_code=EXIT_REQUEUE)]
+        if len(nodes) < self._config.nodes:  # no spare left, and slurm.min_nodes allows it
+            self._log.warning("run_shrunk", attempt=planned.attempt, nodes=len(nodes), of_nodes=self._config.nodes,
+                              world_size=len(nodes) * self._config.nproc_per_node, excluded=sorted(self._excluded()))
         failed = self._start_step(self._pending, nodes, spares)
         return [] if failed is None else [failed]
 
@@ -318,7 +321,8 @@ class SlurmLauncher:
         attempt = self._pending
         first = min(self._nodes.values(), key=lambda node: node.group_rank)
         master, port = first.address or "127.0.0.1", first.port or 29500
-        world, n = self._config.world_size, self._config.nproc_per_node
+        n = self._config.nproc_per_node
+        world = len(self._nodes) * n  # fewer than the config's when the run goes on shrunk (slurm.min_nodes)
         argv = rank_argv(self._config)
         succession = self._succession()
         for node in self._nodes.values():
@@ -691,10 +695,12 @@ class SlurmLauncher:
         nodes += [{"node": name, "state": "spare"} for name in spares]  # a cooled-down node is one again
         nodes += [{"node": name, "state": "excluded", "why": why} for name, why in excluded.items()
                   if name in self._seen]
-        policy = {**self._config.slurm.ledger_rules, "nodes": self._config.nodes,
+        policy = {**self._config.slurm.ledger_rules, "nodes": self._config.nodes, "min_nodes": self._config.min_nodes,
                   "spare_nodes": self._config.spare_nodes}  # for `trainwarden nodes`, which has only the run dir
+        world = len(self._nodes) * self._config.nproc_per_node or self._config.world_size
         return {"nodes": nodes, "failed_on": self._failed_on, "slurm_job": slurmctl.job_id(),
-                "excluded_nodes": sorted(excluded), "node_policy": policy}
+                "excluded_nodes": sorted(excluded), "node_policy": policy, "world_size": world,
+                "full_world_size": self._config.world_size}
 
     def _kill_steps(self) -> None:
         """Kill the srun clients of earlier attempts; their agents fence themselves when the stream ends."""

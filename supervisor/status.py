@@ -191,6 +191,9 @@ def _node_lines(status: dict[str, Any]) -> list[str]:
     if status.get("slurm_job"):
         failed = f"; last failure on {status['failed_on']}" if status.get("failed_on") else ""
         lines.append(f"  slurm job {status['slurm_job']}{failed}")
+    world, full = status.get("world_size"), status.get("full_world_size")
+    if type(world) is int and type(full) is int and world < full:
+        lines.append(f"  shrunk: {world} of {full} ranks (slurm.min_nodes; a job with every node grows back)")
     stale = not status.get("supervisor_alive") and status["state"] not in ("finished", "stopped", "failed")
     for node in status.get("nodes") or []:
         ranks = f", ranks {node['ranks'][0]}-{node['ranks'][-1]}" if node.get("ranks") else ""

@@ -9,13 +9,13 @@ import json
 import os
 import re
 import signal
-import stat
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 from worker.anomaly import AdaptiveConfig, MonitorConfig
 from worker.feature_rule import FeatureValueConfig
+from worker.files import is_plain_dir, is_plain_file
 
 __all__ = [
     "ENV_ATTEMPT",
@@ -268,13 +268,13 @@ class CheckpointStore:
         steps = set()
         for name in names:
             match = _SHARDED_NAME.match(name)
-            if match and match["prefix"] == prefix and (kind == "any" or _is_file(self.root / name / MANIFEST)):
+            if match and match["prefix"] == prefix and (kind == "any" or is_plain_file(self.root / name / MANIFEST)):
                 steps.add(int(match["step"]))
         return steps
 
     def is_sharded(self, step: int, prefix: str) -> bool:
         """Whether the checkpoint of `step` here is a sharded one (its directory exists, complete or not)."""
-        return _is_dir(self.sharded_dir(step, prefix))
+        return is_plain_dir(self.sharded_dir(step, prefix))
 
     def owns(self, name: str, rank: int, prefix: str) -> bool:
         """Whether `name` in `rank_dir(rank)` is one of our files: a checkpoint, its record or meta.json."""
@@ -309,19 +309,6 @@ def parse_sharded_name(name: str) -> tuple[str, int] | None:
     match = _SHARDED_NAME.match(name)
     return (match["prefix"], int(match["step"])) if match else None
 
-
-def _is_file(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def parse_checkpoint_name(name: str) -> int | None:

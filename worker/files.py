@@ -32,6 +32,8 @@ __all__ = [
     "atomic_write_json",
     "ensure_dir",
     "file_crc32",
+    "is_plain_dir",
+    "is_plain_file",
     "open_append",
     "open_dir",
     "open_in",
@@ -255,6 +257,23 @@ def open_in(path: Path, flags: int, *, root: Path) -> int:
         raise Refused(errno.EINVAL, "not a regular file (not opened)", str(path))
     os.set_blocking(fd, True)
     return fd
+
+
+def is_plain_file(path: str | Path) -> bool:
+    """A regular file itself, not a symlink to one (lstat): what we may read as ours or delete."""
+    return _kind(path) == stat.S_IFREG
+
+
+def is_plain_dir(path: str | Path) -> bool:
+    """A directory itself, not a symlink to one (lstat)."""
+    return _kind(path) == stat.S_IFDIR
+
+
+def _kind(path: str | Path) -> int | None:
+    try:
+        return stat.S_IFMT(os.lstat(path).st_mode)
+    except OSError:
+        return None
 
 
 def unlink_quietly(path: str | Path) -> None:

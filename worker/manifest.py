@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.contract import MANIFEST
-from worker.files import file_crc32, read_json, unlink_quietly
+from worker.files import file_crc32, is_plain_file, read_json, unlink_quietly
 
 __all__ = [
     "FORMAT",
@@ -166,7 +166,7 @@ def remove_sharded(directory: Path) -> list[str]:
         return []
     left = []
     for name in names:
-        if is_our_file(name) and _regular(directory / name):
+        if is_our_file(name) and is_plain_file(directory / name):
             unlink_quietly(directory / name)
         else:
             left.append(name)
@@ -175,9 +175,3 @@ def remove_sharded(directory: Path) -> list[str]:
             os.rmdir(directory)
     return left
 
-
-def _regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False

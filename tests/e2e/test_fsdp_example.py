@@ -30,6 +30,7 @@ HANG = "0:hang@17"  # once relaunched, rank 0 hangs after step 17: resumed from 
 UNTIL_STOPPED = 100_000  # the interrupted run ends by its stop; --lr-decay-steps keeps every run's schedule
 STEPS_AFTER_STOP = 5
 PER_RANK_BATCH = 2
+KEEP = 3  # keep_checkpoint_max: sharded checkpoints are rotated as whole directories
 ARGS = ["--lr-decay-steps", "300", "--batch-size", str(PER_RANK_BATCH), "--block", "32", "--n-embd", "32"]
 
 
@@ -41,6 +42,7 @@ def fsdp_job(tmp: Path, *, steps: int, nproc: int = 2, faults: str = "", samples
     config["nproc_per_node"] = nproc
     config["env"] = {**config["env"], "TRAINWARDEN_FAULTS": faults, "TRAINWARDEN_FAULTS_ONCE": "1"}
     config["worker"]["save_checkpoint_steps"] = SAVE_EVERY
+    config["worker"]["keep_checkpoint_max"] = KEEP
     config["restart"]["backoff_initial_s"] = 0.2
     config["stop"]["kill_grace_s"] = 1.0
     config["hang"] = {**config["hang"], **FAST_HANG}
@@ -130,6 +132,12 @@ def test_the_same_run_dir_goes_on_with_4_ranks_then_2_and_every_sample_is_traine
     assert [len(b) for b in batches[first:]] == [4 * PER_RANK_BATCH] * 4 + [2 * PER_RANK_BATCH] * 4
     trained = [i for batch in batches for i in batch]
     assert trained == list(range(len(trained)))  # in order, none skipped, none twice
+    kept = sorted(p.name for p in (run_dir / "checkpoint").iterdir())
+    saved = {*range(SAVE_EVERY, first + 9, SAVE_EVERY), first, first + 4, first + 8}  # every SAVE_EVERY, each end
+    assert kept == sorted(f"fsdp-{step}.dcp" for step in sorted(saved)[-KEEP:])  # rotated to KEEP, as directories
+    listed = json.loads((run_dir / "health_ckpts.json").read_text())
+    assert [(e["ckpt_name"], e["is_health"]) for e in listed] == [(name, 0) for name in
+                                                                   sorted(kept, key=lambda n: int(n[5:-4]))]
 
 
 def rank_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:

@@ -263,3 +263,35 @@ def test_the_readme_demo_sbatch_stops_on_the_time_limit_warning_and_resubmits_it
 def queued_jobs() -> list[int]:
     out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30, check=True).stdout
     return [int(job) for job in out.split()]
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("numpy"), reason="DCP's collectives need NumPy")
+def test_with_no_spare_and_min_nodes_1_a_lost_node_leaves_the_run_to_finish_shrunk_and_a_full_job_grows_back(
+        slurm, tmp_path):
+    """The FSDP2 example with sharded checkpoints on 2 nodes x 2 ranks, no spare: twnode2 crashes, the run goes on
+    with twnode1's 2 ranks from the newest checkpoint (resharded) and finishes; a later job on 2 nodes resumes it
+    on 4 ranks again."""
+    fsdp = {"script": str(REPO / "examples" / "fsdp_train.py"), "spare_nodes": 0, "slurm_keys": {"min_nodes": 1},
+            "worker": {"checkpoint_format": "dcp", "prefix": "fsdp", "save_checkpoint_steps": 5,
+                       "feature_value_check": {"level": 0}},
+            "args": ["--steps", str(STEPS), "--batch-size", "2", "--block", "32", "--n-embd", "32"]}
+    job, run_dir = submit(slurm, tmp_path, sbatch=("-N2",), **fsdp)
+    wait_for_step(slurm, run_dir, 12)
+    slurm.crash_node("twnode2")
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    shrunk, = events(run_dir, "run_shrunk")
+    assert (shrunk["nodes"], shrunk["of_nodes"], shrunk["world_size"]) == (1, 2, 2)
+    assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode1": [0, 1]}
+    assert status(run_dir)["world_size"] == 2 and status(run_dir)["last_checkpoint"] == {"step": STEPS}
+    assert events(run_dir, "goodput")[-1]["shrunk_s"] > 0
+
+    fsdp["args"][1] = str(STEPS + 10)
+    again, _ = submit(slurm, tmp_path, sbatch=("-N2", "--exclude=twnode2"), name="again", **fsdp)
+    code, out = finished(slurm, again, tmp_path, "again")
+    assert code == 0, out[-3000:]
+    assert status(run_dir)["world_size"] == 4 and status(run_dir)["last_checkpoint"] == {"step": STEPS + 10}
+    grown = [json.loads(line) for line in (run_dir / "ranks" / "rank_3" / "events.jsonl").read_text().splitlines()]
+    changed = [e for e in grown if e["event"] == "world_size_changed"]
+    assert (changed[-1]["saved_world_size"], changed[-1]["world_size"]) == (2, 4)

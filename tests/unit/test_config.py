@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 from supervisor.config import (
     MAX_CONFIG_BYTES,
@@ -665,3 +667,17 @@ def test_a_multi_node_config_outside_slurm_is_refused_before_anything_starts(tmp
     assert done.returncode == 78
     assert "nodes: 2 needs a Slurm allocation: run it inside sbatch or salloc" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("extra", "said"), [
+    ({"slurm": {"min_nodes": 3}}, "'slurm.min_nodes' (3) must be between 1 and 'nodes' (2)"),
+    ({"slurm": {"min_nodes": 1}}, "'slurm.min_nodes' below 'nodes' needs 'worker.checkpoint_format: dcp'"),
+])
+def test_min_nodes_is_a_node_count_the_run_has_and_needs_sharded_checkpoints(tmp_path, extra, said):
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"command": ["true"], "nodes": 2, **extra}))
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(config)
+    config.write_text(yaml.safe_dump({"command": ["true"], "nodes": 2, "slurm": {"min_nodes": 1},
+                                      "worker": {"checkpoint_format": "dcp"}}))
+    assert load_config(config).min_nodes == 1

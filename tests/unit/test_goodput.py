@@ -473,3 +473,20 @@ def test_totals_carry_over_through_the_state_file(tmp_path):
     assert carried.status()["goodput_kept"] == run.goodput.status()["goodput_kept"]
     assert {k: v for k, v in carried.totals().items() if k not in ("stopped_s", "wall_s")} == {
         k: pytest.approx(v) for k, v in run.goodput.totals().items() if k not in ("stopped_s", "wall_s")}
+
+
+def test_time_on_fewer_ranks_than_configured_is_counted_apart_and_carried_over():
+    """An attempt launched with fewer ranks than the policy's (a Slurm run gone on shrunk) trains productively, and
+    its time is also counted as shrunk_s; the summary says so, and a successor keeps the figure."""
+    run = Run()
+    run.feed(Started(), 0)
+    run.feed(RanksLaunched(0, (100,), None), 2)  # one rank of two
+    run.beat(5, 1, ranks=(0,))
+    run.beat(25, 20, ranks=(0,))
+    run.exit(26, 0, 0)
+    status = run.goodput.status()["goodput"]
+    assert run.split() == expect(restart_s=5, productive_s=21)
+    assert status["shrunk_s"] == pytest.approx(24.0)  # from the launch: the whole attempt ran shrunk
+    assert describe(status).endswith("; 24s of it on fewer ranks")
+    assert Goodput({"goodput": status, "state": "finished"}).status()["goodput"]["shrunk_s"] == pytest.approx(24.0)
+    assert "shrunk_s" not in Goodput().status()["goodput"]

@@ -264,3 +264,31 @@ def test_parse_sinfo_reads_node_state_lines_and_prefers_a_strong_state():
     """parse_sinfo() maps each node to its state, skips odd lines, and keeps a strong state over a weak one."""
     text = "n1 idle\nn2 down*\n\ngarbage\nn3 mixed+drain\nn2 idle\nn4 allocated extra\nn1 drained\n"
     assert parse_sinfo(text) == {"n1": "drained", "n2": "down*", "n3": "mixed+drain"}
+
+
+def test_with_a_minimum_the_plan_shrinks_to_every_usable_node_and_refuses_below_it():
+    """slurm.min_nodes: no spare left, the run goes on with what is usable, down to the minimum."""
+    assert plan_nodes(["n1", "n2", "n3"], {"n2": "lost"}, 3, minimum=1) == (["n1", "n3"], [])
+    assert plan_nodes(["n1", "n2", "n3"], {}, 2, minimum=1) == (["n1", "n2"], ["n3"])  # a spare still comes first
+    with pytest.raises(TooFewNodes, match="needs 2 nodes, 1 usable left"):
+        plan_nodes(["n1", "n2", "n3"], {"n2": "lost", "n3": "down"}, 3, minimum=2)
+
+
+@pytest.mark.parametrize(("policy", "said"), [
+    ({"nodes": 2, "spare_nodes": 1}, "--nodes=2-3"),
+    ({"nodes": 2, "spare_nodes": 1, "min_nodes": 1}, "--nodes=1-3"),  # a run that may shrink may start small
+    ({"nodes": 2, "spare_nodes": 0, "min_nodes": 2}, "--nodes=2"),
+    ({"nodes": 2, "spare_nodes": 0, "min_nodes": "1"}, "--nodes=2"),  # the state file is untrusted: a default
+])
+def test_sbatch_args_name_the_node_range_the_run_can_use(tmp_path, capsys, policy, said):
+    """`trainwarden nodes --sbatch-args`: from the smallest the run accepts to nodes + spares."""
+    from supervisor.cli import main
+    from supervisor.core import Policy, initial_state
+    from supervisor.status import snapshot, write_status
+
+    layout = RunLayout(tmp_path)
+    state = initial_state(Policy(nproc=4, max_restarts=0, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=1.0,
+                                 kill_grace_s=1.0))
+    write_status(layout, snapshot(state, now=0.0, extra={"node_policy": policy}), durable=False)
+    assert main(["nodes", "--sbatch-args", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"{said}\n"

@@ -265,3 +265,14 @@ def test_a_supervisor_that_abdicated_is_said_to_have_handed_over(tmp_path):
     """Cut off, it gave up its lease: status says no successor has taken the run yet."""
     status = read_status(_leased(tmp_path, "twnode1", age_s=1, state="abdicated"))
     assert not status["supervisor_alive"] and "lost its link and handed over" in render(status)
+
+
+def test_render_says_when_a_multi_node_run_goes_on_shrunk():
+    """slurm.min_nodes: an attempt on fewer nodes than configured is one line under the job's."""
+    extra = {"run_dir": "runs/x", "last_checkpoint": None, "slurm_job": "42", "world_size": 2, "full_world_size": 4,
+             "nodes": [{"node": "n1", "group_rank": 0, "state": "running", "ranks": [0, 1]}]}
+    lines = render({**snapshot(running(), now=NOW, extra=extra), "supervisor_alive": True}).splitlines()
+    assert lines[lines.index("  slurm job 42") + 1] == (
+        "  shrunk: 2 of 4 ranks (slurm.min_nodes; a job with every node grows back)")
+    extra.update(world_size=4)
+    assert "shrunk" not in render({**snapshot(running(), now=NOW, extra=extra), "supervisor_alive": True})

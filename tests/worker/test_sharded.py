@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import zlib
@@ -19,6 +20,7 @@ import torch
 
 from supervisor.checkpoints import choose_resume, find_junk
 from tests.checkpoint_files import assert_bitwise_equal
+from tests.conftest import wait_until
 from worker.contract import EXIT_CHECKPOINT_REFUSED, MANIFEST, RunLayout, WorkerConfig
 from worker.manifest import METADATA, read_manifest
 from worker.sharded import _load_planner, _MetadataUnpickler, numpy_missing
@@ -229,3 +231,28 @@ def test_fsdp2_ranks_keep_their_own_rng_states_and_a_resume_on_one_rank_reshards
     assert (changed["saved_world_size"], changed["world_size"]) == (2, 1)
     resumed = [e for e in events if e["event"] == "resumed"][-1]
     assert (resumed["step"], resumed["samples"], resumed["data_position"]) == (4, 32, 8)
+
+
+def test_sigterm_waits_for_the_save_in_flight_in_the_save_phase(tmp_path: Path) -> None:
+    """A background write that stalls (hang_in_async_write): the loop trained on; SIGTERM then waits for the save,
+    with the heartbeat in the save phase (the supervisor's save timeout applies), and the rank dies only of the
+    SIGKILL that timeout brings. The stalled save never became a checkpoint."""
+    env = {**os.environ, "TRAINWARDEN_RUN_DIR": str(tmp_path), "TRAINWARDEN_FAULTS": "0:hang_in_async_write@2",
+           "TRAINWARDEN_WORKER_CONFIG": json.dumps({"checkpoint_format": "dcp", "save_checkpoint_steps": 10**6})}
+    script = KILLED_WRITER.replace("warden.steps(6)", "warden.steps(10**6)").replace(
+        "warden.step_done(loss=loss.item())",
+        "warden.step_done(loss=loss.item())\n    if warden.step == 2: warden.save(2)\n    time.sleep(0.02)")
+    proc = subprocess.Popen([sys.executable, "-c", f"import time\n{script}"], env=env, cwd=REPO,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        beat = tmp_path / "ranks" / "rank_0" / "heartbeat.json"
+        wait_until(lambda: beat.exists() and json.loads(beat.read_text())["step"] >= 5, 60, what="step 5")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: json.loads(beat.read_text())["phase"] == "save", 30, what="the save phase")
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)  # still waiting for the save
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert RunLayout(tmp_path).checkpoints.complete_steps(1, "ckpt") == []
