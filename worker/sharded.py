@@ -277,6 +277,7 @@ class ShardedCheckpointer:
         self._group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if self._distributed else None
         self._on_write = on_write  # fault injection: called at each write into a shard
         self._inflight: _Save | None = None
+        self._stager: Any = None  # made at the first asynchronous save; it keeps its copies for the next
 
     @property
     def in_flight(self) -> int | None:
@@ -297,9 +298,7 @@ class ShardedCheckpointer:
         if self.rank == 0:
             unlink_quietly(directory / MANIFEST)  # a checkpoint of this step saved before is no longer one
         if self.async_save:
-            from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-            state = BlockingAsyncStager().stage(state)  # a copy: the optimizer may change the live tensors now
+            state = self._stage(state)  # a copy: the optimizer may change the live tensors now
         save = _Save(directory, step, 0.0, started)
         job = (save, state, rank_state, health, common)
         if self.async_save:
@@ -310,6 +309,19 @@ class ShardedCheckpointer:
             self._write(*job)
         save.stall_s = time.perf_counter() - started
         return save.stall_s
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A CPU copy of `state` in buffers kept from one save to the next: copying into memory already touched is
+        ~15x faster than into fresh pages (0.08 s against 1.2 s for 768 MB per rank here). The previous save's write
+        is over before they are reused (`wait`)."""
+        import torch
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            cuda = torch.cuda.is_available()  # pinned memory and non-blocking copies need it
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        return self._stager.stage(state)
 
     def wait_quietly(self) -> None:
         """Wait for the save in flight without taking its result (safe in a signal handler: nothing is logged)."""

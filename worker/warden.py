@@ -181,7 +181,12 @@ class Warden:
                 self.log.warning(_RNG_NOT_RESTORED[part], step=step, reason=reason)
         self.data_state = state["data_state"]
         self._restore_extra_state(state, step)
-        if state.get("anomaly_history") is not None:  # checkpoints before these were kept have neither
+        saved_batch = state.get("global_batch_size")
+        if saved_batch and self.global_batch_size and saved_batch != self.global_batch_size:
+            # Gradient norms scale with the batch's noise: a history of the old size would misjudge the new one.
+            self.log.warning("anomaly_history_reset", step=step, saved_global_batch_size=saved_batch,
+                             global_batch_size=self.global_batch_size)
+        elif state.get("anomaly_history") is not None:  # checkpoints before these were kept have neither
             self._guard.detector.load_state_dict(state["anomaly_history"])
         if state.get("feature_history") is not None:
             self._features.load_state_dict(state["feature_history"])
@@ -512,6 +517,7 @@ class Warden:
                                                     self._health(), common)
         self._heartbeat.last_save_s = round(stall_s, 6)
         self._heartbeat.save_s += self._heartbeat.last_save_s
+        self._last_save = time.monotonic()  # the time-based cadence counts from the start of a save in flight
         self._background = (step, store, directory)
         if not self.config.async_save:
             self._note_background_save(wait=True)

@@ -256,3 +256,10 @@ def test_completed_at_is_the_newest_record_of_the_step(tmp_path: Path):
         os.utime(record, (mtime, mtime))
     assert completed_at(store, 2, "ckpt", 40) == NOW - 3
     assert completed_at(store, 3, "ckpt", 40) is None
+
+
+def test_a_multi_node_status_gives_the_world_size_of_the_current_attempt():
+    """slurm.min_nodes: while shrunk, the gauge shows the ranks running, not the configured ones."""
+    found = samples({"state": "running", "world_size": 2, "full_world_size": 4})
+    assert found[("trainwarden_world_size", ())] == 2
+    assert ("trainwarden_world_size", ()) not in samples({"state": "running"})  # one machine: not exported

@@ -256,3 +256,37 @@ def test_sigterm_waits_for_the_save_in_flight_in_the_save_phase(tmp_path: Path) 
         proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert RunLayout(tmp_path).checkpoints.complete_steps(1, "ckpt") == []
+
+
+def test_export_consolidates_a_sharded_checkpoint_into_plain_weights(loop, tmp_path: Path) -> None:
+    """`trainwarden export` of a sharded checkpoint: the model's weights, loadable with weights_only=True by a
+    process that never imports trainwarden (`python -I`, without the repository on its path)."""
+    run = loop(config=SHARDED)
+    for _ in range(3):
+        run.train_batch()
+    run.warden.finish()
+    out = tmp_path / "weights.pt"
+    done = subprocess.run([sys.executable, "-m", "supervisor", "export", str(tmp_path), "-o", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith(f"exported step 3 of {tmp_path} (2 tensors)"), done.stderr
+    script = ("import sys, torch; w = torch.load(sys.argv[1], weights_only=True); print(sorted(w)); "
+              "assert not {'worker', 'supervisor'} & set(sys.modules)")
+    plain = subprocess.run([sys.executable, "-I", "-c", script, str(out)], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path)
+    assert plain.stdout.strip() == "['bias', 'weight']", plain.stderr
+    assert_bitwise_equal(dict(torch.load(out, weights_only=True)), dict(run.model.state_dict()), "exported")
+
+
+def test_a_resume_with_another_global_batch_size_starts_the_spike_history_afresh(loop, tmp_path: Path) -> None:
+    """Norms of a batch of 16 would judge a batch of 8 (a run resumed on half its ranks): the history is reset."""
+    run = loop(config=SHARDED, global_batch_size=16)
+    for _ in range(3):
+        run.train_batch()
+    run.warden.finish()
+    assert len(run.warden._guard.detector.state_dict()["norms"]) == 3
+    resumed = loop(config=SHARDED, global_batch_size=8)
+    assert resumed.warden.resume() == 3 and resumed.warden.samples == 48 and resumed.warden.batches == 6
+    assert resumed.warden._guard.detector.state_dict() == {"norms": [], "losses": []}
+    said = [json.loads(line) for line in (tmp_path / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()]
+    reset, = (e for e in said if e["event"] == "anomaly_history_reset")
+    assert (reset["saved_global_batch_size"], reset["global_batch_size"]) == (16, 8)
