@@ -7,6 +7,8 @@ layer; AdamW adds twice that in state) train on 2 and 4 gloo ranks of this machi
 - async: the stall per save with `async_save: true` (the staging copy), median and max;
 - steps/s while a background write runs, against steps/s with none;
 - resume time from the last checkpoint at the same world size and at half of it (resharded).
+Then, for the smallest model on 2 ranks, DCP's own `async_save` with its two executors (thread and process, the
+choice the worker made for the thread), called directly: the stall per save, first and median.
 The last line is `training-thread stall per save, async / sync: R`, the median over the configurations of
 median async stall / median sync stall (the target is R <= 0.25).
 
@@ -44,7 +46,6 @@ def rank_main(size_mb: int, mode: str, out: Path) -> None:
     """One rank: train, save SAVES times (timing the loop's stall and the steps around each write), or resume."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from worker import Warden
     from worker.contract import WorkerConfig
@@ -52,13 +53,10 @@ def rank_main(size_mb: int, mode: str, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH[size_mb], WIDTH[size_mb], bias=False)
-                                  for _ in range(layers_for(size_mb))))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if mode.startswith("dcp-"):
+        dcp_executor(size_mb, mode.removeprefix("dcp-"), out)
+        return
+    model, optimizer = build(size_mb)
     config = WorkerConfig(checkpoint_format="dcp", async_save=mode == "async", save_checkpoint_steps=10**9,
                           prefix="bench")  # saves only where the benchmark calls warden.save
     warden = Warden(model, optimizer, config=config)
@@ -70,6 +68,46 @@ def rank_main(size_mb: int, mode: str, out: Path) -> None:
     warden.finish(save=False)
     if rank == 0:
         out.write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def build(size_mb: int) -> tuple[Any, Any]:
+    """The FSDP2 model of `size_mb` (every rank initialised alike) and its AdamW."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH[size_mb], WIDTH[size_mb], bias=False)
+                                  for _ in range(layers_for(size_mb))))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def dcp_executor(size_mb: int, kind: str, out: Path) -> None:
+    """DCP's async_save with its `kind` executor, as a script of its own would call it: the stall per save."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    model, optimizer = build(size_mb)
+    model(torch.randn(BATCH, WIDTH[size_mb])).square().mean().backward()
+    optimizer.step()  # the optimizer's state exists from here on
+    executor = AsyncCheckpointerType.PROCESS if kind == "process" else AsyncCheckpointerType.THREAD
+    stalls, written = [], []
+    for i in range(SAVES):
+        begun = time.perf_counter()
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state},
+                                checkpoint_id=out.parent / f"dcp-{kind}-{i}", async_checkpointer_type=executor)
+        stalls.append(time.perf_counter() - begun)
+        future.result(timeout=600)
+        written.append(time.perf_counter() - begun)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"stalls": stalls, "written": written}))
     dist.destroy_process_group()
 
 
@@ -149,6 +187,13 @@ def main() -> None:
                       f"{m['async_max_s']:>9.3f}s {ratios[-1]:>6.3f} {m['quiet_steps_per_s']:>12.2f} "
                       f"{m['busy_steps_per_s']:>13.2f} {m['resume_same_s']:>11.3f}s {m['resume_half_s']:>11.3f}s",
                       flush=True)
+        executors = {kind: launch(2, sizes[0], f"dcp-{kind}", Path(scratch) / f"dcp-{kind}")
+                     for kind in ("thread", "process")}
+    for kind, got in executors.items():
+        stalls, written = got["stalls"], got["written"]
+        print(f"DCP's own async_save, {kind} executor ({sizes[0]} MB, 2 ranks): stall per save first "
+              f"{stalls[0]:.3f} s, median {statistics.median(stalls):.3f} s; written after first {written[0]:.3f} s, "
+              f"median {statistics.median(written):.3f} s", flush=True)
     print(f"training-thread stall per save, async / sync: {statistics.median(ratios):.3f}")
 
 

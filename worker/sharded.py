@@ -8,7 +8,7 @@ non-tensor key that several ranks share, which would collapse every rank's RNG s
 
 Our DCP file system follows no symlink, creates every file new, and checksums (CRC-32) each file while writing it;
 our reader unpickles DCP's `.metadata` with an allow-list of DCP's own metadata classes only, and loads non-tensor
-items with `weights_only=True` (DCP's default planner loads them with `weights_only=False`). A background save
+items with `weights_only=True` (DCP's default planner unpickles them unrestricted). A background save
 runs in one thread of this process ("thread" async mode): measured here against DCP's process-based executor in
 `bench/checkpoint_stall.py`, and the process mode re-imports the training script in a spawned child, which a
 script without a `__main__` guard (and our warm standbys, which run scripts through runpy) cannot survive.
