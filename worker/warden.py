@@ -114,7 +114,6 @@ class Warden:
         self.batches = 0  # data position: batches consumed, skipped ones included; the next batch's index
         self.samples = 0  # the same as a global count of samples (with global_batch_size): exact across a resize
         self._sharded: Any = None  # the ShardedCheckpointer, made at the first sharded save or resume (collectively)
-        self._format: str | None = None  # "files" or "dcp", chosen at the first save
         self._background: tuple[int, CheckpointStore, Path] | None = None  # the sharded save not yet logged as done
         self._resumed = False
         self._saved_at = 0  # step of the newest regular checkpoint this rank holds (0: none)
@@ -141,6 +140,7 @@ class Warden:
         self._heartbeat.beat(0, self._phase, force=True)
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
         self._say_if_no_checkpoints()
+        self._sharded_format = self._choose_format() == "dcp"
         atexit.register(_release_process_group)  # a script that never destroys its group must not die of SIGABRT
 
     def resume(self) -> int:
@@ -202,6 +202,7 @@ class Warden:
         this rank's state (rank 0's after a change of world size); a manifest that does not check out, or a file
         refused, ends the rank with EXIT_CHECKPOINT_REFUSED."""
         directory = store.sharded_dir(step, self.config.prefix)
+        self._need_numpy()
         try:
             loaded = self._sharded_checkpointer().load(directory, step, self.model, self.optimizer)
         except (ManifestError, OSError, pickle.UnpicklingError) as exc:
@@ -551,25 +552,24 @@ class Warden:
         return {"dtensor_params": holds_dtensors(self.model), "world_size": self.world_size}
 
 
-    @property
-    def _sharded_format(self) -> bool:
-        if self._format is None:
-            self._format = self._choose_format()
-        return self._format == "dcp"
-
     def _choose_format(self) -> str:
+        """`checkpoint_format`, `auto` decided by the model; a sharded one checks at once that it can work."""
         chosen = self.config.checkpoint_format
         if chosen == "auto":
             from worker.sharded import holds_dtensors
 
             chosen = "dcp" if holds_dtensors(self.model) else "files"
-        if chosen == "dcp" and self.world_size > 1:
-            from worker.sharded import NUMPY_NEEDED, numpy_missing
-
-            if numpy_missing():
-                print(f"trainwarden: worker config error: {NUMPY_NEEDED}", file=sys.stderr)
-                leave(EXIT_CONFIG)
+        if chosen == "dcp":
+            self._need_numpy()
         return chosen
+
+    def _need_numpy(self) -> None:
+        """Sharded saves and loads across ranks plan through object collectives, which need NumPy: exit 78 without."""
+        from worker.sharded import NUMPY_NEEDED, numpy_missing
+
+        if self.world_size > 1 and numpy_missing():
+            print(f"trainwarden: worker config error: {NUMPY_NEEDED}", file=sys.stderr)
+            leave(EXIT_CONFIG)
 
     def _rank_state(self) -> dict[str, Any]:
         """Everything of this rank's state but model and optimizer (a sharded save keeps them apart)."""

@@ -290,3 +290,15 @@ def test_a_resume_with_another_global_batch_size_starts_the_spike_history_afresh
     said = [json.loads(line) for line in (tmp_path / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()]
     reset, = (e for e in said if e["event"] == "anomaly_history_reset")
     assert (reset["saved_global_batch_size"], reset["global_batch_size"]) == (16, 8)
+
+
+@pytest.mark.skipif(not numpy_missing(), reason="shows what a rank without NumPy does")
+def test_a_multi_rank_sharded_run_without_numpy_exits_78_at_start_saying_what_to_install(tmp_path: Path) -> None:
+    env = {**os.environ, "TRAINWARDEN_RUN_DIR": str(tmp_path), "RANK": "0", "WORLD_SIZE": "2",
+           "TRAINWARDEN_WORKER_CONFIG": json.dumps({"checkpoint_format": "dcp"})}
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITER], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 78
+    assert done.stderr.strip().splitlines()[-1] == (
+        "trainwarden: worker config error: checkpoint_format dcp needs NumPy: torch.distributed's object "
+        "collectives, which DCP plans with, use it (pip install 'trainwarden[dcp]')")
