@@ -22,6 +22,7 @@ from supervisor.checkpoints import choose_resume, find_junk
 from tests.checkpoint_files import assert_bitwise_equal
 from tests.conftest import wait_until
 from worker.contract import EXIT_CHECKPOINT_REFUSED, MANIFEST, RunLayout, WorkerConfig
+from worker.export import export_weights
 from worker.manifest import METADATA, read_manifest
 from worker.sharded import _load_planner, _MetadataUnpickler, numpy_missing
 
@@ -259,22 +260,16 @@ def test_sigterm_waits_for_the_save_in_flight_in_the_save_phase(tmp_path: Path) 
 
 
 def test_export_consolidates_a_sharded_checkpoint_into_plain_weights(loop, tmp_path: Path) -> None:
-    """`trainwarden export` of a sharded checkpoint: the model's weights, loadable with weights_only=True by a
-    process that never imports trainwarden (`python -I`, without the repository on its path)."""
+    """`trainwarden export` of a sharded checkpoint: the model's weights as a plain file, loadable with
+    weights_only=True (the per-rank format's tests load such a file in a process without trainwarden)."""
     run = loop(config=SHARDED)
     for _ in range(3):
         run.train_batch()
     run.warden.finish()
-    out = tmp_path / "weights.pt"
-    done = subprocess.run([sys.executable, "-m", "supervisor", "export", str(tmp_path), "-o", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.startswith(f"exported step 3 of {tmp_path} (2 tensors)"), done.stderr
-    script = ("import sys, torch; w = torch.load(sys.argv[1], weights_only=True); print(sorted(w)); "
-              "assert not {'worker', 'supervisor'} & set(sys.modules)")
-    plain = subprocess.run([sys.executable, "-I", "-c", script, str(out)], capture_output=True, text=True,
-                           timeout=60, cwd=tmp_path)
-    assert plain.stdout.strip() == "['bias', 'weight']", plain.stderr
-    assert_bitwise_equal(dict(torch.load(out, weights_only=True)), dict(run.model.state_dict()), "exported")
+    exported = export_weights(tmp_path, tmp_path / "weights.pt")
+    assert (exported.step, exported.tensors, exported.source) == (3, 2, "checkpoint")
+    assert_bitwise_equal(dict(torch.load(tmp_path / "weights.pt", weights_only=True)), dict(run.model.state_dict()),
+                         "exported")
 
 
 def test_a_resume_with_another_global_batch_size_starts_the_spike_history_afresh(loop, tmp_path: Path) -> None:
@@ -293,12 +288,12 @@ def test_a_resume_with_another_global_batch_size_starts_the_spike_history_afresh
 
 
 @pytest.mark.skipif(not numpy_missing(), reason="shows what a rank without NumPy does")
-def test_a_multi_rank_sharded_run_without_numpy_exits_78_at_start_saying_what_to_install(tmp_path: Path) -> None:
-    env = {**os.environ, "TRAINWARDEN_RUN_DIR": str(tmp_path), "RANK": "0", "WORLD_SIZE": "2",
-           "TRAINWARDEN_WORKER_CONFIG": json.dumps({"checkpoint_format": "dcp"})}
-    done = subprocess.run([sys.executable, "-c", KILLED_WRITER], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 78
-    assert done.stderr.strip().splitlines()[-1] == (
+def test_a_multi_rank_sharded_run_without_numpy_exits_78_at_start_saying_what_to_install(
+        loop, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exited:
+        loop(config=WorkerConfig(checkpoint_format="dcp"))
+    assert exited.value.code == 78
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "trainwarden: worker config error: checkpoint_format dcp needs NumPy: torch.distributed's object "
         "collectives, which DCP plans with, use it (pip install 'trainwarden[dcp]')")
