@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import random
 import sys
 
@@ -42,15 +43,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr-decay-steps", type=int, help="length of the cosine decay; default: --steps")
     parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="FSDP2's compute dtype for parameters (gradients are reduced in float32)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: NCCL, one GPU per rank (LOCAL_RANK), deterministic kernels for exact resume")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--samples-file", help="rank 0 appends each applied step's sample ids here (JSON lines)")
     return parser.parse_args()
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> GPT:
+def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> GPT:
     """The GPT example's model, initialised alike on every rank, sharded block by block, then as a whole."""
     torch.manual_seed(args.seed)
-    model = GPT(GPTConfig(vocab_size, args.block, args.n_layer, 4, args.n_embd, dropout=0.1))
+    model = GPT(GPTConfig(vocab_size, args.block, args.n_layer, 4, args.n_embd, dropout=0.1)).to(device)
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
@@ -67,13 +70,29 @@ def batch_of(data: torch.Tensor, ids: list[int], *, seed: int, block: int) -> tu
     return x, y
 
 
+def use_device(name: str) -> torch.device:
+    """The rank's device and process group: gloo on CPU; NCCL on its GPU, with deterministic kernels (cuBLAS's
+    fixed workspace, the math attention kernel) so that a resumed run stays bitwise equal to an uninterrupted one."""
+    if name == "cpu":
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        return torch.device("cpu")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=60), device_id=device)
+    return device
+
+
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    device = use_device(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     train_data, _, vocab_size = load_text()
-    model = build_model(args, vocab_size)
+    model = build_model(args, vocab_size, device)
     optimizer = configure_optimizer(model, lr=args.lr, weight_decay=0.1)
     schedule = warmup_cosine(warmup=20, total=args.lr_decay_steps or args.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -85,7 +104,7 @@ def main() -> None:
 
     for _ in warden.steps(args.steps):
         ids = list(range(warden.samples, warden.samples + global_batch))
-        x, y = batch_of(train_data, ids[rank::world], seed=args.seed, block=args.block)
+        x, y = (t.to(device) for t in batch_of(train_data, ids[rank::world], seed=args.seed, block=args.block))
         optimizer.zero_grad(set_to_none=True)
         _, loss = model(x, y)
         loss.backward()
