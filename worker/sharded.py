@@ -395,8 +395,8 @@ class ShardedCheckpointer:
     def load(self, directory: Path, step: int, model: Any, optimizer: Any) -> Loaded:
         """Restore model and optimizer from the sharded checkpoint (any world size) and return this rank's state.
 
-        The manifest is checked first (sizes of every file, checksums of the files this rank opens whole);
-        CheckpointRefusedError-worthy problems raise ManifestError naming them."""
+        The manifest is checked first (sizes of every file, checksums of the files this rank opens whole, the
+        supervisor having checked every checksum before the launch); what does not check out raises ManifestError."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
