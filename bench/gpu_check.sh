@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check: one short, prepared run (under 5 minutes) on a machine with NVIDIA GPUs, of what the CPU suite can
 # only cover in logic. The FSDP2 example (examples/fsdp_train.py --device cuda: NCCL, bf16 parameters, sharded
-# checkpoints written in the background from pinned staging buffers) under the supervisor, once uninterrupted and
-# once with a rank SIGKILLed inside a background write and then a hang; it prints when each was declared, where the
-# run resumed, the stall per save, and whether the final model equals the uninterrupted run's bit for bit.
-# 2 ranks where 2 GPUs are there, else 1 (NCCL takes one GPU per rank).
+# checkpoints written in the background from pinned staging buffers) under the supervisor, once uninterrupted, once
+# with a rank SIGKILLed inside a background write and then a hang, and once through the hang classes on 2 ranks (a
+# device stall in a collective, a desync of sizes, a host-side hang); it prints when each was declared, the culprit
+# named with its class and evidence, where the run resumed, the stall per save, and whether each final model equals
+# the uninterrupted run's bit for bit. 2 ranks where 2 GPUs are there, else 1 for the first two runs; the blame run
+# puts 2 ranks on one GPU when there is only one (NCCL may refuse: then it says so).
 #
 # Run from the repository root:  bench/gpu_check.sh [OUT_DIR]
 # Packages the machine lacks (watchdog, structlog) can travel as wheels in .whl/ (installed to /tmp/site first).
@@ -36,7 +38,14 @@ run() {  # RUN_DIR [ENV=VALUE ...]: the FSDP example under the supervisor, its o
 echo "== $nproc rank(s) on $gpus GPU(s), $steps steps, a sharded checkpoint every 10 =="
 run reference
 run faulted TRAINWARDEN_FAULTS_ONCE=1 "TRAINWARDEN_FAULTS=0:sigkill_in_async_write@30,0:hang@45"
-for dir in reference faulted; do
+dirs=(reference faulted)
+if [ "$nproc" = 1 ]; then  # the blame run needs peers
+  settings+=(--set "nproc_per_node=2"); run reference2; dirs+=(reference2)
+fi
+settings+=(--set "nproc_per_node=2")
+run blamed TRAINWARDEN_FAULTS_ONCE=1 "TRAINWARDEN_FAULTS=1:stall_in_collective@15,1:collective_sizes@25,0:hang@35"
+dirs+=(blamed)
+for dir in "${dirs[@]}"; do
   $py -m supervisor export "$work/$dir" -o "$work/$dir.pt" >>"$out/$dir.log" 2>&1 || echo "$dir: export failed"
 done
 $py - "$work" <<'EOF'
@@ -65,12 +74,32 @@ written = [e["duration_s"] for e in reference if e["event"] == "checkpoint_saved
 if stalls and written:
     print(f"stall per save: median {statistics.median(stalls):.4f} s, max {max(stalls):.4f} s; written after median "
           f"{statistics.median(written):.4f} s ({len(stalls)} saves)")
-try:
-    a, b = (torch.load(work / f"{d}.pt", weights_only=True) for d in ("reference", "faulted"))
-    same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    print(f"final model bitwise equal to the uninterrupted run's: {'yes' if same else 'NO'} ({len(a)} tensors)")
-except Exception as exc:  # noqa: BLE001 - say it, do not hide the rest of the report
-    print(f"final model comparison failed: {exc}")
+blamed = events(work / "blamed" / "supervisor" / "events.jsonl")
+fired = {}
+for rank in (0, 1):
+    for e in events(work / "blamed" / "ranks" / f"rank_{rank}" / "events.jsonl"):
+        if e["event"] == "fault_injected":
+            fired[e["attempt"]] = (e["kind"], rank, at(e))
+for attempt, (kind, rank, when) in sorted(fired.items()):
+    mine = [e for e in blamed if e.get("attempt") == attempt]
+    declared = next((e for e in mine if e["event"] in ("hang_suspected", "rank_crashed")), None)
+    verdict = next((e for e in mine if e["event"] in ("hang_detected", "culprit_named")), None)
+    said = "nothing declared" if declared is None else f"declared after {at(declared) - when:.2f} s"
+    if verdict is not None:
+        said += (f", culprit rank {verdict['rank']} ({'right' if verdict['rank'] == rank else 'WRONG'}), class "
+                 f"{verdict.get('class')}, named by {verdict.get('named_by')}: {verdict.get('evidence')}")
+    print(f"{kind} on rank {rank}: {said}")
+def same_model(ours, reference):
+    try:
+        a, b = (torch.load(work / f"{d}.pt", weights_only=True) for d in (reference, ours))
+        same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        print(f"{ours}: final model bitwise equal to the uninterrupted run's: {'yes' if same else 'NO'} "
+              f"({len(a)} tensors)")
+    except Exception as exc:  # noqa: BLE001 - say it, do not hide the rest of the report
+        print(f"{ours}: final model comparison failed: {exc}")
+same_model("faulted", "reference")
+same_model("blamed", "reference2" if (work / "reference2.pt").exists() else "reference")
 EOF
 cp "$work"/faulted/supervisor/events.jsonl "$out/faulted_journal.jsonl" 2>/dev/null
+cp "$work"/blamed/supervisor/events.jsonl "$out/blamed_journal.jsonl" 2>/dev/null
 exit 0

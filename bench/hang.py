@@ -4,13 +4,13 @@ Each trial runs the demo job (2 ranks, gloo, CPU) under each launcher in turn (t
 with `TRAINWARDEN_FAULTS=1:hang@K`: after step K rank 1 sleeps forever and rank 0 blocks in the next
 all-reduce. Hang start is the time of rank 1's `fault_injected` event (its events.jsonl); from there:
 
-- hang→declared: the supervisor journal's `hang_detected` event (trainwarden only; torchrun has no detector);
-- hang→stacks: the journal's `stacks_collected` event (trainwarden only);
+- hang→declared: the supervisor journal's `hang_suspected` event (trainwarden only; torchrun has no detector);
+- hang→stacks: the journal's `stacks_collected` event (trainwarden only), with the verdict (`hang_detected`);
 - hang→ranks stopped: until the first rank process of the hung attempt is gone (pids from the ranks'
   `rank_started` events, polled every 50 ms); for torchrun this is whatever broke the hang;
 - hang→first step: until the earliest `step` event of a later attempt in any rank's events.jsonl;
 - finished: the launcher exits 0 within the trial timeout;
-- culprit: whether the hang names rank 1 in the end (`stacks_collected`'s culprit, else `hang_detected`'s rank).
+- culprit: whether the hang names rank 1 in the end (`hang_detected`'s rank, the final verdict).
 
 trainwarden runs a config derived from configs/demo.yaml with `hang: {heartbeat: required, phase_timeouts_s:
 {train: T}, calibration: {enabled: false}}`; its target is a hang declared within T + 1 s. torchrun
@@ -230,9 +230,8 @@ def ended_by(journal: list[dict[str, Any]], error: tuple[int, str] | None, stopp
 
 
 def named_rank(journal: list[dict[str, Any]]) -> int | None:
-    """The rank the hang names: the stacks' culprit when they single one out, else the first silent one."""
-    culprit = (journal_event(journal, "stacks_collected") or {}).get("culprit")
-    return culprit if culprit is not None else (journal_event(journal, "hang_detected") or {}).get("rank")
+    """The rank the hang names in the end (by its flight recorder, its stacks, or else as the first silent one)."""
+    return (journal_event(journal, "hang_detected") or {}).get("rank")
 
 
 def stack_note(journal: list[dict[str, Any]]) -> str:
@@ -259,7 +258,7 @@ def run_trial(name: str, job: Job, work: Path) -> Trial:
     hang_at, stopped, first = seen.hang_at, seen.stopped, seen.first_step
     return Trial(
         launcher=name,
-        declared_s=since(hang_at, journal_time(journal, "hang_detected")),
+        declared_s=since(hang_at, journal_time(journal, "hang_suspected")),
         stacks_s=since(hang_at, journal_time(journal, "stacks_collected")),
         stopped_s=since(hang_at, None if stopped is None else stopped[0]),
         first_step_s=since(hang_at, None if first is None else first[0]),

@@ -78,7 +78,7 @@ def use_device(name: str) -> torch.device:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         return torch.device("cpu")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.cuda.set_device(device)
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.enable_flash_sdp(False)

@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from supervisor.gpu_health import gpu_problems
 from supervisor.journal import append_event
 from supervisor.launcher import publish_order
 from supervisor.ranks import Ranks, free_port, local_env, signal_group, spawn_ranks
@@ -70,7 +71,8 @@ class Agent:
             signal.signal(signum, lambda s, _f: self._inbox.put(("signal", s)))
         self._peer.serve(lambda m: self._inbox.put(("message", m)), lambda why: self._inbox.put(("end", why)))
         self._send("hello", token=self._token, node=self._host, attempt=self._attempt, pid=os.getpid(),
-                   port=free_port("0.0.0.0"), slurm_node_id=os.environ.get("SLURM_NODEID"))
+                   port=free_port("0.0.0.0"), slurm_node_id=os.environ.get("SLURM_NODEID"),
+                   gpu_problems=gpu_problems())
         fenced: str | None = None
         try:
             fenced = self._loop()
@@ -176,9 +178,13 @@ class Agent:
     def _dump_stacks(self, ranks: list[int], faulthandler: list[int]) -> None:
         assert self._ranks is not None
         pids = {r: self._ranks.procs[r].pid for r in ranks if r in self._ranks.procs}
-        dumps = collect_stacks(self._layout, self._attempt, pids, tuple(r for r in faulthandler if r in pids))
+        dumps = collect_stacks(self._layout, self._attempt, pids, tuple(r for r in faulthandler if r in pids),
+                               ranks=tuple(self._ranks.procs))
         self._inbox.put(("stacks", {"paths": list(dumps.paths), "last_steps": [list(p) for p in dumps.last_steps],
-                                    "stacks": {str(r): t[-MAX_STACK_CHARS:] for r, t in dumps.by_rank.items()}}))
+                                    "stacks": {str(r): t[-MAX_STACK_CHARS:] for r, t in dumps.by_rank.items()},
+                                    "flights": {str(r): f for r, f in dumps.flights.items()},
+                                    "states": {str(r): s for r, s in dumps.states.items()},
+                                    "expected": list(dumps.expected)}))
 
     def _forward_heartbeats(self, only: list[int] | None = None) -> None:
         """Send every new heartbeat record of our ranks; at least every BEAT_S, an empty beat (I am alive)."""

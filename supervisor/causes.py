@@ -4,6 +4,9 @@ The stderr is the rank's to write, so nothing in it is trusted: only its tail is
 is cut short and stripped of control characters, and a part that cannot be parsed is simply not used.
 
 What is recognised, in this order:
+- a collective that failed, said near the end (gloo's "Received data size doesn't match expected size", a peer's
+  connection reset, NCCL's watchdog timeout), whether the rank raised or aborted: `collective failed: ...`
+  (`desync: ...` for a mismatch); the culprit is then found from every rank's flight recorder;
 - killed by a signal: `killed by SIGKILL`, plus `(out of memory: ...)` when the caller saw the kernel's
   OOM killer strike (the stderr of a killed process says nothing about who killed it);
 - exit 78 (the rank's settings are invalid): `exited with code 78: <its last line>`, not retryable;
@@ -44,6 +47,11 @@ TRAILING_LINES = 10  # lines a dying interpreter may still print after its trace
 CHAINED = ("During handling of the above exception, another exception occurred:",
            "The above exception was the direct cause of the following exception:")
 DISK_FULL_MARKS = ("No space left on device", "[Errno 28]")
+# A collective that failed: ranks disagreed on it (a desync), or a peer went away or timed out inside it.
+DESYNC_MARKS = ("Received data size doesn't match expected size", "collective mismatch",
+                "Detected mismatch between collectives")
+COLLECTIVE_MARKS = (*DESYNC_MARKS, "Connection reset by peer", "Connection closed by peer",
+                    "Watchdog caught collective operation timeout", "NCCL communicator was aborted", "ncclRemoteError")
 STATE_DICT_MARKS = ("Error(s) in loading state_dict", "size mismatch for", "Missing key(s) in state_dict",
                     "Unexpected key(s) in state_dict")
 _RANK_PREFIX = re.compile(r"^\[rank\d{1,9}\]: ?")
@@ -68,10 +76,11 @@ class CauseKind(Enum):
     ANOMALY = "anomaly"  # an anomaly abort (exit 65): rolled back, bounded by anomaly.max_tries
     CHECKPOINT_REFUSED = "checkpoint_refused"  # exit 66: relaunched from an older checkpoint
     NODE_LOST = "node_lost"  # its node went silent or its node agent died: relaunched without that node
+    COLLECTIVE = "collective"  # a collective failed (a desync, a peer gone): the flight recorders name the culprit
 
 
 # A repeat of these at the same step is the script failing the same way: a crash loop.
-_REPEATABLE = {CauseKind.EXCEPTION, CauseKind.EXIT, CauseKind.OOM, CauseKind.DISK_FULL}
+_REPEATABLE = {CauseKind.EXCEPTION, CauseKind.EXIT, CauseKind.OOM, CauseKind.DISK_FULL, CauseKind.COLLECTIVE}
 # These count toward "no progress" too: a kill or a hang before any step past the resume point.
 _BREAKABLE = _REPEATABLE | {CauseKind.SIGNAL, CauseKind.HANG}
 _NOT_RETRYABLE = {CauseKind.CHECKPOINT_INCOMPATIBLE, CauseKind.CONFIG}
@@ -109,9 +118,12 @@ class Cause:
 def explain(stderr_tail: bytes, returncode: int, *, oom_killed: bool = False,
             library_dirs: tuple[str, ...] = LIBRARY_DIRS) -> Cause:
     """The cause of a rank's non-zero exit, from the tail of its stderr and its returncode (negative: a signal)."""
+    lines = _clean_lines(stderr_tail)
+    aborted_or_exited = returncode > 0 and returncode != EXIT_CONFIG or returncode == -signal.SIGABRT
+    if aborted_or_exited and (failed := _collective_failure(lines, returncode)):
+        return failed
     if returncode < 0:
         return _signal_cause(-returncode, oom_killed)
-    lines = _clean_lines(stderr_tail)
     if returncode == EXIT_CONFIG:
         return _exit_cause(returncode, lines, CauseKind.CONFIG)
     chain = _last_traceback_chain(lines)
@@ -132,6 +144,19 @@ def oom_kill_count(text: str) -> int | None:
         if name == "oom_kill" and value.strip().isdigit():
             return int(value)
     return None
+
+
+def _collective_failure(lines: list[str], returncode: int) -> Cause | None:
+    """A collective failed on this rank, as its last lines say (a rank killed from outside says nothing of it)."""
+    said = [line.strip() for line in lines[-40:] if line.strip()]
+    line = next((line for line in reversed(said) if any(mark in line for mark in COLLECTIVE_MARKS)), None)
+    if line is None:
+        return None
+    mark = next(mark for mark in COLLECTIVE_MARKS if mark in line)
+    kind = "desync" if mark in DESYNC_MARKS else "collective failed"
+    line = line[line.index(mark):] if mark in DESYNC_MARKS else line  # gloo's enforce text before it says nothing
+    how = _signal_cause(-returncode, False).text if returncode < 0 else f"exited with code {returncode}"
+    return Cause(CauseKind.COLLECTIVE, _cap(f"{kind}: {_brief(line)} ({how})"), f"{kind} ({how})")
 
 
 def _signal_cause(signum: int, oom_killed: bool) -> Cause:

@@ -211,6 +211,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "hang.phase_timeouts_s": (lambda v: all(t > 0 for t in v.values()), "a mapping of phases to seconds > 0"),
     "hang.default_timeout_s": (lambda v: v > 0, "more than 0"),
     "hang.stacks_timeout_s": (lambda v: v >= 0, "0 or more"),
+    "hang.flight_recorder": (lambda v: 0 <= v <= 1_000_000, "between 0 (off) and 1000000 collectives"),
     "hang.calibration.multiplier": (lambda v: v >= 1, "at least 1"),
     "hang.calibration.percentile": (lambda v: 0 < v <= 100, "in (0, 100]"),
     "hang.calibration.floor_s": (lambda v: v > 0, "more than 0"),

@@ -13,7 +13,10 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     RUNNING  --ChildExited(EXIT_CHECKPOINT_REFUSED, or killed while leaving; refusal)--> STOPPING (then relaunch
              passing over the refused step, or fail when restarts are exhausted; fail with EXIT_CONFIG if
              worker.resume_training named it)
-    RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang; a crash loop fails)
+    RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang, `hang_suspected`; its
+             verdict, `hang_detected`, once the evidence is in; a crash loop fails)
+    RUNNING  --ChildExited(a collective failed: desync, peer gone)--> STOPPING, stacks stage first: the evidence of
+             the ranks left names the culprit (`culprit_named`), and the failure is charged to it
     RUNNING  --SignalReceived or StopRequested--> RUNNING with a stop order: every rank saves at the agreed
              step, then exits (--all exited 0--> STOPPED) or goes on; no rank reporting steps: STOPPING
     RUNNING  --stop order's timeout (Tick), or a second SIGINT--> STOPPING (then stopped); while a rank is saving,
@@ -21,7 +24,8 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     STOPPING --last rank exited--> BACKOFF | FAILED | STOPPED (EXIT_SAVE_LOST when a rank went down inside a save)
     STOPPING --ChildExited(refusal)--> STOPPING, the refused step passed over from now on
     STOPPING --ChildExited(abort info), a relaunch pending--> STOPPING, the relaunch now a rollback (or fail)
-    STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL);
+    STOPPING stages: STACKS --StacksCollected or deadline--> TERM (SIGTERM) --deadline--> KILL (SIGKILL); ranks all
+    down in STACKS wait for the evidence (their flight recorders may be all there is);
     TERM lasts the kill grace, or until every save in flight is past its save timeout, whichever is later; ranks
     known blocked in a collective (with a lost node's ranks, or behind the hang's culprit) get SIGKILL at once
     STOPPING --deadline in KILL--> FAILED (a rank survived SIGKILL)
@@ -44,7 +48,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from supervisor.causes import Cause, CauseKind, explain_exit
+from supervisor.blame import Verdict
+from supervisor.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_exit
 from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
 from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
 from supervisor.stop_requests import StopRequest, agreed_step
@@ -222,9 +227,9 @@ class StopRequested:
 class StacksCollected:
     """Stack dumps of a hung attempt's ranks were written (`paths`, possibly none).
 
-    `culprit`: the one rank the stacks show outside any collective, if they do; `blocked`: then, the ranks they
-    show inside one (waiting for the culprit); `last_steps`: (rank, step) pairs from the ranks' event logs, truer
-    than the throttled heartbeats.
+    `culprit`: the rank the evidence names, if it does, with `verdict` saying of which class and why, and `node`
+    where it ran (multi-node); `blocked`: then, the ranks the stacks show inside a collective (waiting for the
+    culprit); `last_steps`: (rank, step) pairs from the ranks' event logs, truer than the throttled heartbeats.
     """
 
     attempt: int
@@ -232,6 +237,8 @@ class StacksCollected:
     culprit: int | None = None
     last_steps: tuple[tuple[int, int], ...] = ()
     blocked: tuple[int, ...] = ()
+    verdict: Verdict | None = None
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -276,11 +283,13 @@ class SignalRanks:
 
 @dataclass(frozen=True)
 class DumpStacks:
-    """Collect the Python stacks of every running rank; `faulthandler_ranks` have the worker library's handler."""
+    """Collect the evidence of a hang (stacks, flight recorders) from every running rank; `faulthandler_ranks` have
+    the worker library's handler. `collective_failed`: not a hang, a collective failed (its culprit is sought)."""
 
     attempt: int
     ranks: tuple[int, ...]
     faulthandler_ranks: tuple[int, ...]
+    collective_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -367,7 +376,10 @@ class Hang:
     silent_s: float
     timeout_s: float
     stacks: tuple[str, ...] = ()
-    named_by: str = "heartbeat"  # or "stacks": the only rank outside a collective
+    named_by: str = "heartbeat"  # or what named the culprit: flight_recorder, process_state, stacks
+    cls: str | None = None  # host-side | in-collective | desync | silent (supervisor.blame); None: unknown
+    evidence: str | None = None  # what named it, in one line
+    node: str | None = None  # the host the culprit ran on, in a multi-node run
 
 
 @dataclass(frozen=True)
@@ -583,7 +595,9 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
         state, then, verdict = _after_failure(state)
     others = [r.rank for r in state.ranks if r.rank not in event.lost_with]  # they wait in a collective for them
     blocked = ("blocked in a collective with a lost node", others) if cause.kind is CauseKind.NODE_LOST else None
-    state, stop_actions = _begin_stop(state, then, now, blocked=blocked)
+    # A failed collective's culprit is rarely the first rank to go: the flight recorders of all name it.
+    evidence = cause.kind is CauseKind.COLLECTIVE
+    state, stop_actions = _begin_stop(state, then, now, blocked=blocked, stacks_first=evidence)
     return state, actions + verdict + stop_actions
 
 
@@ -808,7 +822,8 @@ def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = Fa
         running = tuple(r.rank for r in state.ranks if r.running)
         with_handler = tuple(r.rank for r in state.ranks if r.running and r.heartbeat_seq is not None)
         state = replace(state, stop_stage=StopStage.STACKS, deadline=now + state.policy.hang.stacks_timeout_s)
-        return state, [DumpStacks(state.attempt, running, with_handler)]
+        return state, [DumpStacks(state.attempt, running, with_handler, collective_failed=not _hang_of_this_attempt(
+            state))]
     return _terminate(state, now, blocked)
 
 
@@ -857,7 +872,7 @@ def _kill(state: State, now: float) -> tuple[State, list[Action]]:
 def _after_rank_down(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
     actions: list[Action] = [_record("rank_stopped", rank=event.rank, attempt=event.attempt,
                                      description=describe_exit(event.returncode))]
-    if any(r.running for r in state.ranks):
+    if any(r.running for r in state.ranks) or state.stop_stage is StopStage.STACKS:  # the evidence comes first
         return state, actions
     state, more = _all_down(state, now)
     return state, actions + more
@@ -951,27 +966,62 @@ def _continue_order_done(state: State) -> tuple[State, list[Action]]:
 def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tuple[State, list[Action]]:
     if event.attempt != state.attempt or state.stop_stage is not StopStage.STACKS:
         return state, []
-    if state.hang is not None:
+    records = [_record("stacks_collected", attempt=event.attempt, paths=list(event.paths), culprit=event.culprit,
+                       last_steps=dict(event.last_steps))]
+    if _hang_of_this_attempt(state):
+        assert state.hang is not None
         hang = _refine_hang(state, state.hang, event)
         state = _revise_hang_failure(replace(state, hang=hang, last_failure=_hang_failure(hang)), hang)
+        records.append(_hang_record(hang))
+    elif event.verdict is not None and event.verdict.rank is not None:  # a collective failed: its culprit
+        state, named = _blame_crash(state, event.verdict, event.node)
+        records.append(named)
     blocked = (f"blocked in a collective waiting for rank {event.culprit}", event.blocked) if event.blocked else None
-    state, actions = _terminate(state, now, blocked)
-    record = _record("stacks_collected", attempt=event.attempt, paths=list(event.paths), culprit=event.culprit,
-                     last_steps=dict(event.last_steps))
-    return state, [record, *actions]
+    state, actions = _terminate(state, now, blocked) if any(r.running for r in state.ranks) else _all_down(state, now)
+    return state, [*records, *actions]
+
+
+def _hang_of_this_attempt(state: State) -> bool:
+    return state.hang is not None and state.hang.attempt == state.attempt
 
 
 def _refine_hang(state: State, hang: Hang, event: StacksCollected) -> Hang:
-    """What the stacks and event logs know better than heartbeats: who is stuck and at which step."""
+    """What the evidence knows better than heartbeats: who is stuck, why, where, and at which step."""
     steps = dict(event.last_steps)
+    verdict = event.verdict
+    if verdict is not None:  # the class may be known without a rank (two ranks, each in its own version)
+        hang = replace(hang, cls=verdict.cls, evidence=verdict.evidence, named_by=verdict.named_by)
     if event.culprit is None:
         return replace(hang, stacks=event.paths, step=steps.get(hang.rank, hang.step))
     culprit = state.ranks[event.culprit]
     phase = culprit.heartbeat_phase or "launch"
     timeout = state.policy.hang.first_heartbeat_s if phase == "launch" else phase_timeout(
         state.policy.hang, phase, state.step_gaps)
-    return replace(hang, stacks=event.paths, rank=culprit.rank, phase=phase, timeout_s=timeout,
-                   step=steps.get(culprit.rank, culprit.step), named_by="stacks")
+    return replace(hang, stacks=event.paths, rank=culprit.rank, phase=phase, timeout_s=timeout, node=event.node,
+                   step=steps.get(culprit.rank, culprit.step), named_by=hang.named_by if verdict else "stacks")
+
+
+def _hang_record(hang: Hang) -> Record:
+    """The hang's final verdict, for the journal: once the evidence is in, or its time ran out."""
+    return _record("hang_detected", level="error", rank=hang.rank, node=hang.node, attempt=hang.attempt,
+                   phase=hang.phase, step=hang.step, silent_s=round(hang.silent_s, 3), timeout_s=hang.timeout_s,
+                   named_by=hang.named_by, evidence=hang.evidence, cause=_hang_cause(hang).text,
+                   **{"class": hang.cls})
+
+
+def _blame_crash(state: State, verdict: Verdict, node: str | None) -> tuple[State, Record]:
+    """A collective failed: the failure is the culprit's, as its flight recorder names it, not the first to exit."""
+    first = state.failures[-1]
+    where = "" if node is None else f" on {node}"
+    cause = Cause(CauseKind.COLLECTIVE, f"{verdict.cls}: rank {verdict.rank}{where}: {verdict.evidence} "
+                                        f"(first seen as rank {first.rank}: {first.cause.text})"[:MAX_CAUSE_CHARS],
+                  first.cause.same_as)
+    state = replace(state, failures=(*state.failures[:-1], replace(first, rank=verdict.rank, cause=cause, node=node)),
+                    last_failure=f"rank {verdict.rank}{where} ({verdict.cls}) failed a collective in attempt "
+                                 f"{first.attempt}: {verdict.evidence}")
+    return state, _record("culprit_named", level="error", rank=verdict.rank, node=node, attempt=first.attempt,
+                          named_by=verdict.named_by, evidence=verdict.evidence, first_failed=first.rank,
+                          cause=cause.text, **{"class": verdict.cls})
 
 
 def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, list[Action]]:
@@ -1037,8 +1087,9 @@ def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]
         return state, []
     alive = [r.rank for r in state.ranks if r.running]
     if state.stop_stage is StopStage.STACKS:
-        state, actions = _terminate(state, now)
-        return state, [_record("stacks_timed_out", level="warning", ranks=alive), *actions]
+        verdict = [_hang_record(state.hang)] if state.hang is not None and _hang_of_this_attempt(state) else []
+        state, actions = _terminate(state, now) if alive else _all_down(state, now)
+        return state, [_record("stacks_timed_out", level="warning", ranks=alive), *verdict, *actions]
     if state.stop_stage is StopStage.TERM:
         state, actions = _kill(state, now)
         return state, [_record("stop_grace_expired", level="warning", ranks=alive,
@@ -1059,8 +1110,9 @@ def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:
     cause = _hang_cause(hang)
     state = _note_failure(replace(state, hang=hang, last_failure=_hang_failure(hang)), rank.rank, cause, hang.step)
     state, then, verdict = _after_failure(state)
-    record = _record("hang_detected", level="error", rank=rank.rank, attempt=state.attempt, phase=hang.phase,
-                     step=hang.step, silent_s=round(hang.silent_s, 3), timeout_s=hang.timeout_s, cause=cause.text)
+    # The verdict waits for the evidence (StacksCollected): `hang_detected` then names the culprit.
+    record = _record("hang_suspected", level="warning", rank=rank.rank, attempt=state.attempt, phase=hang.phase,
+                     step=hang.step, silent_s=round(hang.silent_s, 3), timeout_s=hang.timeout_s)
     state, stop = _begin_stop(state, then, now, stacks_first=True)
     return state, [record, *verdict, *stop]
 
@@ -1082,9 +1134,10 @@ def _hang_failure(hang: Hang) -> str:
 def _hang_cause(hang: Hang) -> Cause:
     where = "before its first heartbeat" if hang.phase == "launch" else f"in phase {hang.phase}"
     after = "" if hang.step is None else f" after step {hang.step}"
-    named = " (the only rank outside a collective)" if hang.named_by == "stacks" else ""
-    return Cause(CauseKind.HANG, f"hang: rank {hang.rank}{named} silent {where}{after} "
-                                 f"for {hang.silent_s:.1f} s (timeout {hang.timeout_s:g} s)")
+    on = "" if hang.node is None else f" on {hang.node}"
+    named = f" ({hang.cls}: {hang.evidence})" if hang.cls and hang.named_by != "heartbeat" else ""
+    return Cause(CauseKind.HANG, f"hang: rank {hang.rank}{on}{named} silent {where}{after} "
+                                 f"for {hang.silent_s:.1f} s (timeout {hang.timeout_s:g} s)"[:MAX_CAUSE_CHARS])
 
 
 def _revise_hang_failure(state: State, hang: Hang) -> State:

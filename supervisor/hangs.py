@@ -64,6 +64,7 @@ class HangPolicy:
     default_timeout_s: float = 900.0  # phases not named above (custom phases, "done")
     calibration: Calibration = field(default_factory=Calibration)
     stacks_timeout_s: float = 15.0  # how long stack collection may take before the kill goes ahead
+    flight_recorder: int = 2000  # collectives PyTorch's flight recorder keeps per rank (TORCH_FR_BUFFER_SIZE); 0: off
 
     def __post_init__(self) -> None:
         # Naming some phases keeps the defaults of the others.

@@ -23,12 +23,13 @@ import psutil
 from supervisor.causes import oom_kill_count
 from supervisor.config import JobConfig
 from supervisor.core import ChildExited, Event, LaunchFailed, RankState, StacksCollected
+from supervisor.gpu_health import gpu_problems
 from supervisor.ranks import Attempt, Ranks, launch_ranks, rank_envs
 from supervisor.stacks import start_stack_collection
 from supervisor.standby import FILL_AFTER_S, Standby, Standbys
 from supervisor.trees import descendants, reap_orphans, record_pids, sigkill
 from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
-from worker.contract import RunLayout, StopOrder
+from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import atomic_write_json, read_bytes, unlink_quietly
 
 __all__ = ["Isolated", "Launcher", "LocalLauncher", "Spawned", "publish_order"]
@@ -70,8 +71,9 @@ class Launcher(Protocol):
     def signal(self, attempt: int, signum: int, ranks: Collection[int]) -> list[int]:
         """Signal the process group of each of `ranks`; returns those reached."""
 
-    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...]) -> None:
-        """Collect the ranks' Python stacks; posts StacksCollected."""
+    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...], *,
+                    collective_failed: bool = False) -> None:
+        """Collect the ranks' stacks and flight recorders; posts StacksCollected with the verdict."""
 
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
         """SIGKILL what is left of an attempt whose ranks exited (their grandchildren)."""
@@ -157,6 +159,10 @@ class LocalLauncher:
         def on_exit(number: int, rank: int, code: int) -> None:
             self._post(ChildExited(number, rank, code))
 
+        if problems := gpu_problems():  # relaunching on a GPU that needs a reset fails again: another machine
+            self._log.error("gpu_unhealthy", attempt=attempt.number, problems=problems)
+            return LaunchFailed(attempt.number, f"unhealthy GPU on this machine: {'; '.join(problems)}",
+                                retryable=False, exit_code=EXIT_REQUEUE)
         warm = self._take_standbys()
         try:
             self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit, warm)
@@ -180,12 +186,14 @@ class LocalLauncher:
             return []
         return self._ranks.signal(signum, only=ranks.__contains__)
 
-    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...]) -> None:
+    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...], *,
+                    collective_failed: bool = False) -> None:
         if self._ranks is None or self._ranks.attempt != attempt:
             self._post(StacksCollected(attempt, ()))
             return
         pids = {rank: self._ranks.procs[rank].pid for rank in ranks}
-        start_stack_collection(self._layout, attempt, pids, faulthandler_ranks, self._post)
+        start_stack_collection(self._layout, attempt, pids, faulthandler_ranks, self._post,
+                               ranks=tuple(self._ranks.procs), collective_failed=collective_failed)
 
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
         """SIGKILL every descendant that is not a rank leader or a standby; report (from a thread) any that survives."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -98,8 +99,10 @@ def rank_argv(config: JobConfig) -> list[str]:
 
 def contract_env(config: JobConfig, layout: RunLayout, place: Placement, attempt: Attempt, *,
                  master_addr: str, port: int) -> dict[str, str]:
-    """The variables torchrun would set for this rank, trainwarden's contract variables, and the config's `env:`."""
+    """The variables torchrun would set for this rank, trainwarden's contract variables, the config's `env:`, and
+    the collective settings (`collective_env`)."""
     return {
+        **collective_env(config, layout, place.rank, attempt.number),
         **config.env,
         "RANK": str(place.rank), "LOCAL_RANK": str(place.local_rank), "GROUP_RANK": str(place.group_rank),
         "ROLE_RANK": str(place.rank), "WORLD_SIZE": str(place.world_size),
@@ -113,6 +116,23 @@ def contract_env(config: JobConfig, layout: RunLayout, place: Placement, attempt
         ENV_WORKER_CONFIG: config.worker.to_env(),
         ENV_SKIP_TO_BATCH: "" if attempt.skip_to_batch is None else str(attempt.skip_to_batch),
     }
+
+
+def collective_env(config: JobConfig, layout: RunLayout, rank: int, attempt: int) -> dict[str, str]:
+    """PyTorch's flight recorder and NCCL's error handling, where this machine's environment does not set them (the
+    config's `env:` overrides both). Why each: README, "Hangs"."""
+    hang = config.hang
+    longest = max([*hang.phase_timeouts_s.values(), hang.default_timeout_s, hang.first_heartbeat_s])
+    settings = {
+        "TORCH_FR_BUFFER_SIZE": str(hang.flight_recorder),  # what the culprit is named from
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective ends the process, no cleanup
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if hang.flight_recorder else "0",  # NCCL's own dump at its timeout
+        "TORCH_NCCL_ENABLE_TIMING": "1" if hang.flight_recorder else "0",  # start states: a stuck device's rank
+        "TORCH_FR_DUMP_TEMP_FILE": str(layout.rank_dir(rank) / f"nccl_trace_attempt_{attempt}_rank_"),
+        # NCCL's watchdog monitor must not end a rank before trainwarden has declared the hang and taken evidence.
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(math.ceil(longest + hang.stacks_timeout_s + config.stop.kill_grace_s)),
+    }
+    return {key: value for key, value in settings.items() if key not in os.environ}
 
 
 def local_env(contract: dict[str, str]) -> dict[str, str]:

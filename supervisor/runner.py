@@ -428,7 +428,8 @@ class Supervisor:
         elif isinstance(action, LaunchRanks):
             threading.Thread(target=self._prepare_launch, args=(action,), daemon=True).start()
         elif isinstance(action, DumpStacks):
-            self._launcher.dump_stacks(action.attempt, action.ranks, action.faulthandler_ranks)
+            self._launcher.dump_stacks(action.attempt, action.ranks, action.faulthandler_ranks,
+                                       collective_failed=action.collective_failed)
         elif isinstance(action, KillLeftovers):
             survivors = [r for r in self.state.ranks if r.running and r.pid is not None]
             self._launcher.kill_leftovers(action.attempt, survivors)

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from supervisor import slurmctl
+from supervisor.blame import IN_COLLECTIVE, SILENT
 from supervisor.causes import Cause, CauseKind
 from supervisor.config import JobConfig
 from supervisor.core import ChildExited, Event, HeartbeatSeen, LaunchFailed, RankState, SignalReceived, StacksCollected
@@ -42,7 +43,7 @@ from supervisor.lease import ABDICATED, RELEASED, Lease
 from supervisor.lease import read as read_lease
 from supervisor.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
 from supervisor.ranks import Attempt, Placement, contract_env, rank_argv
-from supervisor.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, blocked_behind, outside_collectives
+from supervisor.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, StackDumps, judge
 from supervisor.succession import Succession
 from supervisor.watch import progress_fields
 from supervisor.wire import Peer, WireError
@@ -58,6 +59,9 @@ SIGNAL_DEDUP_S = 5.0  # Slurm signals every node's agent at once: one stop reque
 MAX_HELLO_WAIT_S = 10.0  # a connection that says nothing for this long is dropped
 STEP_END_WAIT_S = 3.0  # an agent gone before launch: this long for srun to say the whole step failed
 SRUN_LOG_TAIL = 4096
+# A hang's culprit charges its node when the node is the likely cause: its device, link or kernel (a collective that
+# never completed there, a frozen process); a host-side hang or a desync is the program's, the same on any node.
+CHARGED_CLASSES = (IN_COLLECTIVE, SILENT)
 
 
 def in_allocation() -> bool:
@@ -162,6 +166,7 @@ class SlurmLauncher:
         self._srun: list[subprocess.Popen] = []
         self._hello_deadline: float | None = None
         self._stacks_deadline: float | None = None
+        self._collective_failed = False  # the stacks sought are a failed collective's, not a hang's
         self._checking_link = False
         self._ended_early: dict[str, tuple[str, float]] = {}  # node -> (why, until): its stream ended before launch
         self._signalled = False  # the supervisor signalled this attempt's ranks: later deaths are its doing
@@ -408,6 +413,13 @@ class SlurmLauncher:
             peer.send({"type": "exit"})  # a late agent of an older attempt, or a node not in this one
             peer.close()
             return []
+        problems = hello.get("gpu_problems")
+        if isinstance(problems, list) and problems:  # NVML on that node says a GPU needs a reset: not this attempt
+            peer.send({"type": "exit"})
+            peer.close()
+            said = [str(p)[:200] for p in problems[:16]]
+            self._log.error("gpu_unhealthy", node=node.name, attempt=attempt, problems=said)
+            return self._lose(node, f"unhealthy GPU: {'; '.join(said)}")
         port = hello.get("port")
         node.peer, node.address, node.heard = peer, peer.address, time.monotonic()
         node.port = port if type(port) is int and 0 < port < 65536 else None
@@ -580,7 +592,9 @@ class SlurmLauncher:
         self._signalled = True
         return self._send(ranks, lambda mine: {"type": "signal", "signum": signum, "ranks": mine})
 
-    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...]) -> None:
+    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...], *,
+                    collective_failed: bool = False) -> None:
+        self._collective_failed = collective_failed
         if attempt != self._attempt:
             self._post(StacksCollected(attempt, ()))
             return
@@ -598,18 +612,18 @@ class SlurmLauncher:
         if self._stacks_deadline is None or (not timed_out and any(n.stacks is None for n in self._nodes.values())):
             return []
         self._stacks_deadline = None
-        paths, by_rank, last_steps = [], {}, []
+        merged = StackDumps((), {}, ())
         for node in self._nodes.values():
-            got = node.stacks or {}
-            paths += [str(p) for p in got.get("paths", [])]
-            by_rank.update({int(r): str(t) for r, t in got.get("stacks", {}).items() if int(r) in node.ranks})
-            last_steps += [(int(r), int(s)) for r, s in got.get("last_steps", []) if int(r) in node.ranks]
-        culprit = outside_collectives(by_rank)
-        suspect = next((n for n in self._nodes.values() if culprit in n.ranks), None)
-        if suspect is not None:
-            self._charge(suspect.name, f"hang: rank {culprit} was the one rank outside a collective", "failed")
-        return [StacksCollected(self._attempt or 0, tuple(sorted(paths)), culprit=culprit,
-                                last_steps=tuple(last_steps), blocked=blocked_behind(by_rank, culprit))]
+            merged = _merge(merged, node.stacks or {}, set(node.ranks))
+        verdict, blocked = judge(tuple(sorted(r for n in self._nodes.values() for r in n.ranks)), merged,
+                                 collective_failed=self._collective_failed)
+        suspect = None if verdict is None else next((n for n in self._nodes.values() if verdict.rank in n.ranks), None)
+        if suspect is not None and verdict is not None and verdict.cls in CHARGED_CLASSES:
+            what = "collective failed" if self._collective_failed else "hang"
+            self._charge(suspect.name, f"{what}: rank {verdict.rank} {verdict.cls}: {verdict.evidence}", "failed")
+        return [StacksCollected(self._attempt or 0, merged.paths, culprit=None if verdict is None else verdict.rank,
+                                last_steps=merged.last_steps, blocked=blocked, verdict=verdict,
+                                node=None if suspect is None else suspect.name)]
 
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
         """Each agent kills its ranks' grandchildren itself before it reports done."""
@@ -718,6 +732,21 @@ def _nodelist_at_start() -> list[str]:
         return slurmctl.hostnames(nodelist) if nodelist else []
     except slurmctl.SlurmError:
         return []
+
+
+def _merge(dumps: StackDumps, got: dict[str, Any], ranks: set[int]) -> StackDumps:
+    """`dumps` with one node agent's stacks message added (only what it says of its own ranks)."""
+    def mine(key: str) -> dict[int, Any]:
+        found = got.get(key)
+        return {int(r): v for r, v in found.items() if str(r).isdigit() and int(r) in ranks} \
+            if isinstance(found, dict) else {}
+    return StackDumps(
+        tuple(sorted({*dumps.paths, *(str(p) for p in got.get("paths", []))})),
+        {**dumps.by_rank, **{r: str(t) for r, t in mine("stacks").items()}},
+        (*dumps.last_steps, *((int(r), int(s)) for r, s in got.get("last_steps", []) if int(r) in ranks)),
+        {**dumps.flights, **{r: f for r, f in mine("flights").items() if isinstance(f, dict)}},
+        {**dumps.states, **{r: str(s) for r, s in mine("states").items()}},
+        tuple(sorted({*dumps.expected, *(int(r) for r in got.get("expected", []) if int(r) in ranks)})))
 
 
 def _route_address(node: str) -> str:

@@ -1,8 +1,10 @@
-"""Stack dumps of hung ranks, collected off the main thread before anything is killed.
+"""Evidence from hung ranks, collected off the main thread before anything is killed, and the verdict on it.
 
-Two sources: faulthandler inside each rank (the worker library registers it for STACK_DUMP_SIGNAL; it
+Stacks from two sources: faulthandler inside each rank (the worker library registers it for STACK_DUMP_SIGNAL; it
 dumps every thread even while the main thread is stuck in a C++ collective), and `py-spy dump` from
 outside when py-spy is installed (it needs no cooperation, so it also covers scripts without the library).
+With the stacks, a worker-library rank writes its flight recorder (`worker.flight`); and each rank's process
+state is read before it is signalled (a frozen rank is woken to dump). `supervisor.blame` names the culprit.
 """
 
 from __future__ import annotations
@@ -17,24 +19,24 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from supervisor.blame import Verdict, blocked_behind, name_culprit, parse_flight, trim_flight
 from supervisor.core import StacksCollected
 from supervisor.rank_logs import last_step
 from worker.contract import STACK_DUMP_SIGNAL, RunLayout
-from worker.files import atomic_write_bytes, open_regular
+from worker.files import atomic_write_bytes, open_regular, read_json
 
-__all__ = ["StackDumps", "blocked_behind", "collect_stacks", "find_pyspy", "outside_collectives",
-           "start_stack_collection"]
+__all__ = ["StackDumps", "collect_stacks", "find_pyspy", "judge", "start_stack_collection"]
 
 PYSPY_TIMEOUT_S = 10.0
-FAULTHANDLER_WAIT_S = 2.0
+FAULTHANDLER_WAIT_S = 2.0  # for a rank's stacks and its flight recorder: one that has written neither is evidence
 MAX_DUMP_BYTES = 1 << 20  # one dump of every thread is a few KiB; the file is the rank's to write
-# Frames of a rank waiting for its peers: inside a collective, or in backward where DDP all-reduces.
-_COLLECTIVE_FRAMES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
+MAX_FLIGHT_BYTES = 16 << 20  # a flight recorder of 2,000 collectives is about 1.5 MB of JSON
 
 
 def find_pyspy() -> str | None:
@@ -43,80 +45,98 @@ def find_pyspy() -> str | None:
     return shutil.which("py-spy", path=search)
 
 
-def start_stack_collection(
-    layout: RunLayout,
-    attempt: int,
-    pids: dict[int, int],
-    faulthandler_ranks: tuple[int, ...],
-    post: Callable[[object], None],
-) -> None:
-    """Collect stacks of `pids` (rank -> leader pid) in a thread; posts StacksCollected when done."""
-    args = (layout, attempt, pids, faulthandler_ranks, post)
+def start_stack_collection(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler_ranks: tuple[int, ...],
+                           post: Callable[[object], None], *, ranks: tuple[int, ...] = (),
+                           collective_failed: bool = False) -> None:
+    """Collect the evidence of `pids` (rank -> leader pid) in a thread; posts StacksCollected with the verdict.
+
+    `ranks`: every rank of the attempt on this machine (an exited one may have left its flight recorder)."""
+    args = (layout, attempt, pids, faulthandler_ranks, post, ranks, collective_failed)
     threading.Thread(target=_collect, args=args, daemon=True, name=f"stacks-a{attempt}").start()
 
 
 def _collect(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler_ranks: tuple[int, ...],
-             post: Callable[[object], None]) -> None:
+             post: Callable[[object], None], ranks: tuple[int, ...], collective_failed: bool) -> None:
     dumps = StackDumps((), {}, ())
     try:
-        dumps = collect_stacks(layout, attempt, pids, faulthandler_ranks)
+        dumps = collect_stacks(layout, attempt, pids, faulthandler_ranks, ranks=ranks)
     finally:
-        culprit = outside_collectives(dumps.by_rank)
-        post(StacksCollected(attempt, dumps.paths, culprit=culprit, last_steps=dumps.last_steps,
-                             blocked=blocked_behind(dumps.by_rank, culprit)))
+        verdict, blocked = judge(tuple(sorted({*pids, *ranks})), dumps, collective_failed=collective_failed)
+        post(StacksCollected(attempt, dumps.paths, culprit=None if verdict is None else verdict.rank,
+                             last_steps=dumps.last_steps, blocked=blocked, verdict=verdict))
 
 
 @dataclass(frozen=True)
 class StackDumps:
-    """What one collection found: the dump files written, each rank's stack text, and the step each rank logged."""
+    """What one collection found: the dump files written, each rank's stack text, the step each rank logged, each
+    rank's flight recorder (trimmed, as `trim_flight` cuts it), each rank's process state before it was signalled,
+    and the ranks expected to write a flight recorder."""
 
     paths: tuple[str, ...]
     by_rank: dict[int, str]
     last_steps: tuple[tuple[int, int], ...]
+    flights: dict[int, dict] = field(default_factory=dict)
+    states: dict[int, str] = field(default_factory=dict)
+    expected: tuple[int, ...] = ()
 
 
-def collect_stacks(layout: RunLayout, attempt: int, pids: dict[int, int],
-                   faulthandler_ranks: tuple[int, ...]) -> StackDumps:
-    """Dump the stacks of `pids` (rank -> leader pid, on this machine): faulthandler, then py-spy if installed."""
+def judge(ranks: tuple[int, ...], dumps: StackDumps, *, collective_failed: bool = False
+          ) -> tuple[Verdict | None, tuple[int, ...]]:
+    """The verdict on a hung attempt's `ranks` (or one where a collective failed) from what was collected, and the
+    ranks blocked behind its culprit."""
+    verdict = name_culprit(ranks, flights={r: parse_flight(f) for r, f in dumps.flights.items()},
+                           expected=ranks if collective_failed else dumps.expected, stacks=dumps.by_rank,
+                           states=dumps.states, collective_failed=collective_failed)
+    return verdict, blocked_behind(dumps.by_rank, None if verdict is None else verdict.rank)
+
+
+def collect_stacks(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler_ranks: tuple[int, ...], *,
+                   ranks: tuple[int, ...] = ()) -> StackDumps:
+    """Dump the stacks of `pids` (rank -> leader pid, on this machine): faulthandler, then py-spy if installed; and
+    read the flight recorders of `ranks` and `pids`: the ones faulthandler ranks write now, and older ones."""
+    states = {rank: _state(pid) for rank, pid in pids.items()}  # before any signal wakes a frozen one
     dumps: dict[str, str] = {}  # path -> the text this collection added
     before = {rank: _size(layout.stack_dump(rank, attempt)) for rank in faulthandler_ranks}
     for rank in faulthandler_ranks:
         _request_dump(pids[rank])
     pyspy = find_pyspy()
-    if pyspy is not None:
-        for rank, pid in pids.items():
-            if text := _pyspy_dump(pyspy, pid, layout.pyspy_dump(rank, attempt), layout.root):
-                dumps[str(layout.pyspy_dump(rank, attempt))] = text
+    if pyspy is not None:  # one py-spy per rank at once: each takes a while to attach
+        with ThreadPoolExecutor(max_workers=min(8, len(pids) or 1)) as pool:
+            texts = pool.map(lambda item: (item[0], _pyspy_dump(pyspy, item[1], layout.pyspy_dump(item[0], attempt),
+                                                                layout.root)), pids.items())
+            dumps.update({str(layout.pyspy_dump(rank, attempt)): text for rank, text in texts if text})
     deadline = time.monotonic() + FAULTHANDLER_WAIT_S
     for rank, size in before.items():
-        path = layout.stack_dump(rank, attempt)
-        while _size(path) <= size and time.monotonic() < deadline:
+        path, flight = layout.stack_dump(rank, attempt), layout.flight_dump(rank, attempt)
+        # One collection per attempt: a record there already was written as its rank raised (it is on its way out).
+        while (_size(path) <= size or _mtime(flight) is None) and time.monotonic() < deadline \
+                and _state(pids[rank]) not in ("zombie", "gone"):  # a rank that exited will write nothing more
             time.sleep(0.05)
         if _size(path) > size:
             dumps[str(path)] = _read_from(path, size)
     by_rank = {rank: "".join(t for p, t in dumps.items() if Path(p).parent.name == f"rank_{rank}") for rank in pids}
     last_steps = tuple((rank, step) for rank in pids if (step := last_step(layout, rank, attempt)) is not None)
-    return StackDumps(tuple(sorted(dumps)), by_rank, last_steps)
+    flights = {rank: flight for rank in sorted({*pids, *ranks})
+               if (flight := _read_flight(layout.flight_dump(rank, attempt))) is not None}
+    # Uninterruptible sleep counts only if it lasted the whole collection: a rank writing a file passes through it.
+    states = {rank: state if state != "disk-sleep" or _state(pids[rank]) == state else "was-disk-sleep"
+              for rank, state in states.items()}
+    return StackDumps(tuple(sorted(dumps)), by_rank, last_steps, flights, states, tuple(sorted(faulthandler_ranks)))
 
 
-def blocked_behind(stacks: dict[int, str], culprit: int | None) -> tuple[int, ...]:
-    """With a culprit named, the other ranks whose stacks show them inside a collective (waiting for it)."""
-    if culprit is None:
-        return ()
-    return tuple(sorted(rank for rank, text in stacks.items()
-                        if rank != culprit and text and any(m in text for m in _COLLECTIVE_FRAMES)))
-
-
-def outside_collectives(stacks: dict[int, str]) -> int | None:
-    """The one rank whose stacks show no collective or backward frame, when all others are inside one.
-
-    In a collective hang every peer waits inside the collective; the rank that is elsewhere is the cause.
-    """
-    dumped = {rank: text for rank, text in stacks.items() if text}
-    if len(dumped) < 2:
+def _read_flight(path: Path) -> dict | None:
+    """A rank's flight recorder dump, trimmed; None when there is none or it is not JSON."""
+    try:
+        return trim_flight(read_json(path, MAX_FLIGHT_BYTES))
+    except (OSError, ValueError):
         return None
-    outside = [rank for rank, text in dumped.items() if not any(m in text for m in _COLLECTIVE_FRAMES)]
-    return outside[0] if len(outside) == 1 else None
+
+
+def _state(pid: int) -> str:
+    try:
+        return str(psutil.Process(pid).status())
+    except psutil.Error:
+        return "gone"
 
 
 def _request_dump(pid: int) -> None:
@@ -156,6 +176,13 @@ def _read_from(path: Path, offset: int) -> str:
         return os.pread(fd, MAX_DUMP_BYTES, offset).decode(errors="replace")
     finally:
         os.close(fd)
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def _size(path: Path) -> int:

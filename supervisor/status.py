@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from supervisor.core import Failure, State
+from supervisor.core import Failure, Hang, State
 from supervisor.goodput import describe as describe_goodput
 from supervisor.hangs import TRAIN_PHASE, phase_timeout
 from supervisor.lease import LOCAL_TTL_S, newest, pid_alive
@@ -28,6 +28,13 @@ def _resumed_from(state: State) -> dict[str, Any] | None:
         return None
     source = {} if state.resume_source is None else {"source": state.resume_source}
     return {"step": state.resume_step, **source}
+
+
+def _hang(hang: Hang) -> dict[str, Any]:
+    """The hang as the journal's `hang_detected` names it (`class`, not the field's `cls`)."""
+    fields = asdict(hang)
+    cls = fields.pop("cls")
+    return {**fields, "silent_s": round(hang.silent_s, 3), "class": cls}
 
 
 def _failure(failure: Failure) -> dict[str, Any]:
@@ -54,7 +61,7 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "heartbeat_mode": state.policy.hang.heartbeat,
         "resumed_from": _resumed_from(state),
         "passed_over": [{"step": step, "reason": reason} for step, reason in state.resume_passed_over],
-        "hang": None if state.hang is None else {**asdict(state.hang), "silent_s": round(state.hang.silent_s, 3)},
+        "hang": None if state.hang is None else _hang(state.hang),
         "rollback": None if state.rollback is None else asdict(state.rollback),
         "stop_order": None if state.stop_order is None else {**asdict(state.stop_order), "source": state.stop_source},
         "stopped_at": None if state.stopped_at is None else {"step": state.stopped_at, "source": state.stop_source},
@@ -146,10 +153,12 @@ def render(status: dict[str, Any]) -> str:
               f"above the other ranks' median ({slow['median_s']:.3g} s)" for slow in status.get("stragglers") or []]
     if hang := status.get("hang"):
         stacks = ", ".join(hang["stacks"]) or "none collected"
-        named = " (the only rank outside a collective)" if hang.get("named_by") == "stacks" else ""
-        lines.append(f"  hang in attempt {hang['attempt']}: rank {hang['rank']}{named} in phase {hang['phase']} "
+        on = f" on {hang['node']}" if hang.get("node") else ""
+        lines.append(f"  hang in attempt {hang['attempt']}: rank {hang['rank']}{on} in phase {hang['phase']} "
                      f"after step {hang['step']}; the job was silent {hang['silent_s']:.1f} s "
                      f"(timeout {hang['timeout_s']:g} s)")
+        if hang.get("class"):
+            lines.append(f"  culprit: {hang['class']}, named by {hang.get('named_by')}: {hang.get('evidence')}")
         lines.append(f"  stacks: {stacks}")
     if rollback := status.get("rollback"):
         abort = rollback["abort"]

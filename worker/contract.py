@@ -207,6 +207,10 @@ class RunLayout:
         """faulthandler's dump of every thread, written by the rank itself on STACK_DUMP_SIGNAL."""
         return self.rank_dir(rank) / f"stacks_attempt_{attempt}.txt"
 
+    def flight_dump(self, rank: int, attempt: int) -> Path:
+        """The rank's flight recorder (JSON), written by a helper thread when its stacks are dumped (worker.flight)."""
+        return self.rank_dir(rank) / f"flight_recorder_attempt_{attempt}.json"
+
     def pyspy_dump(self, rank: int, attempt: int) -> Path:
         """`py-spy dump` of the rank, taken from outside by the supervisor."""
         return self.rank_dir(rank) / f"pyspy_attempt_{attempt}.txt"

@@ -17,6 +17,14 @@ Kinds:
 - `hang`: after step STEP the rank sleeps forever, so its peers block in the next step's all-reduce.
 - `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
 - `sigstop`: the rank freezes itself with SIGSTOP after step STEP (as `kill -STOP` from outside would).
+- `dataloader_hang`: after step STEP the rank waits forever for a batch from a DataLoader worker process that
+  never delivers one (a stuck read, a dead filesystem), so its peers block in the next step's all-reduce.
+- `stall_in_collective`: the step guard's all-reduce of step STEP never completes on this rank, as if its device
+  or link stalled: its completion is stuck in the communication thread, so its peers complete that collective and
+  wait in the next one while this rank waits inside it (needs `guard_step`).
+- `extra_collective`: before the step guard's all-reduce of step STEP the rank issues one more all-reduce of
+  another size, a desync: its peers' next collective meets it (gloo aborts or hangs; NCCL hangs).
+- `collective_sizes`: the step guard's all-reduce of step STEP has one element fewer on this rank, a desync.
 - `slow_save`: the checkpoint save of step STEP takes ARG seconds longer (default 5).
 - `slow`: a straggler: from step STEP on, every step's compute takes ARG seconds longer on this rank (default
   0.05; at most 3600), before the step guard's all-reduce, so its peers wait for it there (needs `guard_step`).
@@ -37,6 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from worker.files import ensure_dir, open_append
 
@@ -45,7 +54,8 @@ __all__ = ["ENV_FAULTS", "ENV_FAULTS_ONCE", "KINDS", "Fault", "FaultPlan", "hang
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
 ENV_FAULTS_ONCE = "TRAINWARDEN_FAULTS_ONCE"
 KINDS = ("sigkill", "sigkill_in_save", "sigkill_after_save", "hang", "hang_in_save", "sigstop", "slow_save",
-         "slow", "spike", "nan", "sdc", "sigkill_in_async_write", "hang_in_async_write")
+         "slow", "spike", "nan", "sdc", "sigkill_in_async_write", "hang_in_async_write", "dataloader_hang",
+         "stall_in_collective", "extra_collective", "collective_sizes")
 GRADIENT_KINDS = ("spike", "nan")
 SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
 MAX_SLOW_S = 3600.0
@@ -129,6 +139,25 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGSTOP)
         if self.due("hang", step):
             hang_forever()
+        if self.due("dataloader_hang", step):
+            _wait_for_a_stuck_dataloader()
+
+    def all_reduce(self, tensor: Any, op: Any, step: int) -> None:
+        """The step guard's all-reduce of `step`, with this rank's collective fault of that step, if any."""
+        import torch
+        import torch.distributed as dist
+
+        if not self._due:
+            dist.all_reduce(tensor, op=op)
+        elif self.due("extra_collective", step):
+            dist.all_reduce(torch.zeros(tensor.numel() + 3, dtype=tensor.dtype, device=tensor.device), op=op)
+            dist.all_reduce(tensor, op=op)
+        elif self.due("collective_sizes", step):
+            dist.all_reduce(tensor[:-1], op=op)
+        elif self.due("stall_in_collective", step):
+            _stalled_all_reduce(tensor, op)
+        else:
+            dist.all_reduce(tensor, op=op)
 
     def in_compute(self, step: int) -> None:
         """Fire the faults that strike inside each step's compute, before the step guard's all-reduce."""
@@ -185,6 +214,35 @@ class FaultPlan:
 
 def _mark(folder: Path, fault: Fault) -> Path:
     return folder / f"fault_fired_{fault.kind}_{fault.step}"
+
+
+def _stalled_all_reduce(tensor: Any, op: Any) -> None:
+    """An all-reduce that never completes on this rank, as a stalled device or link leaves it."""
+    import torch
+    import torch.distributed as dist
+
+    if tensor.is_cuda:  # the device stalls: a kernel that spins for years, NCCL's collective queued behind it
+        torch.cuda._sleep(1 << 62)
+        dist.all_reduce(tensor, op=op)
+        tensor.tolist()  # waits for the device
+    else:  # the completion callback runs on gloo's communication thread before the work counts as completed
+        dist.all_reduce(tensor, op=op, async_op=True).get_future().then(lambda _: hang_forever()).wait()
+
+
+class _StuckDataset:
+    """A dataset whose every item takes forever to read (a DataLoader worker process calls it)."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> Any:
+        hang_forever()
+
+
+def _wait_for_a_stuck_dataloader() -> None:
+    from torch.utils.data import DataLoader
+
+    next(iter(DataLoader(_StuckDataset(), num_workers=1)))  # type: ignore[arg-type]
 
 
 def hang_forever() -> None:

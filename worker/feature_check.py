@@ -47,8 +47,9 @@ class FeatureValueCheck:
     """Check points on one rank's model, their histories, and the per-step verdict."""
 
     def __init__(self, model: Any, config: FeatureValueConfig, *, log: Any, faults: FaultPlan,
-                 rank: int, attempted_step: Callable[[], int]) -> None:
+                 rank: int, attempted_step: Callable[[], int], on_leave: Callable[[], None] = lambda: None) -> None:
         self.config, self._log, self._faults, self._rank = config, log, faults, rank
+        self._on_leave = on_leave  # an abort's teardown takes a while: the heartbeat says this rank is leaving
         self._attempted_step = attempted_step  # the step the current backward pass belongs to
         layers = checked_layers(model, config.layers) if config.level > 0 else []
         self.names = [name for name, _ in layers]
@@ -145,6 +146,7 @@ class FeatureValueCheck:
         self._log.error("anomaly_abort", cause="feature_value", step=step, batch=batch, consecutive=1,
                         first_anomaly_step=step, first_anomaly_batch=batch, suspect_ranks=suspect_ranks,
                         local=local is not None, **details, **self.config.thresholds())
+        self._on_leave()
         leave(EXIT_ANOMALY)
 
     def state_dict(self) -> dict[str, dict[str, Any]]:

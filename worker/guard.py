@@ -12,7 +12,7 @@ clock says so, every rank saves) and a GradScaler overflow (the scaler skips the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,8 @@ class _Agreed:
 class StepGuard:
     """Checks each step's gradients and loss; skips anomalous steps and aborts a streak of them."""
 
-    def __init__(self, config: WorkerConfig, *, log: Any, faults: FaultPlan, world_size: int, rank: int = 0) -> None:
+    def __init__(self, config: WorkerConfig, *, log: Any, faults: FaultPlan, world_size: int, rank: int = 0,
+                 on_leave: Callable[[], None] = lambda: None) -> None:
         monitor = config.monitor_config
         skip_on_norm = config.use_skip_data_by_global_norm and monitor.monitor_on
         self.threshold = monitor.global_norm_spike_threshold if skip_on_norm else None
@@ -59,6 +60,7 @@ class StepGuard:
         self.skipped = 0  # batches skipped, anomalies and AMP overflows alike
         self.anomalies: dict[str, int] = {}  # what this rank saw itself, by kind: the heartbeat reports it
         self._log, self._faults, self._world_size, self._rank = log, faults, world_size, rank
+        self._on_leave = on_leave  # an abort's teardown takes a while: the heartbeat says this rank is leaving
 
     def check(
         self, params: Iterable[Any], loss: float, *, step: int, batch: int, max_norm: float,
@@ -78,7 +80,7 @@ class StepGuard:
         grad_norm = _whole(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
         overflow = amp_scaling and not math.isfinite(grad_norm) and math.isfinite(loss)
         verdict = LocalVerdict() if overflow else self.detector.judge(loss, grad_norm)
-        agreed = self._agree(verdict.anomalous, overflow, save_due, grads, feature_fault, order_id)
+        agreed = self._agree(verdict.anomalous, overflow, save_due, grads, feature_fault, order_id, step)
         if agreed.suspects:
             return Verdict(False, grad_norm, agreed.suspects, agreed.orders)
         self.skipped += agreed.anomaly or agreed.overflow
@@ -112,7 +114,7 @@ class StepGuard:
             grads[0].grad.view(-1)[0] = float("nan")
 
     def _agree(self, anomaly: bool, overflow: bool, save_due: bool, grads: list[Any], feature_fault: bool | None,
-               order_id: int) -> _Agreed:
+               order_id: int, step: int) -> _Agreed:
         """Every local flag made job-wide (any rank's counts; feature faults per rank; the lowest and highest
         stop-order id held): one all-reduce, none when alone."""
         import torch
@@ -124,7 +126,7 @@ class StepGuard:
         if feature_fault is not None:  # one slot per rank, so the MAX keeps every rank that saw a fault
             values += [1.0 if feature_fault and rank == dist.get_rank() else 0.0 for rank in range(self._world_size)]
         flags = torch.tensor(values, dtype=torch.float64, device=grads[0].device if grads else torch.device("cpu"))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self._faults.all_reduce(flags, dist.ReduceOp.MAX, step)
         seen = flags.tolist()  # the one host transfer
         suspects = tuple(rank for rank, flag in enumerate(seen[5:]) if flag > 0)
         return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, suspects, (int(-seen[3]), int(seen[4])))
@@ -136,6 +138,7 @@ class StepGuard:
                         count_threshold=self.count_threshold,
                         first_anomaly_step=self.detector.first_anomaly_step,
                         first_anomaly_batch=batch - self.detector.consecutive + 1)
+        self._on_leave()
         leave(EXIT_ANOMALY)
 
 

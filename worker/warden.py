@@ -49,6 +49,7 @@ from worker.faults import FaultPlan
 from worker.feature_check import FeatureValueCheck
 from worker.feature_rule import with_env
 from worker.files import open_append
+from worker.flight import FlightRecorderDumps
 from worker.guard import StepGuard
 from worker.heartbeat import Heartbeat
 from worker.manifest import ManifestError, remove_sharded
@@ -121,7 +122,7 @@ class Warden:
         self._stopping = False  # a stop order was carried out and the loop asked about it: the loop ends
         self._loop_asks = False  # the loop reads `should_stop` (or runs `steps()`): a stop returns to it
         self._guard = StepGuard(self.config, log=self.log, faults=self._faults, world_size=self.world_size,
-                                rank=self.rank)
+                                rank=self.rank, on_leave=self._leaving)
         self._features = self._feature_value_check()
         self._heartbeat.anomalies = self._guard.anomalies  # one dict: the guard counts, the heartbeat reports
         self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
@@ -130,6 +131,8 @@ class Warden:
         self._compute_since = self._last_step_end  # a step's compute starts here: after the last step or phase
         self._compute_s: float | None = None  # this step's, from guard_step to step_done (None: no guard_step)
         self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt), self.layout.root)
+        self._flight = None if self._stacks is None else FlightRecorderDumps(
+            self._stacks, self.layout.flight_dump(self.rank, self.attempt), self.layout.root)
         self._term_pending = False  # a SIGTERM arrived during a save; it takes effect when the save is done
         self._orders = StopOrders(self.layout.stop_order)
         self._obeyed: int | None = None  # id of the last stop order carried out
@@ -427,7 +430,7 @@ class Warden:
         for problem in problems:
             self.log.warning("feature_value_env_invalid", problem=problem)
         return FeatureValueCheck(self.model, config, log=self.log, faults=self._faults, rank=self.rank,
-                                 attempted_step=lambda: self.step + 1)
+                                 attempted_step=lambda: self.step + 1, on_leave=self._leaving)
 
     def _judge_unguarded(self) -> None:
         """Without guard_step a fault is seen after the optimizer step, still before this step's checkpoint."""
@@ -606,13 +609,20 @@ class Warden:
         else:
             self._close()
 
+    def _leaving(self) -> None:
+        """About to exit on an abort: the heartbeat says so, so a slow interpreter teardown is not taken for a hang."""
+        self._heartbeat.beat(self.step, "done", force=True)
+
     def _close(self) -> None:
         self._features.close()
         self._log_stream.close()
         if self._previous_term is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             _install_handler(signal.SIGTERM, self._previous_term)
+        if self._flight is not None:
+            self._flight.close()
         if self._stacks is not None:
             faulthandler.unregister(STACK_DUMP_SIGNAL)
+            _install_handler(STACK_DUMP_SIGNAL, signal.SIG_IGN)  # a dump asked of a leaving rank must not kill it
             self._stacks.close()
 
     @property

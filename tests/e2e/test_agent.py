@@ -37,14 +37,14 @@ sys.exit(int(os.environ["LOCAL_RANK"]) + 3)
 class FakeSupervisor:
     """The supervisor's end of one agent's stream."""
 
-    def __init__(self, tmp_path: Path, fence_s: float = 30.0) -> None:
+    def __init__(self, tmp_path: Path, fence_s: float = 30.0, env: dict[str, str] | None = None) -> None:
         self.run_dir = tmp_path / "run"
         self.run_dir.mkdir()
         (tmp_path / "rank.py").write_text(RANK_SCRIPT)
         self.script = tmp_path / "rank.py"
         server = socket.create_server(("127.0.0.1", 0))
         server.settimeout(30)
-        env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": TOKEN}
+        env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": TOKEN, **(env or {})}
         self.agent = subprocess.Popen(
             [sys.executable, "-m", "supervisor.agent", "--connect", f"127.0.0.1:{server.getsockname()[1]}",
              "--run-dir", str(self.run_dir), "--attempt", "0", "--fence-s", str(fence_s)],
@@ -89,6 +89,18 @@ def test_the_agent_introduces_itself_with_the_token_and_a_free_port(supervisor):
     hello = supervisor.hello
     assert hello["token"] == TOKEN and hello["node"] == socket.gethostname() and hello["attempt"] == 0
     assert hello["pid"] == supervisor.agent.pid and 0 < hello["port"] < 65536
+
+
+def test_the_agent_says_in_its_hello_which_gpus_nvml_calls_unhealthy(supervisor, tmp_path):
+    """No NVML here: nothing known; with nvidia-ml-py saying GPU 0 needs a reset, the hello says so (the supervisor
+    then loses the node for this attempt: README "Hangs")."""
+    assert supervisor.hello["gpu_problems"] is None
+    (tmp_path / "nvml").mkdir()
+    fake = FakeSupervisor(tmp_path / "nvml", env={"PYTHONPATH": str(REPO / "tests" / "fake_nvml")})
+    try:
+        assert fake.hello["gpu_problems"] == ["GPU 0: NVML asks for a GPU reset"]
+    finally:
+        fake.close()
 
 
 def test_ranks_are_started_their_beats_and_exits_reported_then_the_agent_is_done(supervisor):

@@ -190,3 +190,20 @@ def test_disk_full_at_the_same_step_ends_as_a_crash_loop(tmp_path: Path, full_di
     assert [f["kind"] for f in status["failures"]] == ["disk_full"] * 3
     assert status["reason"] == f"crash loop: 3 attempts in a row failed the same way at step 3: {cause}"
     assert said(done)[1] == f"trainwarden: cause: {cause}"
+
+
+def test_a_gpu_that_nvml_says_needs_a_reset_is_not_launched_on_and_the_run_asks_for_another_machine(tmp_path: Path):
+    """nvidia-ml-py (a stand-in on PYTHONPATH) says GPU 0 needs a reset: nothing is launched, the run ends with
+    EXIT_REQUEUE (75: a relaunch here fails the same way) and says why."""
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({"command": [sys.executable, "-c", "pass"], "nproc_per_node": 1}))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "fake_nvml")}
+    argv = [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = finish(proc, tmp_path / "run", timeout=30)
+
+    assert done.returncode == 75, done.stderr[-3000:]
+    (unhealthy,) = [e for e in journal(tmp_path / "run") if e["event"] == "gpu_unhealthy"]
+    assert unhealthy["problems"] == ["GPU 0: NVML asks for a GPU reset"]
+    assert "unhealthy GPU on this machine: GPU 0: NVML asks for a GPU reset" in done.status()["reason"]
+    assert not [e for e in journal(tmp_path / "run") if e["event"] == "ranks_launched"]

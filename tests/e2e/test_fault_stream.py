@@ -61,10 +61,12 @@ def failure(run_dir: Path, attempt: int) -> dict[str, Any]:
 
 def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(stream: Path) -> None:
     """Rank 1 stops before an all-reduce after step 15, rank 0 blocks in it: the hang is declared after the 3 s
-    train timeout, both ranks' stacks are saved and name the culprit; rank 0, blocked in the collective (it could not
-    act on SIGTERM), is SIGKILLed at once, the culprit SIGTERMed; the relaunch resumes from 10."""
+    train timeout, both ranks' stacks are saved, and the flight recorders name the culprit (host-side: it issued no
+    more collectives); rank 0, blocked in the collective (it could not act on SIGTERM), is SIGKILLed at once, the
+    culprit SIGTERMed; the relaunch resumes from 10."""
     (detected,) = events(stream, "hang_detected", attempt=0)
     assert (detected["phase"], detected["timeout_s"]) == ("train", TRAIN_TIMEOUT_S)
+    assert (detected["rank"], detected["class"], detected["named_by"]) == (1, "host-side", "flight_recorder")
     assert TRAIN_TIMEOUT_S <= detected["silent_s"] < TRAIN_TIMEOUT_S + 2
     # Heartbeats cannot tell a collective hang's culprit from its victims; the stacks can.
     (stacks,) = events(stream, "stacks_collected", attempt=0)
@@ -75,8 +77,8 @@ def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(stream: Pa
     assert "in backward" in faulthandler[0].read_text()  # the rank blocked inside it
     hang = failure(stream, 0)
     assert (hang["rank"], hang["step"], hang["kind"]) == (1, 15, "hang")
-    assert hang["cause"].startswith("hang: rank 1 (the only rank outside a collective) silent in phase train "
-                                    "after step 15 for ")
+    assert hang["cause"].startswith("hang: rank 1 (host-side: process group 0: rank 1 completed collective #")
+    assert "and issued no more, while its peers wait in #" in hang["cause"]
     (killed,) = events(stream, "ranks_killed_at_once", attempt=0)
     assert (killed["ranks"], killed["why"]) == ([0], "blocked in a collective waiting for rank 1")
     stopped = events(stream, "rank_stopped", attempt=0)

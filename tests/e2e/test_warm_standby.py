@@ -123,9 +123,13 @@ def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise
         stop_step, 20, 30, 30]
     assert [(f["attempt"], f["kind"]) for f in done.status()["failures"]] == [
         (0, "signal"), (1, "hang"), (2, "anomaly")]
-    # The frozen rank: its hang declared, the job's stacks collected, both ranks stopped (it by SIGKILL, if need be).
+    # The frozen rank: its hang declared, the job's stacks collected, named silent by its process state (a stopped
+    # process), both ranks stopped (it by SIGKILL, if need be).
     (frozen,) = [e for e in journal(run_dir) if e["event"] == "stacks_collected"]
     assert frozen["attempt"] == 1 and frozen["paths"]
+    (hang,) = [e for e in journal(run_dir) if e["event"] == "hang_detected"]
+    assert (hang["rank"], hang["class"], hang["named_by"], hang["evidence"]) == (
+        0, "silent", "process_state", "process stopped (SIGSTOP)")
     assert sorted(e["rank"] for e in journal(run_dir) if e["event"] == "rank_stopped" and e["attempt"] == 1) == [0, 1]
     assert warm_launches(run_dir) == [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])]
     assert launched_pids(run_dir, 1) == first

@@ -125,7 +125,12 @@ def test_a_hang_across_nodes_dumps_stacks_of_every_rank_on_every_node_before_the
     assert code == 0, out[-3000:]
     hang, = events(run_dir, "hang_detected")
     collected, = events(run_dir, "stacks_collected")
-    assert collected["culprit"] == 2  # the one rank outside the collective, on the second node
+    assert collected["culprit"] == 2  # it issued no more collectives (flight recorder), on the second node
+    # The journal carries the final verdict, with its node; a host-side hang is the program's: no node is charged.
+    assert (hang["rank"], hang["node"], hang["class"], hang["named_by"]) == (2, "twnode2", "host-side",
+                                                                             "flight_recorder")
+    assert not (run_dir / "supervisor" / "nodes.json").exists() or "hang" not in (
+        run_dir / "supervisor" / "nodes.json").read_text()
     for rank in range(4):
         dump = run_dir / "ranks" / f"rank_{rank}" / "stacks_attempt_0.txt"
         assert str(dump) in collected["paths"] and "File" in dump.read_text()

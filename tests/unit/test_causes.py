@@ -270,3 +270,38 @@ def test_default_library_dirs_hold_the_standard_library_and_the_worker_package()
              f'  File "{json.__file__}", line 346, in loads\n    x\n'
              f'  File "{LIBRARY_DIRS[-1]}/warden.py", line 9, in resume\n    y\nValueError: z\n').encode()
     assert explain(trace, 1).text == "ValueError: z (t.py:2 in main)"
+
+
+GLOO_ABORT = b"""\
+  ddp = DistributedDataParallel(model, broadcast_buffers=False)  # the only buffer is a constant mask
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] op.preamble.length \
+<= op.nbytes. 16 vs 8. Received data size doesn't match expected size. Is there a distributed collective mismatch in \
+your code?
+"""
+GLOO_PEER_GONE = b"""\
+[rank0]:   File "/v/site-packages/torch/distributed/distributed_c10d.py", line 3252, in all_reduce
+[rank0]:     work.wait()
+[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error \
+[127.0.0.1]:49353: Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the \
+application.
+"""
+
+
+def test_a_gloo_abort_on_a_size_mismatch_is_a_desync_not_just_a_signal():
+    """Recorded from a rank of a desynced job: gloo's C++ abort says what happened; the SIGABRT alone does not."""
+    cause = explain(GLOO_ABORT, -signal.SIGABRT, library_dirs=LIBS)
+    assert cause.kind is CauseKind.COLLECTIVE and cause.repeatable
+    assert cause.text == ("desync: Received data size doesn't match expected size. Is there a distributed collective "
+                          "mismatch in your code? (killed by SIGABRT)")
+
+
+def test_a_collective_that_failed_because_a_peer_went_away_is_a_collective_failure():
+    cause = explain(GLOO_PEER_GONE, 1, library_dirs=LIBS)
+    assert cause.kind is CauseKind.COLLECTIVE and cause.text.startswith("collective failed: RuntimeError: [")
+    assert cause.same_as == "collective failed (exited with code 1)"
+
+
+def test_a_rank_killed_from_outside_is_a_signal_whatever_its_stderr_said():
+    """SIGKILL (an operator, the OOM killer) is not the collective's doing, even after such a line."""
+    assert explain(GLOO_PEER_GONE, -signal.SIGKILL, library_dirs=LIBS).kind is CauseKind.SIGNAL

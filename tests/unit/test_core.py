@@ -591,13 +591,17 @@ def test_all_ranks_past_train_timeout_declares_hang():
     assert state.hang == HUNG
     assert state.last_failure == ("rank 0 hung in phase train (last heartbeat at step 10): "
                                   "no heartbeat for 305.0 s (timeout 300 s) in attempt 0")
-    assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(0, 1))]
-    detected = record(actions, "hang_detected")
-    assert detected.level == "error"
-    assert dict(detected.fields) == {"rank": 0, "attempt": 0, "phase": "train", "step": 10, "silent_s": 305.0,
-                                     "timeout_s": 300.0,
-                                     "cause": "hang: rank 0 silent in phase train after step 10 for 305.0 s "
-                                              "(timeout 300 s)"}
+    assert shape(actions) == ["hang_suspected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(0, 1))]
+    suspected = record(actions, "hang_suspected")
+    assert suspected.level == "warning"
+    assert dict(suspected.fields) == {"rank": 0, "attempt": 0, "phase": "train", "step": 10, "silent_s": 305.0,
+                                      "timeout_s": 300.0}
+    # The verdict waits for the evidence: no culprit found, the heartbeats' guess is final.
+    state, actions = decide(state, StacksCollected(0, STACKS), HUNG_AT + 2)
+    assert dict(record(actions, "hang_detected").fields) == {
+        "rank": 0, "node": None, "attempt": 0, "phase": "train", "step": 10, "silent_s": 305.0, "timeout_s": 300.0,
+        "named_by": "heartbeat", "evidence": None, "class": None,
+        "cause": "hang: rank 0 silent in phase train after step 10 for 305.0 s (timeout 300 s)"}
 
 
 def test_tick_one_instant_before_hang_deadline_does_nothing():
@@ -630,7 +634,7 @@ def test_rank_silent_longest_is_named_in_hang():
     state = beat(beat(running(), 0, 1, NOW + 20, step=8), 1, 1, NOW + 5, step=7)
     state, actions = decide(state, Tick(), NOW + 400)
     assert state.hang == Hang(attempt=0, rank=1, phase="train", step=7, silent_s=395.0, timeout_s=300.0)
-    assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(0, 1))]
+    assert shape(actions) == ["hang_suspected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(0, 1))]
 
 
 def test_finished_rank_is_not_declared_hung():
@@ -649,10 +653,10 @@ def test_required_heartbeat_first_beat_timeout_declares_hang():
     assert state.hang == Hang(attempt=0, rank=0, phase="launch", step=None, silent_s=900.0, timeout_s=900.0)
     assert state.last_failure.startswith("rank 0 hung before its first heartbeat:")
     assert state.last_failure.endswith(": no heartbeat for 900.0 s (timeout 900 s) in attempt 0")
-    assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=())]
-    assert dict(record(actions, "hang_detected").fields) == {
-        "rank": 0, "attempt": 0, "phase": "launch", "step": None, "silent_s": 900.0, "timeout_s": 900.0,
-        "cause": "hang: rank 0 silent before its first heartbeat for 900.0 s (timeout 900 s)"}
+    assert shape(actions) == ["hang_suspected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=())]
+    state, actions = decide(state, Tick(), NOW + 915)  # the evidence did not come in time: the guess stands
+    assert record(actions, "hang_detected").fields[-2:] == (
+        ("cause", "hang: rank 0 silent before its first heartbeat for 900.0 s (timeout 900 s)"), ("class", None))
 
 
 def test_first_heartbeat_hang_failure_names_no_step():
@@ -682,7 +686,7 @@ def test_auto_heartbeat_first_beat_timeout_applies_once_heartbeats_seen():
     assert [rank_deadline(state, r) for r in state.ranks] == [NOW + 900, NOW + 1000]
     state, actions = decide(state, Tick(), NOW + 1000)
     assert state.hang == Hang(attempt=0, rank=0, phase="launch", step=None, silent_s=1000.0, timeout_s=900.0)
-    assert shape(actions) == ["hang_detected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(1,))]
+    assert shape(actions) == ["hang_suspected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(1,))]
 
 
 def test_auto_heartbeats_seen_survives_relaunch():
@@ -695,7 +699,7 @@ def test_auto_heartbeats_seen_survives_relaunch():
     assert [rank_deadline(state, r) for r in state.ranks] == [NOW + 903, NOW + 903]
     state, actions = decide(state, Tick(), NOW + 903)
     assert state.hang == Hang(attempt=1, rank=0, phase="launch", step=None, silent_s=900.0, timeout_s=900.0)
-    assert shape(actions) == ["hang_detected", DumpStacks(1, ranks=(0, 1), faulthandler_ranks=())]
+    assert shape(actions) == ["hang_suspected", DumpStacks(1, ranks=(0, 1), faulthandler_ranks=())]
 
 
 def test_heartbeat_off_never_declares_hang():
@@ -843,7 +847,7 @@ def test_stacks_collected_moves_to_term_with_sigterm():
     assert (state.phase, state.stop_stage, state.then) == (Phase.STOPPING, StopStage.TERM, Then.RELAUNCH)
     assert state.deadline == HUNG_AT + 3 + 10.0
     assert state.hang == replace(HUNG, stacks=STACKS)
-    assert shape(actions) == ["stacks_collected", SignalRanks(0, signal.SIGTERM)]
+    assert shape(actions) == ["stacks_collected", "hang_detected", SignalRanks(0, signal.SIGTERM)]
     assert dict(record(actions, "stacks_collected").fields) == {"attempt": 0, "paths": list(STACKS), "culprit": None,
                                                                 "last_steps": {}}
 
@@ -852,8 +856,8 @@ def test_stacks_showing_ranks_blocked_behind_the_culprit_sigkill_them_at_once_an
     """Ranks the stacks show inside a collective, waiting for the culprit, cannot act on SIGTERM: SIGKILL now."""
     state, actions = decide(hung(), StacksCollected(0, STACKS, culprit=1, blocked=(0,)), HUNG_AT + 3)
     assert (state.stop_stage, state.deadline) == (StopStage.TERM, HUNG_AT + 3 + 10.0)
-    assert shape(actions) == ["stacks_collected", "ranks_killed_at_once", SignalRanks(0, signal.SIGKILL, (0,)),
-                              SignalRanks(0, signal.SIGTERM, (1,))]
+    assert shape(actions) == ["stacks_collected", "hang_detected", "ranks_killed_at_once",
+                              SignalRanks(0, signal.SIGKILL, (0,)), SignalRanks(0, signal.SIGTERM, (1,))]
     assert dict(record(actions, "ranks_killed_at_once").fields) == {
         "ranks": [0], "attempt": 0, "why": "blocked in a collective waiting for rank 1"}
 
@@ -903,7 +907,7 @@ def test_stacks_deadline_moves_to_term_with_stacks_timed_out():
     assert (state.phase, state.stop_stage) == (Phase.STOPPING, StopStage.TERM)
     assert state.deadline == HUNG_AT + 15 + 10.0
     assert state.hang.stacks == ()
-    assert shape(actions) == ["stacks_timed_out", SignalRanks(0, signal.SIGTERM)]
+    assert shape(actions) == ["stacks_timed_out", "hang_detected", SignalRanks(0, signal.SIGTERM)]
     timed_out = record(actions, "stacks_timed_out")
     assert timed_out.level == "warning"
     assert dict(timed_out.fields) == {"ranks": [0, 1]}
@@ -939,20 +943,27 @@ def test_hang_relaunches_after_ranks_down():
     assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled", LaunchRanks(1)]
 
 
-def test_ranks_down_during_stacks_stage_complete_the_stop():
-    """Ranks all going down while stacks are collected complete the stop without waiting for the stacks."""
+def test_ranks_down_during_stacks_stage_complete_the_stop_once_the_evidence_is_in():
+    """Ranks all going down while the evidence is collected (their flight recorders may name the culprit) complete
+    the stop when it is in, or at the stacks deadline."""
     state, _ = decide(hung(), ChildExited(0, 0, -6), HUNG_AT + 1)
     assert state.stop_stage is StopStage.STACKS
     state, actions = decide(state, ChildExited(0, 1, -6), HUNG_AT + 2)
-    assert (state.phase, state.attempt, state.stop_stage) == (Phase.STARTING, 1, None)
-    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled", LaunchRanks(1)]
+    assert (state.phase, state.stop_stage, shape(actions)) == (Phase.STOPPING, StopStage.STACKS, ["rank_stopped"])
+    collected, _ = decide(state, StacksCollected(0, STACKS, culprit=1), HUNG_AT + 3)
+    timed_out, actions = decide(state, Tick(), HUNG_AT + 15)
+    for state in (collected, timed_out):
+        assert (state.phase, state.attempt, state.stop_stage) == (Phase.STARTING, 1, None)
+    assert collected.hang.rank == 1 and timed_out.hang.rank == 0
+    assert shape(actions) == ["stacks_timed_out", "hang_detected", KillLeftovers(0), "relaunch_scheduled",
+                              LaunchRanks(1)]
 
 
 def test_hang_with_restarts_exhausted_fails_after_ranks_down():
     """A hang with no restarts left records the exhaustion, still collects stacks, and FAILs once ranks are down."""
     state, actions = decide(silent(restarts=3), Tick(), HUNG_AT)
     assert (state.phase, state.stop_stage, state.then) == (Phase.STOPPING, StopStage.STACKS, Then.FAIL)
-    assert shape(actions) == ["hang_detected", "restarts_exhausted",
+    assert shape(actions) == ["hang_suspected", "restarts_exhausted",
                               DumpStacks(3, ranks=(0, 1), faulthandler_ranks=(0, 1))]
     assert dict(record(actions, "restarts_exhausted").fields) == {"restarts": 3, "max_restarts": 3}
     state, _ = decide(state, StacksCollected(3, STACKS), HUNG_AT + 1)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
+from supervisor.blame import Verdict
 from supervisor.causes import Cause, CauseKind, explain_exit
 from supervisor.core import (
     FAILURES_KEPT,
     ChildExited,
+    DumpStacks,
     Failure,
     Hang,
     KillLeftovers,
@@ -170,11 +172,12 @@ def test_hangs_without_progress_count_toward_no_progress():
         state, actions = decide(state, Tick(), launched_at + 900)
         assert (state.failures[-1].attempt, state.failures[-1].progressed) == (attempt, False)
         if attempt < 2:
+            state, _ = decide(state, StacksCollected(attempt, ()), launched_at + 900.5)
             for rank in (0, 1):
                 state, _ = decide(state, ChildExited(attempt, rank, -signal.SIGTERM), launched_at + 901)
             state, _ = decide(state, RanksLaunched(attempt + 1, PIDS, 20), launched_at + 902)
     assert state.give_up.startswith("no progress: 3 attempts in a row failed before getting past step 20: hang: ")
-    assert shape(actions)[:2] == ["hang_detected", "crash_loop"]
+    assert shape(actions)[:2] == ["hang_suspected", "crash_loop"]
 
 
 def test_anomaly_abort_between_failures_breaks_the_streak():
@@ -226,13 +229,16 @@ def test_stacks_naming_the_culprit_make_last_failure_hang_and_history_agree():
     state = beat(beat(running(), 0, 1, NOW + 5, step=30), 1, 1, NOW + 10, step=30)
     state, _ = decide(state, Tick(), HUNG_AT)
     assert (state.hang.rank, state.failures[-1].rank) == (0, 0)
-    state, _ = decide(state, StacksCollected(0, STACKS, culprit=1, last_steps=((0, 31), (1, 31))), HUNG_AT + 1)
+    verdict = Verdict(1, "host-side", "stacks", "the only rank outside every collective")
+    state, _ = decide(state, StacksCollected(0, STACKS, culprit=1, last_steps=((0, 31), (1, 31)), verdict=verdict,
+                                             node="n2"), HUNG_AT + 1)
     assert state.hang == Hang(attempt=0, rank=1, phase="train", step=31, silent_s=305.0, timeout_s=300.0,
-                              stacks=STACKS, named_by="stacks")
+                              stacks=STACKS, named_by="stacks", cls="host-side", node="n2",
+                              evidence="the only rank outside every collective")
     assert state.last_failure.startswith("rank 1 hung in phase train (last heartbeat at step 31): ")
     assert (state.failures[-1].rank, state.failures[-1].step) == (1, 31)
-    assert state.cause == ("hang: rank 1 (the only rank outside a collective) silent in phase train after step 31 "
-                           "for 305.0 s (timeout 300 s)")
+    assert state.cause == ("hang: rank 1 on n2 (host-side: the only rank outside every collective) silent in phase "
+                           "train after step 31 for 305.0 s (timeout 300 s)")
 
 
 def test_hang_tie_names_the_rank_behind():
@@ -247,3 +253,25 @@ def test_relaunch_keeps_the_failure_history():
     state = after_failures([(BOOM, 40)])
     assert (state.phase, state.attempt, state.failures[0].attempt) == (Phase.RUNNING, 1, 0)
     assert all(r.step is None and r.returncode is None for r in state.ranks)
+
+
+def test_a_failed_collective_seeks_its_culprit_before_the_kill_and_charges_the_failure_to_it():
+    """Rank 0 aborted on a size mismatch (gloo): its peers' evidence is taken first, even once all are down, and
+    the flight recorders name rank 2 (of 3): the failure history and the journal say rank 2, and who went first."""
+    state = running(replace(POLICY, nproc=3))
+    desync = Cause(CauseKind.COLLECTIVE, "desync: Received data size doesn't match expected size (killed by SIGABRT)")
+    state, actions = decide(state, ChildExited(0, 0, -signal.SIGABRT, cause=desync, step=14), NOW)
+    assert shape(actions)[-1] == DumpStacks(0, ranks=(1, 2), faulthandler_ranks=(), collective_failed=True)
+    for rank in (1, 2):  # they die of the closed connection meanwhile: the evidence still comes first
+        state, _ = decide(state, ChildExited(0, rank, 1), NOW + 1)
+    assert state.phase is Phase.STOPPING
+    verdict = Verdict(2, "desync", "flight_recorder", "process group 0 collective #9: rank 2 issued all_reduce [[8]]")
+    state, actions = decide(state, StacksCollected(0, STACKS, culprit=2, verdict=verdict, node="n2"), NOW + 2)
+    named = dict(record(actions, "culprit_named").fields)
+    assert (named["rank"], named["node"], named["class"], named["first_failed"]) == (2, "n2", "desync", 0)
+    assert (state.failures[-1].rank, state.failures[-1].node, state.failures[-1].cause.kind) == (
+        2, "n2", CauseKind.COLLECTIVE)
+    assert state.cause.startswith("desync: rank 2 on n2: process group 0 collective #9: ")
+    assert state.cause.endswith("(first seen as rank 0: desync: Received data size doesn't match expected size "
+                                "(killed by SIGABRT))")
+    assert (state.phase, state.attempt) == (Phase.STARTING, 1)

@@ -19,6 +19,7 @@ from supervisor.core import (
     Policy,
     RanksLaunched,
     SignalReceived,
+    StacksCollected,
     Started,
     State,
     Tick,
@@ -163,6 +164,7 @@ def test_hang_counts_from_the_last_progress_to_the_declaration():
     run.feed(Tick(), 46)
     assert run.state.hang is not None and run.state.phase is Phase.STOPPING
     assert run.split() == expect(restart_s=5, productive_s=20, hang_s=21)
+    run.feed(StacksCollected(0, ()), 48)
     run.exit(49, 0, -signal.SIGKILL)
     run.exit(50, 1, -signal.SIGKILL)
     run.launch(52, resume_step=20)

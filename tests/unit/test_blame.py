@@ -1,0 +1,155 @@
+"""Naming a hang's culprit from plain values: real gloo flight recorder dumps (torch 2.13, 2 and 4 ranks, each hang
+made by hand: tests/unit/flight_records) and hand-written ones for what gloo cannot show (NCCL's device states)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.blame import (
+    RECENT,
+    Verdict,
+    name_culprit,
+    parse_flight,
+    trim_flight,
+)
+from tests.unit.test_stacks import IN_ALL_REDUCE_PYSPY, IN_BACKWARD, SLEEPING
+
+RECORDS = Path(__file__).parent / "flight_records"
+
+
+def recorded(name: str) -> dict[int, Any]:
+    """Each rank's parsed flight recorder of one recorded hang."""
+    return {int(rank): parse_flight(raw) for rank, raw in json.loads((RECORDS / f"{name}.json").read_text()).items()}
+
+
+def entry(seq: int, op: str = "all_reduce", sizes: Any = ((8,),), *, done: bool = True, pg: int = 0,
+          state: str = "scheduled") -> dict[str, Any]:
+    return {"pg_id": pg, "collective_seq_id": seq, "profiling_name": f"gloo:{op}", "input_sizes": sizes,
+            "state": "completed" if done and state != "scheduled" else state, "retired": done}
+
+
+def flight(*entries: dict[str, Any]) -> Any:
+    return parse_flight({"entries": list(entries)})
+
+
+def judge(flights: dict[int, Any], **kwargs: Any) -> Verdict | None:
+    return name_culprit(tuple(sorted({*flights, *kwargs.pop("extra", ())})), flights=flights, **kwargs)
+
+
+def test_a_rank_that_issued_no_more_collectives_is_host_side():
+    """Recorded: rank 1 slept before its fifth all-reduce while rank 0 waited inside it."""
+    verdict = judge(recorded("gloo_host_side_2_ranks"))
+    assert verdict == Verdict(1, "host-side", "flight_recorder", "process group 0: rank 1 completed collective #4 "
+                              "(broadcast [[10]]) and issued no more, while its peers wait in #5")
+
+
+def test_a_collective_with_other_sizes_on_one_rank_is_a_desync_named_by_the_majority():
+    """Recorded: rank 3's all-reduce had 7 elements, its peers' 8 (gloo hung; ranks 1 and 3 even completed it)."""
+    verdict = judge(recorded("gloo_desync_sizes_4_ranks"))
+    assert verdict == Verdict(3, "desync", "flight_recorder", "process group 0 collective #6: rank 3 issued "
+                              "all_reduce [[7]], ranks 0, 1, 2 issued all_reduce [[8]]")
+
+
+def test_a_collective_that_never_completed_on_one_rank_while_its_peers_went_on_is_in_collective():
+    """Recorded: rank 3's all-reduce #6 never completed (its communication thread stalled); its peers completed it
+    and wait in #7."""
+    verdict = judge(recorded("gloo_in_collective_4_ranks"))
+    assert (verdict.rank, verdict.cls, verdict.named_by) == (3, "in-collective", "flight_recorder")
+    assert verdict.evidence == ("process group 0 collective #6 (all_reduce [[8]]): enqueued but never completed on "
+                                "rank 3, while its peers completed it and wait in #7")
+
+
+def test_on_nccl_the_one_rank_whose_collective_never_started_is_in_collective():
+    """NCCL records device states: every rank enqueued #9, three started it, one (its stream stuck) did not."""
+    started = {rank: flight(entry(8), entry(9, done=False, state="started")) for rank in (0, 1, 3)}
+    verdict = judge({**started, 2: flight(entry(8), entry(9, done=False))})
+    assert (verdict.rank, verdict.cls) == (2, "in-collective") and "never started on rank 2" in verdict.evidence
+
+
+def test_every_rank_waiting_in_the_same_collective_leaves_the_flight_recorder_without_a_verdict():
+    """Gloo shows no device states: ranks all inside #9 say nothing; the stacks decide, and without them nobody."""
+    waiting = {rank: flight(entry(8), entry(9, done=False)) for rank in range(3)}
+    assert judge(waiting) is None
+    stacks = {0: IN_BACKWARD, 1: SLEEPING, 2: IN_ALL_REDUCE_PYSPY}
+    assert judge(waiting, stacks=stacks) == Verdict(1, "host-side", "stacks", "the only rank outside every collective")
+
+
+def test_two_ranks_disagreeing_name_the_desync_but_no_rank():
+    """With two ranks each in its own version, there is no majority: the class and the evidence, no culprit."""
+    verdict = judge({0: flight(entry(5, sizes=[[4]])), 1: flight(entry(5, sizes=[[5]]))})
+    assert (verdict.rank, verdict.cls) == (None, "desync")
+    assert verdict.evidence == "process group 0 collective #5: ranks disagree (rank 0: all_reduce [[4]]; " \
+                               "rank 1: all_reduce [[5]])"
+
+
+def test_an_extra_collective_shows_as_another_operation_at_the_same_sequence_number():
+    """Rank 2 issued a broadcast its peers never did: at #7 it differs from the two others."""
+    peers = {rank: flight(entry(6), entry(7, done=False)) for rank in (0, 1)}
+    verdict = judge({**peers, 2: flight(entry(6), entry(7, "broadcast", done=False))})
+    assert (verdict.rank, verdict.cls) == (2, "desync") and "rank 2 issued broadcast" in verdict.evidence
+
+
+def test_two_ranks_behind_are_host_side_without_a_culprit():
+    ahead = {rank: flight(entry(6), entry(7, done=False)) for rank in (0, 1)}
+    verdict = judge({**ahead, 2: flight(entry(6)), 3: flight(entry(6))})
+    assert (verdict.rank, verdict.cls) == (None, "host-side") and "ranks 2, 3 stopped" in verdict.evidence
+
+
+def test_a_frozen_process_is_silent_whatever_its_record_says():
+    """Stopped (SIGSTOP) before it was signalled: silent, even though woken it dumped a record like a host-side
+    culprit's."""
+    flights = {0: flight(entry(6), entry(7, done=False)), 1: flight(entry(6))}
+    verdict = judge(flights, states={0: "sleeping", 1: "stopped"})
+    assert verdict == Verdict(1, "silent", "process_state", "process stopped (SIGSTOP)")
+    assert judge(flights, states={0: "disk-sleep", 1: "running"}).evidence.endswith("(D state: stuck I/O)")
+
+
+def test_the_one_rank_expected_to_dump_that_wrote_nothing_is_silent():
+    """Its peers all wait inside #7 and dumped; rank 2, with the worker library, wrote nothing by the deadline."""
+    flights = {rank: flight(entry(6), entry(7, done=False)) for rank in (0, 1)}
+    verdict = judge(flights, expected=(0, 1, 2), extra=(2,))
+    assert (verdict.rank, verdict.cls, verdict.named_by) == (2, "silent", "flight_recorder")
+
+
+def test_after_a_collective_failed_the_one_rank_without_a_record_is_the_desync():
+    """A rank aborted on a size mismatch (gloo) and took its record along; the others agree on everything."""
+    flights = {rank: flight(entry(6), entry(7, done=False)) for rank in (0, 1, 3)}
+    verdict = judge(flights, expected=(0, 1, 2, 3), extra=(2,), collective_failed=True)
+    assert (verdict.rank, verdict.cls) == (2, "desync") and verdict.evidence.startswith("ranks 0, 1, 3 agree")
+
+
+def test_a_host_side_culprit_waiting_in_a_data_loader_says_so():
+    stacks = {0: IN_BACKWARD, 1: 'File "/x/torch/utils/data/dataloader.py", line 1 in _get_data'}
+    verdict = judge({0: flight(entry(6), entry(7, done=False)), 1: flight(entry(6))}, stacks=stacks)
+    assert verdict.evidence.endswith("; its stack waits in a DataLoader")
+
+
+def test_process_groups_are_judged_apart_and_point_to_point_is_left_out():
+    """Rank 1 is behind in group 1 only; its send/recv entries are not collectives."""
+    p2p = {**entry(99, "send"), "is_p2p": True}
+    flights = {0: flight(entry(3), entry(2, pg=1), entry(3, pg=1, done=False), p2p),
+               1: flight(entry(3), entry(2, pg=1), p2p)}
+    verdict = judge(flights)
+    assert (verdict.rank, verdict.cls) == (1, "host-side") and verdict.evidence.startswith("process group 1:")
+
+
+@pytest.mark.parametrize("junk", [None, [], "x", {"entries": "x"}, {"entries": [1, None, {"pg_id": 0}]},
+                                  {"entries": [{**entry(1), "collective_seq_id": True}]},
+                                  {"entries": [{**entry(1), "collective_seq_id": -4}]},
+                                  {"pg_status": {"0": {"last_enqueued_collective": "x"}}}])
+def test_a_malformed_record_says_nothing(junk: Any):
+    assert parse_flight(junk) is None
+
+
+def test_a_record_is_cut_to_what_is_judged_and_long_fields_are_capped():
+    """The newest RECENT collectives per group travel; a rank's absurd field is cut, never trusted."""
+    raw = {"entries": [entry(seq) for seq in range(1, 100)] + [{**entry(100), "profiling_name": "x" * 10_000}]}
+    trimmed = trim_flight(raw)
+    assert [e["collective_seq_id"] for e in trimmed["entries"]] == list(range(101 - RECENT, 101))
+    record = parse_flight(trimmed)["0"]
+    assert (record.enqueued, record.completed, len(record.recent)) == (100, 100, RECENT)
+    assert len(record.at(100).op) == 200
