@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CLASSES", "GroupRecord", "Verdict", "blocked_behind", "flight_summary", "name_culprit",
-           "outside_collectives", "parse_flight", "trim_flight"]
+__all__ = ["CLASSES", "GroupRecord", "Verdict", "blocked_behind", "name_culprit", "outside_collectives", "parse_flight",
+           "trim_flight"]
 
 HOST_SIDE, IN_COLLECTIVE, DESYNC, SILENT = "host-side", "in-collective", "desync", "silent"
 CLASSES = (HOST_SIDE, IN_COLLECTIVE, DESYNC, SILENT)
@@ -99,11 +99,6 @@ def parse_flight(raw: Any) -> dict[str, GroupRecord] | None:
         if enqueued >= 0:
             groups[pg] = GroupRecord(enqueued, completed, tuple(seen))
     return groups or None
-
-
-def flight_summary(record: Mapping[str, GroupRecord]) -> dict[str, Any]:
-    """For the journal: per process group, the newest collective enqueued and completed."""
-    return {pg: {"enqueued": g.enqueued, "completed": g.completed} for pg, g in sorted(record.items())}
 
 
 def name_culprit(ranks: Sequence[int], *, flights: Mapping[int, Mapping[str, GroupRecord] | None],
@@ -214,7 +209,7 @@ def _not_completed(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | Non
     progress = {rank: _progress(g, newest) for rank, g in members.items()}
     least = min(progress.values())
     stuck = [rank for rank, p in progress.items() if p == least]
-    if len(stuck) != 1 or len(members) < 2:
+    if len(stuck) != 1:
         return None
     rank = stuck[0]
     last = members[rank].at(newest)
