@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from supervisor.core import HeartbeatSeen
 from supervisor.gpu_health import gpu_problems
 from supervisor.journal import append_event
 from supervisor.launcher import publish_order
@@ -35,14 +36,14 @@ from supervisor.ranks import Ranks, free_port, local_env, signal_group, spawn_ra
 from supervisor.stacks import collect_stacks
 from supervisor.succession import STAGGER_S, Succession, become_successor, stand_for_successor
 from supervisor.trees import descendants, die_with_parent, sigkill
-from supervisor.watch import HeartbeatUnreadable, read_heartbeat
+from supervisor.watch import HeartbeatFiles, HeartbeatUnreadable
 from worker.contract import ENV_RUN_DIR, RunLayout, StopOrder
 
 __all__ = ["ENV_TOKEN", "main"]
 
 ENV_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
-POLL_S = 0.2  # heartbeat files are read this often; a new beat reaches the supervisor within it
-BEAT_S = 1.0  # the agent says it is alive at least this often, beats or not
+POLL_S = 0.2  # heartbeat files are looked at this often (an lstat each, a read only when one changed)
+BEAT_S = 1.0  # one message this often carries the node's new beats (each with its age), or says it is alive
 MAX_STACK_CHARS = 64 * 1024  # per rank, in a stacks message
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
@@ -59,10 +60,12 @@ class Agent:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._ranks: Ranks | None = None
         self._exited: set[int] = set()
+        self._files = HeartbeatFiles(layout)
         self._beats: dict[int, int] = {}  # rank -> seq of the last beat sent
+        self._unsent: dict[int, tuple[dict[str, Any], float]] = {}  # rank -> its newest record, when it was read
         self._unreadable: set[int] = set()
         self._heard = time.monotonic()
-        self._said = 0.0
+        self._beat_sent = 0.0
         self._host = socket.gethostname()
         self._succession: Succession | None = None  # how to take the supervisor's place, once it said
 
@@ -171,7 +174,7 @@ class Agent:
         self._send("spawned", pids={str(rank): proc.pid for rank, proc in self._ranks.procs.items()})
 
     def _on_rank_exit(self, rank: int, code: int) -> None:
-        self._forward_heartbeats(only=[rank])  # the step it reached, before its exit
+        self._forward_heartbeats(only=[rank], now=True)  # the step it reached, before its exit
         self._exited.add(rank)
         self._send("exited", rank=rank, code=code)
 
@@ -186,12 +189,12 @@ class Agent:
                                     "states": {str(r): s for r, s in dumps.states.items()},
                                     "expected": list(dumps.expected)}))
 
-    def _forward_heartbeats(self, only: list[int] | None = None) -> None:
-        """Send every new heartbeat record of our ranks; at least every BEAT_S, an empty beat (I am alive)."""
-        beats = []
+    def _forward_heartbeats(self, only: list[int] | None = None, *, now: bool = False) -> None:
+        """Every BEAT_S (or `now`), one message with the newest record of each rank that beat since the last one,
+        each with its age; an empty one says the agent is alive."""
         for rank in (self._ranks.procs if self._ranks else {}) if only is None else only:
             try:
-                seen = read_heartbeat(self._layout.heartbeat(rank), rank)
+                seen = self._files.read(rank)
             except HeartbeatUnreadable as exc:
                 if rank not in self._unreadable:
                     self._send("unreadable", rank=rank, error=str(exc))
@@ -200,12 +203,14 @@ class Agent:
             self._unreadable.discard(rank)
             if seen is not None and seen.attempt == self._attempt and self._beats.get(rank) != seen.seq:
                 self._beats[rank] = seen.seq
-                beats.append(asdict(seen))
-        if beats or time.monotonic() - self._said >= BEAT_S:
+                self._unsent[rank] = (beat_record(seen), time.monotonic())
+        if (now and self._unsent) or time.monotonic() - self._beat_sent >= BEAT_S:
+            sent = self._beat_sent = time.monotonic()
+            beats = [{**record, "age_s": round(sent - read, 3)} for record, read in self._unsent.values()]
+            self._unsent = {}
             self._send("beat", beats=beats)
 
     def _send(self, kind: str, **fields: Any) -> None:
-        self._said = time.monotonic()
         self._peer.send({"type": kind, **fields})
 
     def _kill_all(self) -> list[int]:
@@ -215,6 +220,11 @@ class Agent:
             killed = self._ranks.signal(signal.SIGKILL, only=lambda rank: rank not in self._exited)
         sigkill(descendants())
         return sorted(killed)
+
+
+def beat_record(seen: HeartbeatSeen) -> dict[str, Any]:
+    """A heartbeat as the wire carries it: its fields that have a value."""
+    return {key: value for key, value in asdict(seen).items() if value is not None and key != "age_s"}
 
 
 class _StderrLog:

@@ -158,9 +158,8 @@ def _run(args: argparse.Namespace) -> int:
     if isinstance(supervisor, int):  # unusable run dir, or the successor's exit code
         return supervisor
     code = supervisor.state.exit_code or 0
-    _say_goodput(layout)  # first: why it ended stays the last word
-    if code != 0:
-        _say_why(supervisor.state, layout)
+    _say_outcome(supervisor.state, layout)  # first: how it ended and why, then where the time went
+    _say_goodput(layout)
     if args.successor:  # no batch script may be left to end the job as its exit code says
         end_job(layout, code, exclude=_excluded_now(layout, config),
                 nodes=(config.nodes, config.nodes + config.spare_nodes), say=_say)
@@ -236,17 +235,22 @@ def _console(requested: str | None) -> Console | None:
     return Console(sys.stderr, live=live)
 
 
-def _say_why(state: State, layout: RunLayout) -> None:
-    """The reason and where the rank logs are; then, on a line of its own, the cause of the last failed attempt."""
+def _say_outcome(state: State, layout: RunLayout) -> None:
+    """How the run ended and why, with where the rank logs are; then, on a line of its own, the cause of the last
+    failed attempt."""
+    if state.phase is Phase.FINISHED:
+        print(f"trainwarden: run finished: every rank exited 0 (attempt {state.attempt}, "
+              f"{state.restarts} restart{'' if state.restarts == 1 else 's'})", file=sys.stderr)
+        return
     logs = layout.attempt_log(state.attempt, 0, "err").parent
     reason = state.reason or ""
     cause = state.cause if state.failures and state.failures[-1].attempt == state.attempt else None  # not a launch's
     if cause and reason.endswith(f": {cause}"):  # a crash loop's reason ends with the cause: say it once
         reason = reason.removesuffix(f": {cause}")
     outcome = "run stopped" if state.phase is Phase.STOPPED else "run failed"
-    where = f" (rank logs: {logs})" if logs.is_dir() else ""  # a run refused before launching has none
+    where = f" (rank logs: {logs})" if logs.is_dir() and state.exit_code else ""  # none before a launch
     print(f"trainwarden: {outcome}: {reason}{where}", file=sys.stderr)
-    if cause:
+    if cause and state.exit_code:
         print(f"trainwarden: cause: {cause}", file=sys.stderr)
 
 

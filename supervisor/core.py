@@ -50,7 +50,7 @@ from enum import Enum
 
 from supervisor.blame import Verdict
 from supervisor.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_exit
-from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gap
+from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gaps
 from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
 from supervisor.stop_requests import StopRequest, agreed_step
 from worker.contract import (
@@ -73,6 +73,8 @@ __all__ = [
     "Failure",
     "Hang",
     "HeartbeatSeen",
+    "History",
+    "Heartbeats",
     "KillLeftovers",
     "LaunchFailed",
     "LaunchRanks",
@@ -214,6 +216,15 @@ class HeartbeatSeen:
     last_save_s: float | None = None  # the newest save's duration
     skipped: int | None = None  # batches this rank process skipped
     anomalies: tuple[tuple[str, int], ...] | None = None  # what this rank process saw itself: (kind, count)
+    age_s: float = 0.0  # how long before the supervisor got it the rank wrote it (a node agent batches its beats)
+
+
+@dataclass(frozen=True)
+class Heartbeats:
+    """New heartbeat records of many ranks, taken in together: one event, one pass over the ranks, for a burst
+    of local beats or a fleet's second of them."""
+
+    beats: tuple[HeartbeatSeen, ...]
 
 
 @dataclass(frozen=True)
@@ -253,7 +264,8 @@ class Tick:
     """Time passed; deadlines are checked."""
 
 
-Event = (Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | StacksCollected | SignalReceived
+Event = (Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | Heartbeats | StacksCollected
+         | SignalReceived
          | StopRequested | Tick)
 
 # ---- actions: imperatives ------------------------------------------------------------------
@@ -399,6 +411,17 @@ FAILURES_KEPT = 10  # the failure history in the state (and status): the newest 
 
 
 @dataclass(frozen=True)
+class History:
+    """What a supervisor that died mid-run leaves the next one (in the state file): the newest attempt, the restarts
+    so far and the failures the crash-loop breaker counts, so a restart neither forgets a crash loop nor reuses an
+    attempt's number (the attempt it was running is lost with it: the next one gets the number after)."""
+
+    attempt: int
+    restarts: int
+    failures: tuple[Failure, ...]
+
+
+@dataclass(frozen=True)
 class State:
     """Everything the supervisor knows about the run."""
 
@@ -445,9 +468,14 @@ class State:
         return self.failures[-1].cause.text if self.failures else None
 
 
-def initial_state(policy: Policy, step_gaps: tuple[float, ...] = ()) -> State:
-    """A run before its first launch; `step_gaps` carries calibration over from an earlier supervisor."""
-    return State(policy=policy, ranks=tuple(RankState(r) for r in range(policy.nproc)), step_gaps=step_gaps)
+def initial_state(policy: Policy, step_gaps: tuple[float, ...] = (), history: History | None = None) -> State:
+    """A run before its first launch; `step_gaps` carries calibration over from an earlier supervisor, `history`
+    its attempts, restarts and failures when it died mid-run."""
+    state = State(policy=policy, ranks=tuple(RankState(r) for r in range(policy.nproc)), step_gaps=step_gaps)
+    if history is None:
+        return state
+    return replace(state, attempt=history.attempt + 1, restarts=history.restarts,
+                   failures=history.failures[-FAILURES_KEPT:])
 
 
 def rank_deadline(state: State, rank: RankState) -> float | None:
@@ -471,7 +499,22 @@ def hang_deadline(state: State) -> float | None:
     In a collective job one stuck rank stalls every peer within a step, so all go silent; a rank
     legitimately in a long phase (rank 0's slow save) keeps its peers, blocked waiting for it, alive.
     """
-    deadlines = [d for r in state.ranks if (d := rank_deadline(state, r)) is not None]
+    if state.phase is not Phase.RUNNING or state.launched_at is None:
+        return None
+    # A rank's deadline grows with its newest beat for a given phase: the newest beat per phase is all it takes
+    # (one timeout worked out per phase, not per rank: a calibrated one reads every gap sample).
+    newest: dict[str | None, float] = {}  # phase (None: no beat yet) -> the newest beat of a running rank in it
+    for rank in state.ranks:
+        if rank.running:
+            phase = rank.heartbeat_phase if rank.heartbeat_monotonic is not None else None
+            beat = -math.inf if rank.heartbeat_monotonic is None or phase is None else rank.heartbeat_monotonic
+            newest[phase] = max(newest.get(phase, -math.inf), beat)
+    hang = state.policy.hang
+    expect_beat = hang.heartbeat == "required" or state.heartbeats_seen
+    deadlines = [d for phase, beat in newest.items()
+                 if (d := beat_deadline(hang, phase=phase, last_beat=None if phase is None else beat,
+                                        launched_at=state.launched_at, expect_beat=expect_beat,
+                                        gaps=state.step_gaps)) is not None]
     return max(deadlines) if deadlines else None
 
 
@@ -935,18 +978,29 @@ def _fail(state: State, reason: str) -> State:
 
 
 def _on_heartbeat(state: State, event: HeartbeatSeen, now: float) -> tuple[State, list[Action]]:
-    if event.attempt != state.attempt or not 0 <= event.rank < len(state.ranks):
+    return _on_heartbeats(state, Heartbeats((event,)), now)
+
+
+def _on_heartbeats(state: State, event: Heartbeats, now: float) -> tuple[State, list[Action]]:
+    ranks, gaps, changed, saving = list(state.ranks), [], False, False
+    for beat in event.beats:
+        if beat.attempt != state.attempt or not 0 <= beat.rank < len(ranks):
+            continue
+        before = ranks[beat.rank]
+        if before.heartbeat_seq == beat.seq:
+            continue
+        written = now - beat.age_s
+        if before.heartbeat_phase == TRAIN_PHASE == beat.phase and before.heartbeat_monotonic is not None:
+            gaps.append(written - before.heartbeat_monotonic)
+        ranks[beat.rank] = replace(before, step=beat.step, heartbeat_seq=beat.seq, heartbeat_monotonic=written,
+                                   heartbeat_phase=beat.phase, step_time_s=beat.step_time_s or before.step_time_s)
+        changed, saving = True, saving or beat.phase == SAVE_PHASE
+    if not changed:
         return state, []
-    before = state.ranks[event.rank]
-    if before.heartbeat_seq == event.seq:
-        return state, []
-    if before.heartbeat_phase == TRAIN_PHASE == event.phase and before.heartbeat_monotonic is not None:
-        gaps = with_gap(state.step_gaps, now - before.heartbeat_monotonic, state.policy.hang.calibration.window)
-        state = replace(state, step_gaps=gaps)
-    state = _update_rank(state, event.rank, step=event.step, heartbeat_seq=event.seq, heartbeat_monotonic=now,
-                         heartbeat_phase=event.phase, step_time_s=event.step_time_s or before.step_time_s)
-    state = replace(state, heartbeats_seen=True)
-    if state.stop_stage is StopStage.TERM and event.phase == SAVE_PHASE and state.deadline is not None:
+    window = state.policy.hang.calibration.window
+    state = replace(state, ranks=tuple(ranks), step_gaps=with_gaps(state.step_gaps, gaps, window),
+                    heartbeats_seen=True)
+    if state.stop_stage is StopStage.TERM and saving and state.deadline is not None:
         state = replace(state, deadline=max(state.deadline, saves_end(state, now)))  # a save seen late
     return _continue_order_done(state)
 
@@ -1175,6 +1229,7 @@ _HANDLERS = {
     LaunchFailed: _on_launch_failed,
     ChildExited: _on_child_exited,
     HeartbeatSeen: _on_heartbeat,
+    Heartbeats: _on_heartbeats,
     StacksCollected: _on_stacks_collected,
     SignalReceived: _on_signal,
     StopRequested: _on_stop_requested,

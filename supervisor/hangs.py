@@ -27,7 +27,7 @@ __all__ = [
     "calibrated_train_timeout",
     "percentile",
     "phase_timeout",
-    "with_gap",
+    "with_gaps",
 ]
 
 TRAIN_PHASE = "train"
@@ -111,6 +111,6 @@ def beat_deadline(
     return last_beat + phase_timeout(policy, phase, gaps)
 
 
-def with_gap(gaps: tuple[float, ...], gap: float, window: int) -> tuple[float, ...]:
-    """`gaps` plus a new sample, keeping only the newest `window`."""
-    return (*gaps, gap)[-window:]
+def with_gaps(gaps: tuple[float, ...], new: list[float], window: int) -> tuple[float, ...]:
+    """`gaps` plus new samples, keeping only the newest `window`."""
+    return (*gaps, *new)[-window:] if new else gaps

@@ -1,7 +1,12 @@
-"""The supervisor's JSON-lines journal: every event goes to the run dir and to stderr (systemd's journal)."""
+"""The supervisor's JSON-lines journal: every event goes to the run dir and to stderr (systemd's journal).
+
+The file is rotated by size (`events.jsonl` -> `events.1.jsonl` -> ... `events.{JOURNALS_KEPT}.jsonl`, the oldest
+dropped), so a run of months or of thousands of nodes keeps a bounded journal; nothing `status`, goodput or the
+metrics report depends on it (they live in the state file), and `trainwarden plot` reads every file kept."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -12,9 +17,12 @@ from typing import IO, Any
 import structlog
 
 from supervisor.console import Console
-from worker.files import open_append
+from worker.files import open_append, open_dir
 
-__all__ = ["Journal", "append_event", "open_journal"]
+__all__ = ["JOURNALS_KEPT", "MAX_JOURNAL_BYTES", "Journal", "append_event", "journal_files", "open_journal"]
+
+MAX_JOURNAL_BYTES = 64 << 20  # a journal file is rotated beyond this; a thousand-node attempt writes about 1 MiB
+JOURNALS_KEPT = 4  # rotated files besides the current one
 
 
 _JSON = structlog.processors.JSONRenderer(default=str)
@@ -22,53 +30,94 @@ _JSON = structlog.processors.JSONRenderer(default=str)
 
 class _TeeLogger:
     """A structlog logger that writes each event, whole, as a JSON line to the journal file and to `echo`
-    (a stream gets the same JSON line; a Console renders it for people)."""
+    (a stream gets the same JSON line; a Console renders it for people); it rotates the file when it is full."""
 
-    def __init__(self, file: IO[str], echo: IO[str] | Console | None) -> None:
-        self._file = file
+    def __init__(self, path: Path, root: Path, echo: IO[str] | Console | None, max_bytes: int) -> None:
+        self._path, self._root, self._max_bytes = path, root, max_bytes
+        self.file = _open(path, root)
         self._echo = echo
         self._lock = threading.Lock()
 
     def msg(self, **event_dict: Any) -> None:
         line = _JSON(None, "", dict(event_dict)) + "\n"
         with self._lock:
-            streams = [self._file] if not self._echo or isinstance(self._echo, Console) else [self._file, self._echo]
+            streams = [self.file] if not self._echo or isinstance(self._echo, Console) else [self.file, self._echo]
             for stream in streams:
                 try:
                     stream.write(line)
                     stream.flush()
                 except (OSError, ValueError):  # a closed terminal must not take the supervisor down
                     pass
+            if self.file.tell() > self._max_bytes:
+                self._rotate()
         if isinstance(self._echo, Console):
             self._echo.event(event_dict)
 
     info = warning = error = critical = debug = msg
 
+    def _rotate(self) -> None:
+        """Shift the rotated files one up (the oldest goes), the current one to `.1`, and start a new one; a failure
+        leaves the journal growing rather than losing an event."""
+        name = self._path.name
+        try:
+            folder = open_dir(self._root, self._path.parent)  # renamed within it: no symlink on the way is followed
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_rotated(name, JOURNALS_KEPT), dir_fd=folder)
+                for number in range(JOURNALS_KEPT - 1, 0, -1):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.rename(_rotated(name, number), _rotated(name, number + 1), src_dir_fd=folder,
+                                  dst_dir_fd=folder)
+                os.rename(name, _rotated(name, 1), src_dir_fd=folder, dst_dir_fd=folder)
+            finally:
+                os.close(folder)
+            fresh = _open(self._path, self._root)
+        except OSError:
+            return
+        self.file.close()
+        self.file = fresh
+
 
 class Journal:
     """Bound structlog logger plus the file it owns."""
 
-    def __init__(self, logger: Any, stream: IO[str]) -> None:
+    def __init__(self, logger: Any, tee: _TeeLogger) -> None:
         self.log = logger
-        self._stream = stream
+        self._tee = tee
 
     def close(self) -> None:
-        self._stream.close()
+        self._tee.file.close()
 
 
-def open_journal(path: Path, *, root: Path, echo: IO[str] | Console | None = sys.stderr) -> Journal:
+def open_journal(path: Path, *, root: Path, echo: IO[str] | Console | None = sys.stderr,
+                 max_bytes: int = MAX_JOURNAL_BYTES) -> Journal:
     """Open (append) the journal at `path` inside the run dir `root`, following no symlink; `echo` also
     receives every event (a stream as the same JSON line, a Console rendered for people)."""
-    stream = os.fdopen(open_append(path, root=root), "a", encoding="utf-8")  # closed by Journal.close
+    tee = _TeeLogger(path, root, echo, max_bytes)
     logger = structlog.wrap_logger(
-        _TeeLogger(stream, echo),
+        tee,
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="time"),
             lambda _logger, _name, event_dict: event_dict,  # handed whole to _TeeLogger.msg, which renders
         ],
     )
-    return Journal(logger, stream)
+    return Journal(logger, tee)
+
+
+def journal_files(path: Path) -> list[Path]:
+    """The journal's files that exist, oldest first: the rotated ones, then the current one."""
+    candidates = [path.with_name(_rotated(path.name, number)) for number in range(JOURNALS_KEPT, 0, -1)] + [path]
+    return [candidate for candidate in candidates if os.path.lexists(candidate)]
+
+
+def _rotated(name: str, number: int) -> str:
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}.{number}{dot}{suffix}"  # events.1.jsonl
+
+
+def _open(path: Path, root: Path) -> IO[str]:
+    return os.fdopen(open_append(path, root=root), "a", encoding="utf-8")
 
 
 def append_event(path: Path, *, root: Path, event: str, level: str = "info", **fields: Any) -> None:

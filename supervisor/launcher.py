@@ -22,19 +22,20 @@ import psutil
 
 from supervisor.causes import oom_kill_count
 from supervisor.config import JobConfig
-from supervisor.core import ChildExited, Event, LaunchFailed, RankState, StacksCollected
+from supervisor.core import ChildExited, Event, Heartbeats, HeartbeatSeen, LaunchFailed, RankState, StacksCollected
 from supervisor.gpu_health import gpu_problems
 from supervisor.ranks import Attempt, Ranks, launch_ranks, rank_envs
 from supervisor.stacks import start_stack_collection
 from supervisor.standby import FILL_AFTER_S, Standby, Standbys
 from supervisor.trees import descendants, reap_orphans, record_pids, sigkill
-from supervisor.watch import HeartbeatChanged, HeartbeatUnreadable, HeartbeatWatcher, read_heartbeat
+from supervisor.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
 from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import atomic_write_json, read_bytes, unlink_quietly
 
 __all__ = ["Isolated", "Launcher", "LocalLauncher", "Spawned", "publish_order"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+TRACK_INTERVAL_S = 5.0  # the run's processes are recorded (for a successor) and orphans reaped this often
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ class LocalLauncher:
         self._log = log
         self._ranks: Ranks | None = None
         self._watcher = HeartbeatWatcher(layout, config.nproc_per_node, post)
+        self._beats = HeartbeatFiles(layout)
+        self._next_track = 0.0  # when the run's processes are next recorded and orphans reaped
         self._unreadable: set[int] = set()
         self._recorded_pids: set[int] = set()
         self._oom_kills_at_launch: int | None = None  # the cgroup's OOM-kill count when the attempt started
@@ -175,6 +178,7 @@ class LocalLauncher:
             self._log.info("standbys_used", attempt=attempt.number, ranks=used)
         self._oom_kills_at_launch = _oom_kills()
         self._launched_at, self._training = time.monotonic(), set()
+        self._next_track = 0.0  # the new ranks are recorded at the next poll
         return Spawned(attempt.number, tuple(self._ranks.procs[rank].pid for rank in sorted(self._ranks.procs)))
 
     @property
@@ -220,8 +224,8 @@ class LocalLauncher:
         publish_order(self._layout, order, self._log)
 
     def translate(self, item: object) -> list[Event] | None:
-        if isinstance(item, HeartbeatChanged):
-            return self._read_heartbeats([item.rank])
+        if isinstance(item, HeartbeatsChanged):
+            return self._read_heartbeats(sorted(self._watcher.take()))
         if isinstance(item, _LeftoversSurvived):
             self._log.error("process_unkillable", attempt=item.attempt, processes=item.processes)
             return []
@@ -231,7 +235,9 @@ class LocalLauncher:
         return self._read_heartbeats([rank])
 
     def poll(self) -> list[Event]:
-        self._track_processes()
+        if time.monotonic() >= self._next_track:
+            self._next_track = time.monotonic() + TRACK_INTERVAL_S
+            self._track_processes()
         events = self._read_heartbeats(range(self._config.nproc_per_node))
         self._refill_standbys()
         return events
@@ -280,10 +286,11 @@ class LocalLauncher:
                 self._log.error("pids_write_failed", error=str(exc))
 
     def _read_heartbeats(self, ranks: Iterable[int]) -> list[Event]:
-        events: list[Event] = []
+        """One Heartbeats event for the ranks' new records (none when there is none)."""
+        beats: list[HeartbeatSeen] = []
         for rank in ranks:
             try:
-                seen = read_heartbeat(self._layout.heartbeat(rank), rank)
+                seen = self._beats.read(rank)
             except HeartbeatUnreadable as exc:
                 if rank not in self._unreadable:  # say it once per streak, not every second
                     self._log.warning("heartbeat_unreadable", rank=rank, error=str(exc))
@@ -291,10 +298,10 @@ class LocalLauncher:
                 continue
             self._unreadable.discard(rank)
             if seen is not None:
-                events.append(seen)
+                beats.append(seen)
                 if self._ranks is not None and seen.attempt == self._ranks.attempt and seen.phase == "train":
                     self._training.add(rank)
-        return events
+        return [Heartbeats(tuple(beats))] if beats else []
 
 
 def _standbys(config: JobConfig, layout: RunLayout, log: Any) -> Standbys | None:

@@ -3,10 +3,10 @@ tells `trainwarden status` on any host whether the supervisor lives.
 
 Each holder writes only its own generation's file, `supervisor/lease/<generation>.json`; the newest generation is
 the lease. A new holder claims generation n+1 by linking a complete file into place: the link fails when the file
-exists, so exactly one claimant wins, on a local filesystem as on NFS. The holder renews its file every RENEW_S
-(a wall-clock stamp advanced by the monotonic clock, so a clock step cannot age it). A lease may be claimed once it
-was released (the run ended), abdicated (its holder lost its link), or not renewed for its ttl, or when its holder
-is gone for sure (a dead pid on this host; a Slurm job that ended). A holder that sees a newer generation is
+exists, so exactly one claimant wins, on a local filesystem as on NFS. The holder renews its file every fifth
+of its ttl (a wall-clock stamp advanced by the monotonic clock, so a clock step cannot age it). A lease may be claimed
+once it was released (the run ended), abdicated (its holder lost its link), or not renewed for its ttl, or when its
+holder is gone for sure (a dead pid on this host; a Slurm job that ended). A holder that sees a newer generation is
 deposed and must stop acting at once; one that could not renew for most of its ttl stops acting too, before any
 claimant may take over.
 """
@@ -52,7 +52,7 @@ __all__ = [
 
 HELD, ABDICATED, RELEASED = "held", "abdicated", "released"
 _STATES = (HELD, ABDICATED, RELEASED)
-RENEW_S = 1.0
+RENEW_SHARE = 0.2  # of the ttl: three renewals in a row may fail before the holder stops acting
 LOCAL_TTL_S = 10.0  # a run on one machine: its lease is a heartbeat for `status`
 VALID_SHARE = 0.7  # a holder acts only while its last renewal is younger than this share of the ttl
 KEEP_GENERATIONS = 8  # older lease files are removed by a new holder
@@ -268,7 +268,7 @@ class LeaseHolder:
         """Stop renewing and write the final word: released (with the run's exit code) or abdicated."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=RENEW_S * 3)
+            self._thread.join(timeout=5)
         with self._lock:
             if self._lost is not None and self._lost.by is not None:
                 return  # a newer generation holds it: ours is history
@@ -277,11 +277,12 @@ class LeaseHolder:
                 _write(self._layout, self._lease, durable=True)
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(RENEW_S):
+        while not self._stop.wait(self._lease.ttl_s * RENEW_SHARE):
             self.renew()
 
     def renew(self) -> None:
-        """One renewal (the thread's, every RENEW_S): deposed by a newer generation, or our stamp advanced."""
+        """One renewal (the thread's, every RENEW_SHARE of the ttl): deposed by a newer generation, or our stamp
+        advanced."""
         newer = [g for g in _generations(self._layout) if g > self._lease.generation]
         if newer:
             self._lose(LeaseLost(f"generation {newer[-1]} took over", read(self._layout, newer[-1])))

@@ -11,6 +11,7 @@ import math
 from typing import Any, Protocol
 
 from supervisor.core import Event, HeartbeatSeen, RanksLaunched, State
+from supervisor.watch import MAX_ANOMALY_KINDS, MAX_PHASE_CHARS, MAX_PROGRESS
 
 __all__ = ["Counts", "JournalRecord", "Observer", "Progress"]
 
@@ -80,7 +81,9 @@ class Counts:
     attempt's largest count is taken); anomalies are each rank's own sightings (summed over ranks).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, previous: dict[str, Any] | None = None) -> None:
+        # What the supervisors of this run dir before this one counted (their state file): totals never go back.
+        self._carried_skipped, self._carried_anomalies = _carried_counts(previous or {})
         self._skipped: dict[int, int] = {}  # attempt -> batches skipped
         self._anomalies: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}  # (attempt, rank) -> counts
         self._last_save: dict[int, float] = {}  # rank -> its newest save's duration, this attempt
@@ -100,9 +103,20 @@ class Counts:
         return []
 
     def status(self) -> dict[str, Any]:
-        kinds: dict[str, int] = {}
+        kinds: dict[str, int] = dict(self._carried_anomalies)
         for counts in self._anomalies.values():
             for kind, count in counts:
                 kinds[kind] = kinds.get(kind, 0) + count
-        return {"skipped_steps": sum(self._skipped.values()), "anomalies": dict(sorted(kinds.items())),
-                "last_save_s": max(self._last_save.values(), default=None)}
+        return {"skipped_steps": self._carried_skipped + sum(self._skipped.values()),
+                "anomalies": dict(sorted(kinds.items())), "last_save_s": max(self._last_save.values(), default=None)}
+
+
+def _carried_counts(previous: dict[str, Any]) -> tuple[int, dict[str, int]]:
+    """(skipped batches, anomalies by kind) from a previous state file; zero and none for anything not sane."""
+    skipped = previous.get("skipped_steps")
+    anomalies = previous.get("anomalies")
+    sane = isinstance(anomalies, dict) and len(anomalies) <= MAX_ANOMALY_KINDS and all(
+        isinstance(kind, str) and 0 < len(kind) <= MAX_PHASE_CHARS and kind.isprintable()
+        and type(count) is int and 0 <= count <= MAX_PROGRESS for kind, count in anomalies.items())
+    return (skipped if type(skipped) is int and 0 <= skipped <= MAX_PROGRESS else 0,
+            dict(anomalies) if sane else {})  # type: ignore[arg-type]

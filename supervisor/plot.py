@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from supervisor.journal import journal_files
 from worker.contract import RunLayout
 from worker.files import Refused, atomic_write, open_dir
 
@@ -143,7 +144,8 @@ def read_timeline(layout: RunLayout) -> Timeline:
     """The run's series and events, read from its journal, rank event logs and state file, downsampled."""
     notes: list[str] = []
     reader = _Reader(layout.root, notes)
-    journal = [(t, e) for t, e in reader.events(layout.journal) if isinstance(e.get("event"), str)]
+    journal = [(t, e) for path in journal_files(layout.journal) for t, e in reader.events(path)
+               if isinstance(e.get("event"), str)]
     launches = sorted(t for t, e in journal if e["event"] == "ranks_launched")
     ranks = reader.ranks()
     raw: dict[str, list[tuple[float, dict[str, Any]]]] = {kind: [] for kind in KINDS}

@@ -38,6 +38,8 @@ from supervisor.core import (
     ChildExited,
     DumpStacks,
     Event,
+    Heartbeats,
+    HeartbeatSeen,
     KillLeftovers,
     LaunchFailed,
     LaunchRanks,
@@ -65,7 +67,7 @@ from supervisor.notify import Notifier, ServiceReporter
 from supervisor.observe import Counts, Observer, Progress
 from supervisor.rank_logs import abort_info, count, last_event, last_step, stderr_tail
 from supervisor.ranks import Attempt
-from supervisor.status import StatusError, read_status, snapshot, write_status
+from supervisor.status import StatusError, read_history, read_status, snapshot, write_status
 from supervisor.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
 from supervisor.stragglers import Stragglers
 from supervisor.trees import become_subreaper, kill_predecessor_leftovers
@@ -84,6 +86,10 @@ from worker.manifest import remove_sharded
 __all__ = ["LauncherFactory", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
 POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the state file, this often
+# The next deadline walks every rank: after heartbeats alone (which only move a rank's deadline) it is worked out
+# again at most this often, so thousands of ranks cost one walk per this, not one per event.
+DEADLINE_REFRESH_S = 0.5
+STATUS_SHARE = 0.02  # of the supervisor's time, at most, goes to the state file and what is published with it
 MAX_LOGGED_CHARS = 500  # of a path or error a rank logged, as it reaches the journal and the status
 STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: Slurm's time-limit warning
@@ -132,8 +138,9 @@ class Supervisor:
         self._ignore_stop_file = ignore_stop_file
         self._stop_file_seen: tuple[int, ...] | None = None  # the write of the stop file acted on last
         self.log = journal.log
-        gaps = _previous_step_gaps(layout, config.hang.calibration.window)
-        self.state: State = initial_state(config.policy(), step_gaps=gaps)
+        previous = _previous_status(layout)  # what a supervisor of this run dir before us knew
+        gaps = _previous_step_gaps(previous, config.hang.calibration.window)
+        self.state: State = initial_state(config.policy(), step_gaps=gaps, history=read_history(previous))
         self._config_path = config_path
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lease = None if lease is None else LeaseHolder(layout, lease, self._inbox.put_nowait)
@@ -144,14 +151,16 @@ class Supervisor:
         self._launching: LaunchPrepared | None = None  # what the ranks being started resume from
         self._stop_watcher = StopFileWatcher(self.stop_file, self._inbox.put_nowait)
         self._next_poll = 0.0
+        self._next_status = 0.0  # the state file is written at a Tick once this has passed
+        self._deadline: tuple[float, float | None] | None = None  # (worked out when, next_deadline) while valid
         self._started_at = time.time()
         self._health_seen: list[int] | None = None  # complete checkpoints when health and rotation were last done
         self._health_steps: list[int] = []  # those of them this world size wrote, less the rotated ones
         self._reported_junk: set[Any] = set()
         self._systemd = ServiceReporter(Notifier.from_environ(log=self.log))  # a no-op outside systemd
         # Bookkeeping beside the core: it never decides anything.
-        self._observers: list[Observer] = [Progress(), Counts()]
-        self._observers.append(Goodput(_previous_status(layout), wall_now=time.time()))  # carried over
+        self._observers: list[Observer] = [Progress(), Counts(previous)]  # counts carried over
+        self._observers.append(Goodput(previous, wall_now=time.time()))  # carried over
         self._observers.append(Stragglers(config.stragglers))
         self.status_listeners: list[Callable[[dict[str, Any]], None]] = []  # shown each status, once it is written
         self._metrics = MetricsExporter(config.metrics, self.log)  # opt-in: off, it costs one check per status
@@ -349,7 +358,9 @@ class Supervisor:
 
     def _next_event(self) -> Any:
         now = time.monotonic()
-        deadline = next_deadline(self.state)
+        if self._deadline is None or now - self._deadline[0] > DEADLINE_REFRESH_S:
+            self._deadline = (now, next_deadline(self.state))
+        deadline = self._deadline[1]
         wake = self._next_poll if deadline is None else min(self._next_poll, deadline)
         wake = min(wake, self._systemd.next_ping(), self._launcher.next_deadline())
         if now >= wake:
@@ -366,20 +377,25 @@ class Supervisor:
         before = (self.state.phase, self.state.attempt)
         while pending:
             event = pending.popleft()
+            if not isinstance(event, (Heartbeats, HeartbeatSeen)):
+                self._deadline = None
             self.state, actions = decide(self.state, event, time.monotonic())
             self._observe(event)
             for action in actions:
                 pending.extend(self._execute(action))
         changed = (self.state.phase, self.state.attempt) != before
-        if changed or isinstance(item, (Tick, Started)):  # Started: "starting" while checkpoints are verified
+        due = isinstance(item, Tick) and time.monotonic() >= self._next_status
+        if changed or due or isinstance(item, Started):  # Started: "starting" while checkpoints are verified
             self._write_status(durable=changed)
+        if changed or isinstance(item, (Tick, Started)):
             self._systemd.observe(self.state, time.monotonic(), launched=self._launcher.launched)
 
     def _observe(self, event: Event) -> None:
         now = time.monotonic()
-        for observer in self._observers:
-            for level, name, fields in observer.observe(event, self.state, now):
-                getattr(self.log, level)(name, **fields)
+        for each in event.beats if isinstance(event, Heartbeats) else (event,):  # observers take beats one by one
+            for observer in self._observers:
+                for level, name, fields in observer.observe(each, self.state, now):
+                    getattr(self.log, level)(name, **fields)
 
     def _translate(self, item: Any) -> list[Event]:
         """Turn adapter hints into core events; a Tick also polls the launcher (hints can be lost)."""
@@ -589,6 +605,14 @@ class Supervisor:
         return self._newest_checkpoint[1]
 
     def _write_status(self, *, durable: bool) -> None:
+        """The state file, the health file and rotation, the console line and metrics; at most once a second, and
+        at scale (thousands of ranks to list, checkpoint directories to look through) never more than
+        STATUS_SHARE of the supervisor's time."""
+        started = time.monotonic()
+        self._publish_status(durable=durable)
+        self._next_status = started + (time.monotonic() - started) / STATUS_SHARE
+
+    def _publish_status(self, *, durable: bool) -> None:
         steps = self._record_health(
             self.layout.checkpoints.complete_steps(self.config.world_size, self.config.worker.prefix))
         extra = {
@@ -623,13 +647,13 @@ def _previous_status(layout: RunLayout) -> dict[str, Any]:
         return {}
 
 
-def _previous_step_gaps(layout: RunLayout, window: int) -> tuple[float, ...]:
+def _previous_step_gaps(previous: dict[str, Any], window: int) -> tuple[float, ...]:
     """Calibration samples a previous supervisor of this run dir kept, so a restart does not start blind
     (only positive numbers, at most `window` of them: the file may have been tampered with)."""
     try:
-        gaps = read_status(layout).get("calibration", {}).get("step_gaps", [])
+        gaps = previous.get("calibration", {}).get("step_gaps", [])
         return tuple(float(g) for g in gaps if type(g) in (int, float) and g > 0)[-window:]
-    except (StatusError, AttributeError, TypeError):
+    except (AttributeError, TypeError):
         return ()
 
 

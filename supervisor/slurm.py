@@ -37,7 +37,16 @@ from supervisor import slurmctl
 from supervisor.blame import IN_COLLECTIVE, SILENT
 from supervisor.causes import Cause, CauseKind
 from supervisor.config import JobConfig
-from supervisor.core import ChildExited, Event, HeartbeatSeen, LaunchFailed, RankState, SignalReceived, StacksCollected
+from supervisor.core import (
+    ChildExited,
+    Event,
+    Heartbeats,
+    HeartbeatSeen,
+    LaunchFailed,
+    RankState,
+    SignalReceived,
+    StacksCollected,
+)
 from supervisor.launcher import Isolated, Spawned, publish_order
 from supervisor.lease import ABDICATED, RELEASED, Lease
 from supervisor.lease import read as read_lease
@@ -46,14 +55,14 @@ from supervisor.ranks import Attempt, Placement, contract_env, rank_argv
 from supervisor.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, StackDumps, judge
 from supervisor.succession import Succession
 from supervisor.watch import progress_fields
-from supervisor.wire import Peer, WireError
+from supervisor.wire import Hub, Peer, WireError
 from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import open_append, read_bytes
 
 __all__ = ["SlurmLauncher", "in_allocation"]
 
 HELLO_TIMEOUT_S = 60.0  # srun to every agent dialled in: Slurm's step launch plus Python's start-up
-PING_S = 1.0
+PINGS_PER_FENCE = 4  # an agent hears from us this many times within the silence that makes it fence its ranks
 STACKS_GRACE_S = 5.0  # beyond the agents' own dump timeouts
 SIGNAL_DEDUP_S = 5.0  # Slurm signals every node's agent at once: one stop request, not one per node
 MAX_HELLO_WAIT_S = 10.0  # a connection that says nothing for this long is dropped
@@ -101,6 +110,11 @@ class _AgentSaid:
     attempt: int
     node: str
     message: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _BeatsArrived:
+    """Agents sent heartbeats: the launcher holds them until the main loop takes them all at once."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +173,10 @@ class SlurmLauncher:
         self._seen = list(self._allocation)  # every node the job held: one Slurm dropped is still worth showing
         self._states: dict[str, str] = {}  # Slurm's state of each node, as of the last plan
         self._token = secrets.token_hex(16)
-        self._server = socket.create_server(("0.0.0.0", 0), backlog=64)
+        self._server = socket.create_server(("0.0.0.0", 0), backlog=1024)  # a fleet's agents dial in at once
+        self._hub = Hub()  # reads every agent's stream
+        self._beats_lock = threading.Lock()
+        self._arrived_beats: dict[int, HeartbeatSeen] = {}  # rank -> its newest beat not yet taken
         self._attempt: int | None = None
         self._pending = Attempt(0)  # the attempt being placed
         self._nodes: dict[str, _Node] = {}
@@ -171,6 +188,8 @@ class SlurmLauncher:
         self._ended_early: dict[str, tuple[str, float]] = {}  # node -> (why, until): its stream ended before launch
         self._signalled = False  # the supervisor signalled this attempt's ranks: later deaths are its doing
         self._last_ping = 0.0
+        self._ping_s = self._fence_s() / PINGS_PER_FENCE
+        self._next_check = math.inf  # when poll must look for silent nodes next (see next_deadline)
         self._forwarded: dict[int, float] = {}  # signum -> when an agent's last forwarded one was posted
         self._failed_on: str | None = None
         self._ledger = self._load_ledger()
@@ -220,6 +239,7 @@ class SlurmLauncher:
             if node.peer is not None:
                 node.peer.close()
         self._server.close()
+        self._hub.close()
 
     @property
     def launched(self) -> bool:
@@ -301,7 +321,7 @@ class SlurmLauncher:
 
     def _srun_argv(self, attempt: int, nodes: list[str]) -> list[str]:
         srun = shutil.which("srun") or "srun"
-        fence_s = max(1.0, self._config.slurm.node_timeout_s / 2)  # fenced well before it is declared lost
+        fence_s = self._fence_s()
         # srun does not inherit the job's CPUs per task (Slurm 21.08+): the agent, parent of every rank of its
         # node, asks for what the job got on this node, or Slurm would confine the node's ranks to one CPU.
         cpus = os.environ.get("SLURM_CPUS_ON_NODE", "")
@@ -313,6 +333,9 @@ class SlurmLauncher:
                 f"--job-name=trainwarden-attempt-{attempt}", *self._config.slurm.srun_args,
                 sys.executable, "-m", "supervisor.agent", "--connect", self._advertised(),
                 "--run-dir", str(self._layout.root), "--attempt", str(attempt), "--fence-s", f"{fence_s:g}"]
+
+    def _fence_s(self) -> float:
+        return max(1.0, self._config.slurm.node_timeout_s / 2)  # fenced well before it is declared lost
 
     def _advertised(self) -> str:
         """host:port the agents dial: TRAINWARDEN_SUPERVISOR_ADDR, else our address on the route to the nodes."""
@@ -379,11 +402,14 @@ class SlurmLauncher:
     def translate(self, item: object) -> list[Event | Spawned | Isolated] | None:
         if isinstance(item, _AgentArrived):
             return self._arrived(item.peer, item.hello)
+        if isinstance(item, _BeatsArrived):
+            with self._beats_lock:
+                beats, self._arrived_beats = self._arrived_beats, {}
+            return [Heartbeats(tuple(beats.values()))] if beats else []
         if isinstance(item, _AgentSaid):
             node = self._nodes.get(item.node)
             if item.attempt != self._attempt or node is None or node.state == "lost":
                 return []
-            node.heard = time.monotonic()
             try:
                 return self._said(node, item.message)
             except (KeyError, TypeError, ValueError) as exc:
@@ -423,8 +449,8 @@ class SlurmLauncher:
         port = hello.get("port")
         node.peer, node.address, node.heard = peer, peer.address, time.monotonic()
         node.port = port if type(port) is int and 0 < port < 65536 else None
-        peer.serve(lambda m, n=node.name, a=attempt: self._post(_AgentSaid(a, n, m)),
-                   lambda why, n=node.name, a=attempt: self._post(_AgentGone(a, n, why)))
+        self._hub.add(peer, lambda m, n=node, a=attempt: self._heard(n, a, m),
+                      lambda why, n=node.name, a=attempt: self._post(_AgentGone(a, n, why)))
         self._log.info("agent_connected", attempt=attempt, node=node.name, address=node.address,
                        agent_pid=hello.get("pid"))
         if all(n.peer is not None for n in self._nodes.values()):
@@ -432,10 +458,26 @@ class SlurmLauncher:
             self._place()
         return []
 
+    def _heard(self, node: _Node, attempt: int, message: dict[str, Any]) -> None:
+        """In the hub's thread: the node is alive now (whatever the main loop's backlog); its beats are held for
+        the main loop to take together, anything else goes to the main loop as it is."""
+        node.heard = time.monotonic()
+        if message["type"] != "beat":
+            self._post(_AgentSaid(attempt, node.name, message))
+            return
+        records = message.get("beats")
+        beats = [beat for record in records if (beat := self._beat(node, record)) is not None] \
+            if isinstance(records, list) and attempt == self._attempt else []
+        if not beats:
+            return
+        with self._beats_lock:
+            first = not self._arrived_beats
+            self._arrived_beats.update((beat.rank, beat) for beat in beats)
+        if first:
+            self._post(_BeatsArrived())
+
     def _said(self, node: _Node, message: dict[str, Any]) -> list[Event | Spawned]:
         kind = message["type"]
-        if kind == "beat":
-            return [beat for record in message["beats"] if (beat := self._beat(node, record)) is not None]
         if kind == "spawned":
             node.pids = {int(rank): int(pid) for rank, pid in message["pids"].items() if int(rank) in node.ranks}
             node.state = "running"
@@ -465,7 +507,9 @@ class SlurmLauncher:
         if not isinstance(record, dict):
             return None
         fields = ("attempt", "rank", "seq", "step", "phase", "step_time_s")
-        beat = HeartbeatSeen(**{k: record.get(k) for k in fields}, **progress_fields(record))
+        age = record.get("age_s")  # bounded: an agent's clock error must not date a beat before the attempt
+        age = min(float(age), self._config.slurm.node_timeout_s) if type(age) in (int, float) and age > 0 else 0.0
+        beat = HeartbeatSeen(**{k: record.get(k) for k in fields}, **progress_fields(record), age_s=age)
         ok = beat.rank in node.ranks and beat.attempt == self._attempt and all(
             type(v) is int and v >= 0 for v in (beat.seq, beat.step)) and isinstance(beat.phase, str) and (
             beat.step_time_s is None or (type(beat.step_time_s) in (int, float) and beat.step_time_s > 0))
@@ -651,11 +695,12 @@ class SlurmLauncher:
                 del self._ended_early[name]
                 if (node := self._nodes.get(name)) is not None and node.state == "starting":
                     events += self._lose(node, why)
-        if now - self._last_ping >= PING_S:
+        if now - self._last_ping >= self._ping_s:
             self._last_ping = now
             for node in self._nodes.values():
                 if node.active:
                     node.peer.send({"type": "ping"})  # type: ignore[union-attr]
+        self._next_check = self._quietest()
         return events
 
     def _hello_timed_out(self) -> list[Event]:
@@ -691,7 +736,11 @@ class SlurmLauncher:
 
     def next_deadline(self) -> float:
         """The moment the quietest node's agent has been silent for the node timeout: it is declared lost then,
-        not at the next once-a-second tick (while our own link is tested, its answer is awaited instead)."""
+        not at the next once-a-second tick (while our own link is tested, its answer is awaited instead). Worked
+        out at each poll: agents are heard from all the time, so it only ever comes later than that."""
+        return self._next_check
+
+    def _quietest(self) -> float:
         timeout = self._config.slurm.node_timeout_s
         heard = [n.heard + timeout + 0.01 for n in self._nodes.values() if n.active and not self._checking_link]
         return min([*heard, *(until for _, until in self._ended_early.values())], default=math.inf)

@@ -7,16 +7,19 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from supervisor.core import Failure, Hang, State
+from supervisor.causes import MAX_CAUSE_CHARS, Cause, CauseKind
+from supervisor.core import FAILURES_KEPT, Failure, Hang, History, Phase, State
 from supervisor.goodput import describe as describe_goodput
 from supervisor.hangs import TRAIN_PHASE, phase_timeout
 from supervisor.lease import LOCAL_TTL_S, newest, pid_alive
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, read_json
 
-__all__ = ["FAILURES_SHOWN", "StatusError", "read_status", "render", "snapshot", "write_status"]
+__all__ = ["FAILURES_SHOWN", "StatusError", "read_history", "read_status", "render", "snapshot", "write_status"]
 
 FAILURES_SHOWN = 5  # the newest failed attempts in `status`: enough to see a crash loop
+MAX_RANK_LINES = MAX_NODE_LINES = 16  # beyond this many, `status` summarises them (--json has every one)
+SHOWN_IN_SUMMARY = 5  # the ranks (nodes) worth a look that a summary names
 
 
 class StatusError(Exception):
@@ -73,12 +76,50 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         },
         "last_failure": state.last_failure,
         "cause": state.cause,
+        "history": {"attempt": state.attempt, "restarts": state.restarts,
+                    "failures": [{**_failure(f), "key": f.cause.key} for f in state.failures[-FAILURES_KEPT:]]},
         "failures": [_failure(f) for f in state.failures[-FAILURES_SHOWN:]],
         "reason": state.reason,
         "exit_code": state.exit_code,
         "updated_at": time.time(),
         **extra,
     }
+
+
+def read_history(status: dict[str, Any]) -> History | None:
+    """The history a supervisor left in its state file, when it died mid-run (not when the run ended: a new
+    `trainwarden run` of an ended run starts afresh); None when there is none or it is not sane (the file is
+    untrusted: garbage loses the history, never the run)."""
+    if status.get("state") in {phase.value for phase in Phase if phase.terminal}:
+        return None
+    history = status.get("history")
+    try:
+        attempt, restarts, failures = history["attempt"], history["restarts"], history["failures"]
+        if not (_count(attempt) and _count(restarts) and isinstance(failures, list)):
+            return None
+        return History(attempt, restarts, tuple(_read_failure(f) for f in failures[-FAILURES_KEPT:]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _read_failure(record: dict[str, Any]) -> Failure:
+    text, key, node = record["cause"], record.get("key", ""), record.get("node")
+    if not (isinstance(text, str) and isinstance(key, str) and len(text) <= MAX_CAUSE_CHARS >= len(key)):
+        raise ValueError("not a cause")
+    if not (_count(record["attempt"]) and _count(record["rank"]) and _count_or_none(record["step"])
+            and _count_or_none(record["resume_step"]) and record["progressed"] in (True, False, None)
+            and (node is None or (isinstance(node, str) and len(node) <= 255))):
+        raise ValueError("not a failure")
+    return Failure(record["attempt"], record["rank"], record["step"], record["resume_step"],
+                   Cause(CauseKind(record["kind"]), text, key), record["progressed"], node)
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and 0 <= value < 2**31
+
+
+def _count_or_none(value: object) -> bool:
+    return value is None or _count(value)
 
 
 def write_status(layout: RunLayout, status: dict[str, Any], *, durable: bool) -> None:
@@ -111,7 +152,7 @@ def read_status(layout: RunLayout) -> dict[str, Any]:
 
 def _supervisor(layout: RunLayout, status: dict[str, Any]) -> dict[str, Any]:
     """Whether the supervisor lives, judged from here: by its pid on its own host, elsewhere by the age of its
-    lease (renewed every second); with where it runs and when it was last heard."""
+    lease (renewed every fifth of its ttl); with where it runs and when it was last heard."""
     now, here = time.time(), socket.gethostname()
     lease = newest(layout)
     if lease is None:  # a run of a version without a lease: its state file's host and stamp
@@ -144,13 +185,12 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  {goodput}")
     lines += _heartbeat_lines(status)
     lines += _node_lines(status)
-    for rank in status["ranks"]:
-        age = rank["heartbeat_age_s"]
-        beat = "no heartbeat" if age is None else f"heartbeat {age:.1f} s ago ({rank.get('heartbeat_phase')})"
-        code = "" if rank.get("returncode") is None else f", exit {rank['returncode']}"
-        lines.append(f"  rank {rank['rank']}: pid {rank['pid']}, step {rank['step']}, {beat}{code}")
-    lines += [f"  slow rank {slow['rank']}: {slow['compute_s']:.3g} s of compute per step, {slow['slower_by']:.0%} "
-              f"above the other ranks' median ({slow['median_s']:.3g} s)" for slow in status.get("stragglers") or []]
+    lines += _rank_lines(status["ranks"], status.get("rank_compute_s"))
+    slow = status.get("stragglers") or []
+    lines += [f"  slow rank {r['rank']}: {r['compute_s']:.3g} s of compute per step, {r['slower_by']:.0%} "
+              f"above the other ranks' median ({r['median_s']:.3g} s)" for r in slow[:SHOWN_IN_SUMMARY]]
+    if len(slow) > SHOWN_IN_SUMMARY:
+        lines.append(f"  ... and {len(slow) - SHOWN_IN_SUMMARY} more slow ranks (status --json lists them)")
     if hang := status.get("hang"):
         stacks = ", ".join(hang["stacks"]) or "none collected"
         on = f" on {hang['node']}" if hang.get("node") else ""
@@ -176,6 +216,41 @@ def render(status: dict[str, Any]) -> str:
     if status.get("reason"):
         lines.append(f"  reason: {status['reason']}")
     return "\n".join(lines)
+
+
+def _rank_lines(ranks: list[dict[str, Any]], compute: Any) -> list[str]:
+    """One line per rank; beyond MAX_RANK_LINES ranks, a summary and the ranks worth a look."""
+    if len(ranks) <= MAX_RANK_LINES:
+        return [_rank_line(rank) for rank in ranks]
+    running = [r for r in ranks if r.get("pid") is not None and r.get("returncode") is None]
+    failed = [r for r in ranks if r.get("returncode") not in (None, 0)]
+    steps = [r["step"] for r in running if type(r.get("step")) is int]
+    ages = sorted(r["heartbeat_age_s"] for r in running if isinstance(r.get("heartbeat_age_s"), (int, float)))
+    lines = [f"  ranks: {len(ranks)}, {len(running)} running, {len(failed)} failed"
+             + (f"; steps {min(steps)}-{max(steps)}" if steps else "")
+             + (f"; heartbeat ages: median {ages[len(ages) // 2]:.1f} s, oldest {ages[-1]:.1f} s" if ages else "")]
+    worst = failed + sorted((r for r in running if r not in failed), key=_quietness)
+    lines += [_rank_line(rank) for rank in worst[:SHOWN_IN_SUMMARY]]
+    figures = [(value, rank) for rank, value in compute.items() if isinstance(value, (int, float))] \
+        if isinstance(compute, dict) else []
+    if figures:
+        slowest = sorted(figures, reverse=True)[:SHOWN_IN_SUMMARY]
+        lines.append("  most compute per step: " + ", ".join(f"rank {rank} {value:.3g} s" for value, rank in slowest))
+    return lines
+
+
+def _quietness(rank: dict[str, Any]) -> tuple[float, int]:
+    """The quietest first (the oldest heartbeat, none at all before any), then the furthest behind."""
+    age = rank.get("heartbeat_age_s")
+    step = rank.get("step")
+    return (-(age if isinstance(age, (int, float)) else float("inf")), step if type(step) is int else -1)
+
+
+def _rank_line(rank: dict[str, Any]) -> str:
+    age = rank["heartbeat_age_s"]
+    beat = "no heartbeat" if age is None else f"heartbeat {age:.1f} s ago ({rank.get('heartbeat_phase')})"
+    code = "" if rank.get("returncode") is None else f", exit {rank['returncode']}"
+    return f"  rank {rank['rank']}: pid {rank['pid']}, step {rank['step']}, {beat}{code}"
 
 
 def _supervisor_lines(status: dict[str, Any]) -> list[str]:
@@ -204,7 +279,17 @@ def _node_lines(status: dict[str, Any]) -> list[str]:
     if type(world) is int and type(full) is int and world < full:
         lines.append(f"  shrunk: {world} of {full} ranks (slurm.min_nodes; a job with every node grows back)")
     stale = not status.get("supervisor_alive") and status["state"] not in ("finished", "stopped", "failed")
-    for node in status.get("nodes") or []:
+    nodes = status.get("nodes") or []
+    if len(nodes) > MAX_NODE_LINES:  # a summary, and the nodes that are not simply running
+        states: dict[str, int] = {}
+        for node in nodes:
+            states[node["state"]] = states.get(node["state"], 0) + 1
+        lines.append("  nodes: " + ", ".join(f"{count} {state}" for state, count in sorted(states.items())))
+        odd = [node for node in nodes if node["state"] not in ("running", "spare")]
+        nodes = odd[:SHOWN_IN_SUMMARY]
+        if len(odd) > SHOWN_IN_SUMMARY:
+            lines.append(f"  ... {len(odd) - SHOWN_IN_SUMMARY} more not running (status --json lists every node)")
+    for node in nodes:
         ranks = f", ranks {node['ranks'][0]}-{node['ranks'][-1]}" if node.get("ranks") else ""
         age = node.get("heartbeat_age_s")
         heard = "" if age is None or stale or node["state"] == "ended" else f", agent heard {age:.1f} s ago"

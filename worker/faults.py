@@ -21,7 +21,8 @@ Kinds:
   never delivers one (a stuck read, a dead filesystem), so its peers block in the next step's all-reduce.
 - `stall_in_collective`: the step guard's all-reduce of step STEP never completes on this rank, as if its device
   or link stalled: its completion is stuck in the communication thread, so its peers complete that collective and
-  wait in the next one while this rank waits inside it (needs `guard_step`).
+  wait in the next one while this rank waits inside it (needs `guard_step`; its peers come to that all-reduce
+  half a second late, so the stall is in place before the collective can complete).
 - `extra_collective`: before the step guard's all-reduce of step STEP the rank issues one more all-reduce of
   another size, a desync: its peers' next collective meets it (gloo aborts or hangs; NCCL hangs).
 - `collective_sizes`: the step guard's all-reduce of step STEP has one element fewer on this rank, a desync.
@@ -58,6 +59,9 @@ KINDS = ("sigkill", "sigkill_in_save", "sigkill_after_save", "hang", "hang_in_sa
          "stall_in_collective", "extra_collective", "collective_sizes")
 GRADIENT_KINDS = ("spike", "nan")
 SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
+# The peers of a rank whose all-reduce stalls come to it this much later, so the stall's hook is in place before the
+# collective can complete (on CPU it completes as the last rank arrives; a hook on a completed one runs on the caller).
+STALL_LEAD_S = 0.5
 MAX_SLOW_S = 3600.0
 
 
@@ -107,6 +111,7 @@ class FaultPlan:
         self._marks = marks
         self._on_fire = on_fire
         self._repeats = {key: int(f.arg or 1) for key, f in self._due.items() if f.kind in GRADIENT_KINDS}
+        self._peer_stalls = {f.step for f in faults if armed and f.kind == "stall_in_collective" and f.rank != rank}
         slow = (f for f in faults if f.kind == "slow" and f.rank == rank)  # armed or not: it stays
         self._slow = min(slow, key=lambda f: f.step, default=None)
 
@@ -147,6 +152,8 @@ class FaultPlan:
         import torch
         import torch.distributed as dist
 
+        if step in self._peer_stalls:
+            time.sleep(STALL_LEAD_S)
         if not self._due:
             dist.all_reduce(tensor, op=op)
         elif self.due("extra_collective", step):

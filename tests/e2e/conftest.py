@@ -144,6 +144,14 @@ def run_supervisor(config: Path, run_dir: Path, timeout: float = 120) -> Finishe
     return finish(start_supervisor(config, run_dir), run_dir, timeout)
 
 
+def outcome_lines(stderr: str) -> tuple[str, str]:
+    """The supervisor's final words: its outcome line ("trainwarden: run failed: ...") and the line after it
+    (the cause, or the goodput)."""
+    lines = stderr.strip().splitlines()
+    first = max(i for i, line in enumerate(lines) if line.startswith("trainwarden: run "))
+    return lines[first], (lines[first + 1:] or [""])[0]
+
+
 def trainwarden_status(run_dir: Path) -> dict[str, Any]:
     """What `trainwarden status --json RUN_DIR` prints (read in this process: a CLI start costs 0.3 s of CPU; the
     command itself is tested in test_status_pipe.py and tests/unit)."""

@@ -116,6 +116,7 @@ def test_ranks_are_started_their_beats_and_exits_reported_then_the_agent_is_done
             exits[message["rank"]] = message["code"]
     assert exits == {4: 3, 5: 4}  # global ranks, each rank's own exit code
     assert sorted(b["rank"] for b in beats) == [4, 5] and {b["step"] for b in beats} == {7}
+    assert all(0 <= b["age_s"] < 2 for b in beats)  # how long each waited on the node for its message
     assert supervisor.receive("done")
     assert supervisor.agent.wait(timeout=10) == 0
     logs = supervisor.run_dir / "logs" / "attempt_0"

@@ -6,13 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.e2e.conftest import REPO, Finished, finish, journal, run_supervisor
+from tests.e2e.conftest import REPO, Finished, finish, journal, outcome_lines, run_supervisor, start_supervisor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,9 +84,8 @@ def attempts_launched(run_dir: Path) -> int:
 
 
 def said(done: Finished) -> tuple[str, str]:
-    """The last two lines the supervisor wrote: the reason line and the cause line."""
-    lines = done.stderr.strip().splitlines()
-    return lines[-2], lines[-1]
+    """The supervisor's last words: the reason line (first) and the cause line after it."""
+    return outcome_lines(done.stderr)
 
 
 @pytest.fixture
@@ -122,6 +122,33 @@ def test_script_raising_at_the_same_step_ends_as_a_crash_loop(tmp_path: Path) ->
     assert reason_line.startswith("trainwarden: run failed: crash loop: 3 attempts in a row failed the same way "
                                   "at step 4 (rank logs: ")
     assert cause_line == f"trainwarden: cause: {cause}"
+
+
+def test_a_supervisor_killed_mid_crash_loop_is_restarted_and_the_breaker_still_trips_at_its_count(
+        tmp_path: Path) -> None:
+    """SIGKILL of the supervisor in its backoff after two of the three failures the breaker counts: the next
+    supervisor carries the failures over (its first attempt is number 2) and ends the run after one more, exit 70."""
+    run_dir = tmp_path / "run"
+    config = job(tmp_path / "job.yaml", RAISE_AT_STEP_5, nproc_per_node=2,
+                 restart={"max_restarts": 5, "backoff_initial_s": 30, "backoff_factor": 1})
+    first = start_supervisor(config, run_dir)
+    try:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and not (run_dir / "supervisor" / "events.jsonl").exists():
+            time.sleep(0.1)
+        while time.monotonic() < deadline and [e["event"] for e in journal(run_dir)].count("relaunch_scheduled") < 2:
+            time.sleep(0.1)
+        assert status_json(run_dir)["state"] == "backoff" and status_json(run_dir)["attempt"] == 1
+    finally:
+        first.kill()
+        first.communicate(timeout=10)
+    done = run_supervisor(config, run_dir, timeout=45)
+
+    assert done.returncode == 70, done.stderr[-2000:]
+    status = status_json(run_dir)
+    assert status["reason"].startswith("crash loop: 3 attempts in a row failed the same way at step 4")
+    assert [f["attempt"] for f in status["failures"]] == [0, 1, 2]
+    assert [e["attempt"] for e in journal(run_dir) if e["event"] == "ranks_launched"] == [0, 1, 2]
 
 
 def test_missing_script_is_refused_before_any_attempt(tmp_path: Path) -> None:

@@ -11,7 +11,15 @@ import pytest
 import yaml
 
 from tests.conftest import wait_until
-from tests.e2e.conftest import REPO, finish, journal, run_supervisor, start_supervisor, trainwarden_status
+from tests.e2e.conftest import (
+    REPO,
+    finish,
+    journal,
+    outcome_lines,
+    run_supervisor,
+    start_supervisor,
+    trainwarden_status,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,7 +84,7 @@ def test_restarts_exhausted_exit_nonzero_with_one_line_reason(tmp_path: Path) ->
     status = done.status()
     assert (status["state"], status["restarts"]) == ("failed", 2)
     assert "exited with code 7" in status["reason"] and "restarts exhausted (2/2)" in status["reason"]
-    reason_line, cause_line = done.stderr.strip().splitlines()[-2:]
+    reason_line, cause_line = outcome_lines(done.stderr)
     assert reason_line.startswith("trainwarden: run failed: ") and "restarts exhausted" in reason_line
     assert "logs/attempt_2" in reason_line
     assert cause_line == "trainwarden: cause: exited with code 7"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.conftest import journal, run_supervisor
+from tests.e2e.conftest import journal, outcome_lines, run_supervisor
 from tests.unit.test_checkpoints import PREFIX
 from tests.unit.test_world_size import FOUR, save
 from worker.contract import EXIT_CONFIG, RunLayout
@@ -42,7 +42,7 @@ def test_a_two_rank_job_on_four_rank_checkpoints_exits_78_naming_both_sizes_and_
     done = run_supervisor(two_rank_job(tmp_path), run_dir, timeout=30)
 
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
-    said = done.stderr.strip().splitlines()[-1]
+    said = outcome_lines(done.stderr)[0]
     assert said.startswith("trainwarden: run failed: not launched: the checkpoints in ")
     assert "written by 4 ranks (newest: step 20), but this job runs 2" in said
     assert "a new --run-dir" in said and "worker.resume_training: false" in said

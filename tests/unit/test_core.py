@@ -1117,3 +1117,24 @@ def test_rank_config_error_fails_the_run_with_exit_78_without_relaunch():
     assert (state.phase, state.exit_code) == (Phase.FAILED, 78)
     assert state.reason == ("rank 1 exited with code 78 (its configuration is invalid) in attempt 0; "
                             "relaunching cannot help")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_hang_deadline_is_the_latest_rank_deadline(seed: int) -> None:
+    """The hang deadline (worked out from the newest beat per phase, for speed at thousands of ranks) is exactly
+    the latest deadline of any running rank, whatever the mix of phases, silent, exited and calibrated ranks."""
+    import random
+
+    rng = random.Random(seed)
+    policy = replace(POLICY, nproc=12, hang=replace(POLICY.hang, heartbeat=rng.choice(["auto", "required"])))
+    state = running(policy)
+    ranks = []
+    for rank in state.ranks:
+        beat = rng.choice([None, NOW + rng.uniform(0, 100)])
+        phase = None if beat is None and rng.random() < 0.7 else rng.choice(["train", "save", "eval", "custom"])
+        ranks.append(replace(rank, heartbeat_monotonic=beat, heartbeat_phase=phase,
+                             returncode=0 if rng.random() < 0.2 else None))
+    gaps = tuple(rng.uniform(0.1, 2.0) for _ in range(rng.choice([0, 50])))
+    state = replace(state, ranks=tuple(ranks), heartbeats_seen=rng.random() < 0.5, step_gaps=gaps)
+    each = [d for r in state.ranks if (d := rank_deadline(state, r)) is not None]
+    assert hang_deadline(state) == (max(each) if each else None)

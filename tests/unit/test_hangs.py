@@ -13,7 +13,7 @@ from supervisor.hangs import (
     calibrated_train_timeout,
     percentile,
     phase_timeout,
-    with_gap,
+    with_gaps,
 )
 
 NOW = 1000.0
@@ -192,17 +192,18 @@ def test_beat_deadline_same_in_auto_and_required(mode):
 # ---- gap window -------------------------------------------------------------------------------
 
 
-def test_with_gap_appends_newest_last():
-    """A new gap is appended after the older ones."""
-    assert with_gap((1.0, 2.0), 3.0, 512) == (1.0, 2.0, 3.0)
+def test_with_gaps_appends_newest_last():
+    """New gaps are appended after the older ones, in their order."""
+    assert with_gaps((1.0, 2.0), [3.0, 4.0], 512) == (1.0, 2.0, 3.0, 4.0)
 
 
-def test_with_gap_drops_oldest_beyond_window():
+def test_with_gaps_drops_oldest_beyond_window():
     """Beyond the window, the oldest gaps are dropped."""
-    assert with_gap((1.0, 2.0, 3.0), 4.0, 3) == (2.0, 3.0, 4.0)
-    assert with_gap((1.0, 2.0, 3.0), 4.0, 1) == (4.0,)
+    assert with_gaps((1.0, 2.0, 3.0), [4.0], 3) == (2.0, 3.0, 4.0)
+    assert with_gaps((1.0, 2.0, 3.0), [4.0, 5.0], 1) == (5.0,)
 
 
-def test_with_gap_to_empty():
-    """The first gap starts the sample."""
-    assert with_gap((), 0.5, 512) == (0.5,)
+def test_with_gaps_to_empty_and_none_new():
+    """The first gap starts the sample; no new gap leaves it as it was."""
+    assert with_gaps((), [0.5], 512) == (0.5,)
+    assert with_gaps((1.0,), [], 512) == (1.0,)

@@ -13,13 +13,14 @@ from supervisor.causes import Cause, CauseKind
 from supervisor.core import (
     ChildExited,
     HeartbeatSeen,
+    Phase,
     Policy,
     RanksLaunched,
     State,
     decide,
     initial_state,
 )
-from supervisor.status import FAILURES_SHOWN, StatusError, read_status, render, snapshot, write_status
+from supervisor.status import FAILURES_SHOWN, StatusError, read_history, read_status, render, snapshot, write_status
 from worker.contract import RunLayout
 
 NOW = 1000.0
@@ -62,6 +63,7 @@ def test_snapshot_of_running_state_with_heartbeat():
         "last_failure": None,
         "cause": None,
         "failures": [],
+        "history": {"attempt": 0, "restarts": 0, "failures": []},
         "reason": None,
         "exit_code": None,
         "run_dir": "runs/x",
@@ -276,3 +278,64 @@ def test_render_says_when_a_multi_node_run_goes_on_shrunk():
         "  shrunk: 2 of 4 ranks (slurm.min_nodes; a job with every node grows back)")
     extra.update(world_size=4)
     assert "shrunk" not in render({**snapshot(running(), now=NOW, extra=extra), "supervisor_alive": True})
+
+
+def test_history_of_a_supervisor_that_died_mid_run_round_trips_through_the_state_file():
+    """The attempt, restarts and failures (causes with their keys) a snapshot writes are read back whole, through
+    JSON; the next supervisor's first attempt is the one after the newest."""
+    state = running()
+    for attempt in range(3):
+        state = replace(state, attempt=attempt, restarts=attempt, phase=Phase.RUNNING, ranks=state.ranks)
+        state, _ = decide(state, ChildExited(attempt, 1, 1, cause=Cause(CauseKind.EXCEPTION, f"boom in /tmp/x{attempt}",
+                                                                             "boom in TMP"), step=7), NOW)
+    status = json.loads(json.dumps(snapshot(state, now=NOW, extra={})))
+    history = read_history(status)
+    assert history is not None and history.attempt == 2 and history.restarts == 2
+    assert history.failures == state.failures
+    carried = initial_state(POLICY, history=history)
+    assert (carried.attempt, carried.restarts, carried.failures) == (3, 2, state.failures)
+
+
+@pytest.mark.parametrize("garbage", [
+    {"state": "failed", "history": {"attempt": 2, "restarts": 2, "failures": []}},  # an ended run starts afresh
+    {"state": "running"},
+    {"state": "running", "history": []},
+    {"state": "running", "history": {"attempt": -1, "restarts": 0, "failures": []}},
+    {"state": "running", "history": {"attempt": 1, "restarts": True, "failures": []}},
+    {"state": "running", "history": {"attempt": 1, "restarts": 0, "failures": [{"attempt": 0}]}},
+    {"state": "running", "history": {"attempt": 1, "restarts": 0, "failures": [
+        {"attempt": 0, "rank": 0, "step": None, "resume_step": None, "progressed": None, "kind": "nonsense",
+         "cause": "x"}]}},
+    {"state": "running", "history": {"attempt": 1, "restarts": 0, "failures": [
+        {"attempt": 0, "rank": 0, "step": None, "resume_step": None, "progressed": None, "kind": "exit",
+         "cause": "x" * 100000}]}},
+])
+def test_history_that_is_not_sane_or_of_an_ended_run_is_not_carried(garbage):
+    """Garbage (or a tampered file) loses the history, never the run; an ended run's history is not carried."""
+    assert read_history(garbage) is None
+
+
+def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look():
+    """1,024 nodes x 8 ranks: one line for the ranks (counts, steps, heartbeat ages), the quietest and failed
+    ranks, the most compute, one line for the nodes by state and the nodes not running; not 9,000 lines."""
+    ranks = [{"rank": r, "pid": 1000 + r, "step": 500 + r % 3, "heartbeat_age_s": 0.5, "heartbeat_phase": "train",
+              "returncode": None} for r in range(8192)]
+    ranks[4000] = {**ranks[4000], "heartbeat_age_s": 9.5, "step": 480}
+    ranks[17] = {**ranks[17], "returncode": -9}
+    nodes = [{"node": f"n{i:04d}", "state": "running", "ranks": list(range(8 * i, 8 * i + 8)),
+              "heartbeat_age_s": 0.4} for i in range(1024)]
+    nodes[2] = {**nodes[2], "state": "lost"}
+    nodes += [{"node": "spare1", "state": "spare"}, {"node": "bad", "state": "excluded", "why": "failed 3 times"}]
+    status = {"state": "running", "attempt": 0, "restarts": 0, "max_restarts": 3, "run_dir": "runs/big",
+              "supervisor_alive": True, "ranks": ranks, "nodes": nodes, "slurm_job": "7",
+              "rank_compute_s": {str(r): 0.1 for r in range(8192)} | {"123": 0.9}}
+    lines = render(status).splitlines()
+    assert len(lines) < 30, lines
+    assert ("  ranks: 8192, 8191 running, 1 failed; steps 480-502; heartbeat ages: median 0.5 s, oldest 9.5 s"
+            in lines)
+    assert lines.index("  rank 17: pid 1017, step 502, heartbeat 0.5 s ago (train), exit -9") < lines.index(
+        "  rank 4000: pid 5000, step 480, heartbeat 9.5 s ago (train)")
+    assert any(line.startswith("  most compute per step: rank 123 0.9 s") for line in lines)
+    assert "  nodes: 1 excluded, 1 lost, 1023 running, 1 spare" in lines
+    assert "  node n0002: lost, ranks 16-23, agent heard 0.4 s ago" in lines
+    assert "  node bad: excluded (failed 3 times)" in lines
