@@ -62,7 +62,7 @@ class Agent:
         self._exited: set[int] = set()
         self._files = HeartbeatFiles(layout)
         self._beats: dict[int, int] = {}  # rank -> seq of the last beat sent
-        self._unsent: dict[int, tuple[dict[str, Any], float]] = {}  # rank -> its newest record, when it was read
+        self._unsent: dict[int, tuple[dict[str, Any], float]] = {}  # rank -> its newest record, when it was written
         self._unreadable: set[int] = set()
         self._heard = time.monotonic()
         self._beat_sent = 0.0
@@ -203,10 +203,10 @@ class Agent:
             self._unreadable.discard(rank)
             if seen is not None and seen.attempt == self._attempt and self._beats.get(rank) != seen.seq:
                 self._beats[rank] = seen.seq
-                self._unsent[rank] = (beat_record(seen), time.monotonic())
+                self._unsent[rank] = (beat_record(seen), time.monotonic() - seen.age_s)
         if (now and self._unsent) or time.monotonic() - self._beat_sent >= BEAT_S:
             sent = self._beat_sent = time.monotonic()
-            beats = [{**record, "age_s": round(sent - read, 3)} for record, read in self._unsent.values()]
+            beats = [{**record, "age_s": round(sent - written, 3)} for record, written in self._unsent.values()]
             self._unsent = {}
             self._send("beat", beats=beats)
 

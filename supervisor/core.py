@@ -880,9 +880,10 @@ def _terminate(state: State, now: float, blocked: tuple[str, Collection[int]] | 
     grace_end = now + state.policy.kill_grace_s
     state = replace(state, stop_stage=StopStage.TERM, deadline=max(grace_end, saves_end(state, now)))
     savers = [r.rank for r in saving(state)]
-    doomed = () if blocked is None else tuple(
-        r.rank for r in state.ranks if r.running and r.rank in blocked[1] and r.rank not in savers)
-    termed = tuple(r.rank for r in state.ranks if r.running and r.rank not in doomed)
+    held, saves = (set() if blocked is None else set(blocked[1])), set(savers)  # sets: thousands of ranks
+    doomed = tuple(r.rank for r in state.ranks if r.running and r.rank in held and r.rank not in saves)
+    killed = set(doomed)
+    termed = tuple(r.rank for r in state.ranks if r.running and r.rank not in killed)
     actions: list[Action] = []
     if doomed:
         assert blocked is not None

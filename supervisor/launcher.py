@@ -274,9 +274,8 @@ class LocalLauncher:
 
     def _track_processes(self) -> None:
         """Record the run's processes for a successor, and reap adopted orphans."""
-        managed = self._managed()
-        reap_orphans(managed)
-        procs = descendants()
+        procs = descendants()  # one look through /proc serves both
+        reap_orphans(procs, self._managed())
         pids = {proc.pid for proc in procs}
         if pids != self._recorded_pids:
             self._recorded_pids = pids

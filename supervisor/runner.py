@@ -289,8 +289,11 @@ class Supervisor:
         EXIT_ANOMALY) or a peer's (it died of the abort first, by SIGABRT). A crash, if none logged anything usable."""
         if event.returncode == 0 or not self._abort_may_matter(event):
             return event
-        # Stopping, the rank that logged an abort brings it itself when it exits: only its own log is read then.
-        peers = range(self.config.world_size) if self.state.phase is Phase.RUNNING else ()
+        # Only a SIGABRT can be a peer's abort (NCCL's watchdog, a failed collective); stopping, the rank that logged
+        # it brings it itself when it exits. Otherwise only its own log is read: at thousands of ranks, reading
+        # every peer's log at each crash would hold the main loop for seconds.
+        died_of_abort = event.returncode == -signal.SIGABRT and self.state.phase is Phase.RUNNING
+        peers = range(self.config.world_size) if died_of_abort else ()
         ranks = [event.rank, *(r for r in peers if r != event.rank)]
         logged = next((e for r in ranks if (e := last_event(self.layout, r, event.attempt, "anomaly_abort"))), None)
         try:
@@ -409,7 +412,7 @@ class Supervisor:
             found = [e for event in self._launcher.poll() for e in self._from_launcher(event)]
             return [*found, *self._read_stop_file(), *self._relayed_signal(), item]
         if isinstance(item, ChildExited):
-            beat = self._launcher.last_heartbeat(item.rank) if item.returncode else []  # the step it reached, fresh
+            beat = self._launcher.last_heartbeat(item.rank)  # the step it reached, fresh (an lstat when unchanged)
             return [*beat, self._explained(item)]
         if isinstance(item, LaunchPrepared):
             return self._launch_prepared(item)
@@ -436,7 +439,7 @@ class Supervisor:
         if isinstance(action, Record):
             getattr(self.log, action.level)(action.event, **dict(action.fields))
         elif isinstance(action, SignalRanks):
-            chosen = action.ranks
+            chosen = None if action.ranks is None else set(action.ranks)  # a set: thousands of ranks
             running = {r.rank for r in self.state.ranks if r.running and (chosen is None or r.rank in chosen)}
             sent = self._launcher.signal(action.attempt, action.signum, running)
             self.log.info("ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent,
@@ -613,8 +616,11 @@ class Supervisor:
         self._next_status = started + (time.monotonic() - started) / STATUS_SHARE
 
     def _publish_status(self, *, durable: bool) -> None:
-        steps = self._record_health(
-            self.layout.checkpoints.complete_steps(self.config.world_size, self.config.worker.prefix))
+        # Checkpoints are looked through (one listing per rank) at the periodic writes and at the end, not at each
+        # change of phase: a crash of thousands of ranks must not wait for it to be handled.
+        looked = not durable or self.state.phase.terminal or self._health_seen is None
+        steps = self._record_health(self.layout.checkpoints.complete_steps(
+            self.config.world_size, self.config.worker.prefix)) if looked else self._health_steps
         extra = {
             "run_dir": str(self.layout.root),
             "config": self._config_path,

@@ -726,7 +726,10 @@ class SlurmLauncher:
             return []
         remote = {n.name for n in self._nodes.values() if n.active and n.name != self._host}
         suspects = tuple(n.name for n in silent)
-        if remote and remote <= set(suspects):
+        # A node heard within the timeout (one that finished included) shows our own link works.
+        heard = any(n.name != self._host and n.peer is not None and now - n.heard <= timeout
+                    for n in self._nodes.values() if n.name not in suspects)
+        if remote and remote <= set(suspects) and not heard:
             self._check_link(suspects, f"every other node went silent ({', '.join(sorted(remote))})")
             return []
         events: list[Event] = []

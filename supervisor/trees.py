@@ -66,13 +66,15 @@ def sigkill(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
     return hit
 
 
-def reap_orphans(managed: set[int]) -> None:
-    """Collect exit statuses of adopted orphans (never of the ranks, whose Popen waiters own theirs)."""
-    for proc in psutil.Process().children():
+def reap_orphans(procs: Iterable[psutil.Process], managed: set[int]) -> None:
+    """Collect exit statuses of adopted orphans among `procs` (our descendants) (never of the ranks, whose Popen
+    waiters own theirs)."""
+    me = os.getpid()
+    for proc in procs:
         if proc.pid in managed:
             continue
         try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
+            if proc.ppid() == me and proc.status() == psutil.STATUS_ZOMBIE:
                 os.waitpid(proc.pid, os.WNOHANG)
         except (psutil.Error, ChildProcessError):
             continue

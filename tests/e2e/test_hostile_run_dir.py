@@ -52,7 +52,7 @@ if attempt == 0 and rank == 0 and os.environ.get("PLANT"):
         time.sleep(1.1)  # past one of the supervisor's once-a-second looks, whatever inotify says
         os.rmdir(path) if path.is_dir() and not path.is_symlink() else os.unlink(path)
         beat.beat(0, "train", force=True)  # readable again: the next plant is a new streak, warned anew
-        time.sleep(0.2)
+        time.sleep(0.6)  # past the supervisor's look at it (it reads a burst of beats a quarter second after)
 for step in range(1, 11):
     beat.beat(step, "train")
     time.sleep(0.05)
