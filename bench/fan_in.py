@@ -11,8 +11,8 @@ is declared among them.
    latency is the journal's `node_lost` time less the last moment that node spoke.
 
 Run from the repository root:  .venv/bin/python bench/fan_in.py [--quick]
-  --quick: 1,024 nodes only, a 60 s window (about 3 minutes); the full run: 64, 256 and 1,024 nodes, with a 600 s
-  window at 1,024 (the 10-minute false-verdict run), about 16 minutes.
+  --quick: 1,024 nodes only, a 60 s window (about 2 minutes); the full run: 64, 256 and 1,024 nodes, with a 600 s
+  window at 1,024 (the 10-minute false-verdict run), about 15 minutes.
 """
 
 from __future__ import annotations

@@ -79,8 +79,9 @@ class _Watcher:
 class HeartbeatWatcher:
     """Posts one HeartbeatsChanged hint for every burst of heartbeat writes; `take` returns the ranks written since
     the last take. inotify is asked for renames into the ranks' directories only (one event per beat), read by one
-    thread in batches: at 400 beats a second this costs well under 1 % of a core, where watchdog's per-event
-    pipeline cost ten times that. Where inotify is unavailable the once-a-second poll is all there is."""
+    thread in batches: watchdog's general pipeline (every event type, move pairing, two thread hand-offs per event)
+    cost most of the supervisor's time at hundreds of beats a second (bench/console_overhead.py). Where inotify is
+    unavailable the once-a-second look is all there is."""
 
     BATCH_S = 0.25  # after a wake-up, let more events arrive: one read for many beats (each is dated by its mtime)
 
@@ -89,6 +90,7 @@ class HeartbeatWatcher:
         self._lock = threading.Lock()
         self._written: set[int] = set()
         self._ranks: dict[int, int] = {}  # watch descriptor -> rank
+        self._name = os.fsencode(layout.heartbeat(0).name)  # the rank folders hold other files too
         self._fd = _inotify_init()
         self._stop = threading.Event()
         for rank in range(nproc):
@@ -130,7 +132,7 @@ class HeartbeatWatcher:
                 continue
             except OSError:
                 return
-            self._wrote({self._ranks.get(wd) for wd in _watch_descriptors(data)} - {None})
+            self._wrote({self._ranks.get(wd) for wd, name in _renamed(data) if name == self._name} - {None})
 
     def _wrote(self, ranks: set[int]) -> None:
         if not ranks:
@@ -156,12 +158,14 @@ def _inotify_init() -> int | None:
     return fd if fd >= 0 else None
 
 
-def _watch_descriptors(data: bytes) -> list[int]:
+def _renamed(data: bytes) -> list[tuple[int, bytes]]:
+    """(watch descriptor, file name) of each event in a read of the inotify descriptor."""
     found, offset = [], 0
     while offset + _EVENT.size <= len(data):
         wd, _mask, _cookie, length = _EVENT.unpack_from(data, offset)
-        found.append(wd)
-        offset += _EVENT.size + length
+        start = offset + _EVENT.size
+        found.append((wd, data[start:start + length].rstrip(b"\0")))
+        offset = start + length
     return found
 
 
