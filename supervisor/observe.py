@@ -11,7 +11,7 @@ import math
 from typing import Any, Protocol
 
 from supervisor.core import Event, HeartbeatSeen, RanksLaunched, State
-from supervisor.watch import MAX_ANOMALY_KINDS, MAX_PHASE_CHARS, MAX_PROGRESS
+from supervisor.watch import progress_fields
 
 __all__ = ["Counts", "JournalRecord", "Observer", "Progress"]
 
@@ -112,11 +112,7 @@ class Counts:
 
 
 def _carried_counts(previous: dict[str, Any]) -> tuple[int, dict[str, int]]:
-    """(skipped batches, anomalies by kind) from a previous state file; zero and none for anything not sane."""
-    skipped = previous.get("skipped_steps")
-    anomalies = previous.get("anomalies")
-    sane = isinstance(anomalies, dict) and len(anomalies) <= MAX_ANOMALY_KINDS and all(
-        isinstance(kind, str) and 0 < len(kind) <= MAX_PHASE_CHARS and kind.isprintable()
-        and type(count) is int and 0 <= count <= MAX_PROGRESS for kind, count in anomalies.items())
-    return (skipped if type(skipped) is int and 0 <= skipped <= MAX_PROGRESS else 0,
-            dict(anomalies) if sane else {})  # type: ignore[arg-type]
+    """(skipped batches, anomalies by kind) from a previous state file, checked as a heartbeat's are (the file is
+    untrusted); zero and none for anything not sane."""
+    fields = progress_fields({"skipped": previous.get("skipped_steps"), "anomalies": previous.get("anomalies")})
+    return fields["skipped"] or 0, dict(fields["anomalies"] or ())

@@ -50,6 +50,18 @@ def test_counts_without_worker_library_fields_are_zero():
     assert counts.status() == {"skipped_steps": 0, "anomalies": {}, "last_save_s": None}
 
 
+def test_counts_go_on_from_a_previous_supervisors_totals_and_ignore_a_tampered_file():
+    """A restarted supervisor's totals start from the state file's (Prometheus never sees them go back); garbage
+    there counts as nothing."""
+    counts = Counts({"skipped_steps": 4, "anomalies": {"non_finite": 2, "global_norm_spike": 1}})
+    counts.observe(beat(0, 5, skipped=1, anomalies=(("non_finite", 1),)), STATE, 1.0)
+    assert counts.status() == {"skipped_steps": 5, "anomalies": {"global_norm_spike": 1, "non_finite": 3},
+                               "last_save_s": None}
+    for garbage in ({"skipped_steps": -1, "anomalies": {"x": "many"}}, {"skipped_steps": 1e999, "anomalies": []},
+                    {"skipped_steps": True, "anomalies": {"\x1b[2J": 1}}):
+        assert Counts(garbage).status() == {"skipped_steps": 0, "anomalies": {}, "last_save_s": None}
+
+
 def test_start_up_beats_of_a_relaunch_are_not_progress():
     """A relaunched rank beats step 0 in `startup` before it resumes at 275: no 275 steps in a blink."""
     progress, relaunched = Progress(), replace(STATE, attempt=1)
