@@ -89,7 +89,7 @@ POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the s
 # The next deadline walks every rank: after heartbeats alone (which only move a rank's deadline) it is worked out
 # again at most this often, so thousands of ranks cost one walk per this, not one per event.
 DEADLINE_REFRESH_S = 0.5
-STATUS_SHARE = 0.02  # of the supervisor's time, at most, goes to the state file and what is published with it
+STATUS_SHARE = 0.02  # of the supervisor's CPU time, at most, goes to the state file and what is published with it
 MAX_LOGGED_CHARS = 500  # of a path or error a rank logged, as it reaches the journal and the status
 STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: Slurm's time-limit warning
@@ -610,10 +610,11 @@ class Supervisor:
     def _write_status(self, *, durable: bool) -> None:
         """The state file, the health file and rotation, the console line and metrics; at most once a second, and
         at scale (thousands of ranks to list, checkpoint directories to look through) never more than
-        STATUS_SHARE of the supervisor's time."""
-        started = time.monotonic()
+        STATUS_SHARE of the supervisor's CPU time."""
+        started, cpu = time.monotonic(), time.thread_time()
         self._publish_status(durable=durable)
-        self._next_status = started + (time.monotonic() - started) / STATUS_SHARE
+        # CPU time, not wall: a slow disk (an fsync on a loaded machine) must not make the state file go stale.
+        self._next_status = started + (time.thread_time() - cpu) / STATUS_SHARE
 
     def _publish_status(self, *, durable: bool) -> None:
         # Checkpoints are looked through (one listing per rank) at the periodic writes and at the end, not at each
