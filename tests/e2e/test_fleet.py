@@ -24,7 +24,7 @@ import fleet  # noqa: E402 - the load generator lives with the benchmarks
 
 pytestmark = pytest.mark.timeout(90)
 
-NODES, SPARES, RANKS, TIMEOUT_S = 20, 1, 2, 2.0
+NODES, SPARES, RANKS, TIMEOUT_S = 20, 1, 2, 3.0  # 3 s: the fleet itself may lag on a loaded machine
 
 
 def _wall(event: dict[str, Any]) -> float:
