@@ -34,7 +34,7 @@ from supervisor.journal import append_event
 from supervisor.launcher import publish_order
 from supervisor.ranks import Ranks, free_port, local_env, signal_group, spawn_ranks
 from supervisor.stacks import collect_stacks
-from supervisor.succession import STAGGER_S, Succession, become_successor, stand_for_successor
+from supervisor.succession import Succession, become_successor, stand_for_successor
 from supervisor.trees import descendants, die_with_parent, sigkill
 from supervisor.watch import HeartbeatFiles, HeartbeatUnreadable
 from worker.contract import ENV_RUN_DIR, RunLayout, StopOrder
@@ -94,7 +94,7 @@ class Agent:
         succession = self._succession
         if succession is None:
             return
-        deadline = time.monotonic() + 2 * succession.ttl_s + STAGGER_S * len(succession.order)
+        deadline = time.monotonic() + succession.wait_s()
         lease, why = stand_for_successor(self._layout, succession, here=self._host, deadline=deadline)
         if lease is None:
             self.journal("successor_declined", "info", why=why, generation=succession.generation)

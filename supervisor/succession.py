@@ -76,6 +76,12 @@ class Succession:
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "supervisor", *self.args, "--successor"]
 
+    def wait_s(self) -> float:
+        """How long a candidate that fenced waits for the lease to come free: a dead supervisor's lapses within two
+        ttls; a live one cut off from us abdicates after its node timeout (the ttl) and a link check, which may take
+        the ping's timeout twice on a loaded host; then every candidate's turn."""
+        return 2 * self.ttl_s + 2 * slurmctl.PING_TIMEOUT_S + STAGGER_S * len(self.order)
+
 
 # ---- a supervisor taking the lease ----
 

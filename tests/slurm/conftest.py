@@ -12,8 +12,10 @@ it. After each test that used it, every job is cancelled and every node restored
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -54,6 +56,30 @@ def _slurm_reset(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if _ready and "slurm" in request.fixturenames:
         cluster.reset(cluster.NODES)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report ends with what its runs' journals said (heartbeats left out): the run dir is gone
+    by the time someone reads a CI log."""
+    report = yield
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.failed and call.when == "call" and isinstance(tmp_path, Path):
+        for journal in sorted(tmp_path.glob("**/supervisor/events.jsonl")):
+            report.sections.append((f"journal {journal.relative_to(tmp_path)}", journal_tail(journal)))
+    return report
+
+
+def journal_tail(journal: Path, lines: int = 60) -> str:
+    kept = []
+    for line in journal.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") != "heartbeat":
+            kept.append(" ".join(f"{k}={str(v)[:160]}" for k, v in event.items() if k not in ("level", "pid")))
+    return "\n".join(kept[-lines:])
 
 
 @pytest.fixture(scope="session")
