@@ -237,7 +237,7 @@ def health_entries(store: CheckpointStore, world_size: int, prefix: str, steps: 
 def _sharded_health(store: CheckpointStore, prefix: str, step: int) -> dict[str, Any]:
     directory = store.sharded_dir(step, prefix)
     try:
-        manifest = read_manifest(directory, step)
+        manifest = read_manifest(directory, step, format=None)
         unhealthy = [r.get("rank") for r in manifest["ranks"] if r.get("is_health", 0) != 0]
         healthy = manifest.get("is_health", 0) == 0 and not unhealthy
     except (OSError, ValueError):
@@ -291,8 +291,13 @@ def find_junk(layout: RunLayout, world_size: int, prefix: str) -> Junk:
 
 def _sort_sharded_dir(directory: Path, torn: list[Path], foreign: list[Path]) -> None:
     """Without its manifest, a sharded directory holding only our files is a torn save (all of it goes); names
-    not ours inside are reported either way."""
-    strangers = [entry for entry in _entries(directory) if not (is_our_file(entry.name) and is_plain_file(entry))]
+    neither ours nor listed in its manifest (a framework's files) are reported either way."""
+    try:
+        listed = {name.split("/")[0] for name in read_manifest(directory, format=None)["files"]}
+    except (OSError, ValueError):
+        listed = set()
+    strangers = [entry for entry in _entries(directory)
+                 if not (is_our_file(entry.name) and is_plain_file(entry) or entry.name in listed)]
     foreign.extend(strangers)
     if not strangers and not is_plain_file(directory / MANIFEST):
         torn.append(directory)

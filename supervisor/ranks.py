@@ -110,6 +110,9 @@ def contract_env(config: JobConfig, layout: RunLayout, place: Placement, attempt
         "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
         "TORCHELASTIC_RESTART_COUNT": str(attempt.number),
         "TORCHELASTIC_MAX_RESTARTS": str(config.restart.max_restarts),
+        # torchrun's too: frameworks take it as "launched for us" (Lightning then reads the ranks from these variables,
+        # not from SLURM_PROCID, and leaves Slurm's signals and requeueing to the supervisor).
+        "TORCHELASTIC_RUN_ID": f"trainwarden-{layout.root.name}",
         ENV_RUN_DIR: str(layout.root), ENV_ATTEMPT: str(attempt.number),
         ENV_RESUME_STEP: "" if attempt.resume_step is None else str(attempt.resume_step),
         ENV_RESUME_DIR: "" if attempt.resume_dir is None else str(attempt.resume_dir),

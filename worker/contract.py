@@ -80,8 +80,9 @@ SNAPSHOT_SLOTS = (0, 1)
 # ASCII digits, at most 18: any name that matches gives a rank and step that fit 64 bits.
 _CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d{1,18})-(?P<step>\d{1,18})\.(?P<kind>ckpt|json)$", re.ASCII)
 _STEP = re.compile(r"\d{1,18}", re.ASCII)
-# A sharded (DCP) checkpoint: one directory per step, complete once its manifest exists (worker.manifest).
-_SHARDED_NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{1,18})\.dcp$", re.ASCII)
+# A checkpoint directory: one per step, complete once its manifest exists (worker.manifest). `.dcp`: a sharded
+# checkpoint of the worker library's; no suffix: a framework's (Lightning, the Hugging Face Trainer's checkpoint-S).
+_SHARDED_NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{1,18})(?P<dcp>\.dcp)?$", re.ASCII)
 MANIFEST = "MANIFEST.json"
 
 
@@ -260,11 +261,19 @@ class CheckpointStore:
         return self.rank_dir(rank) / "meta.json"
 
     def sharded_dir(self, step: int, prefix: str) -> Path:
-        """A sharded (DCP) checkpoint of `step`: every rank's shard, its own state and, written last, the manifest."""
-        return self.root / f"{prefix}-{step}.dcp"
+        """The checkpoint directory of `step`: a sharded (DCP) one (every rank's shard, its own state and, written
+        last, the manifest), or a framework's (`framework_dir`) if only that exists."""
+        sharded = self.root / f"{prefix}-{step}.dcp"
+        framework = self.framework_dir(step, prefix)
+        return framework if not is_plain_dir(sharded) and is_plain_dir(framework) else sharded
+
+    def framework_dir(self, step: int, prefix: str) -> Path:
+        """A framework's checkpoint of `step` (worker.integrations): its own files, our records, the manifest."""
+        return self.root / f"{prefix}-{step}"
 
     def sharded_steps(self, prefix: str, kind: str = "complete") -> set[int]:
-        """Steps with a sharded checkpoint directory holding its manifest (`kind="complete"`), or any (`"any"`)."""
+        """Steps with a checkpoint directory (sharded or a framework's) holding its manifest (`kind="complete"`), or
+        any (`"any"`)."""
         try:
             names = os.listdir(self.root)
         except (FileNotFoundError, NotADirectoryError):
@@ -277,7 +286,7 @@ class CheckpointStore:
         return steps
 
     def is_sharded(self, step: int, prefix: str) -> bool:
-        """Whether the checkpoint of `step` here is a sharded one (its directory exists, complete or not)."""
+        """Whether the checkpoint of `step` here is a directory (sharded or a framework's), complete or not."""
         return is_plain_dir(self.sharded_dir(step, prefix))
 
     def owns(self, name: str, rank: int, prefix: str) -> bool:
@@ -309,7 +318,7 @@ class CheckpointStore:
 
 
 def parse_sharded_name(name: str) -> tuple[str, int] | None:
-    """(prefix, step) of a sharded checkpoint directory's name, or None."""
+    """(prefix, step) of a checkpoint directory's name (sharded or a framework's), or None."""
     match = _SHARDED_NAME.match(name)
     return (match["prefix"], int(match["step"])) if match else None
 

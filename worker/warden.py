@@ -84,10 +84,14 @@ class Warden:
         global_batch_size: int | None = None,
         health_check: Callable[[int], str | None] | None = None,
         extra_state: dict[str, Any] | None = None,
+        framework_save: Callable[[int], Any] | None = None,
     ) -> None:
         env = os.environ
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.extra_state = _stateful(extra_state or {})  # a GradScaler, a sampler, an EMA model: saved and restored
+        # A trainer that writes and resumes its own checkpoints (worker.integrations): called with the step to save,
+        # it returns the directory written, or (`deferred` set) asks the trainer to save after this step's callbacks.
+        self._framework_save = framework_save
         self.config = config or _or_config_error(WorkerConfig.from_env)
         self.rank = int(env.get("RANK", "0"))
         self.world_size = int(env.get("WORLD_SIZE", "1"))
@@ -143,8 +147,9 @@ class Warden:
         self._previous_term = _install_handler(signal.SIGTERM, self._on_sigterm)
         self._heartbeat.beat(0, self._phase, force=True)
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
-        self._say_if_no_checkpoints()
-        self._sharded_format = self._choose_format() == "dcp"
+        if framework_save is None:
+            self._say_if_no_checkpoints()
+        self._sharded_format = framework_save is None and self._choose_format() == "dcp"
         # Python's last collections at exit walk torch's whole object graph (0.8 s of CPU per rank, measured): a rank
         # that leaves, on a stop or an abort, would hold its relaunch up for it. Runs after the handler below.
         atexit.register(gc.freeze)
@@ -325,11 +330,13 @@ class Warden:
         while self.step < total and not self.should_stop:
             yield self.step + 1
 
-    def step_done(self, *, loss: float, grad_norm: float | None = None, **fields: Any) -> bool:
+    def step_done(self, *, loss: float | None, grad_norm: float | None = None, step: int | None = None,
+                  **fields: Any) -> bool:
         """Report that this batch is done: counts the step if it was applied, saves a checkpoint when due.
 
         Returns whether the step was applied (False: the batch was skipped and `step` did not move), so a loop's
-        own logging or eval at step multiples can run once per step.
+        own logging or eval at step multiples can run once per step. `step`: a trainer's own count of optimizer
+        steps, which counts skipped ones too (worker.integrations); `loss` None: the trainer did not say.
         """
         if self._stopping:  # the loop went on after a stop it had asked about
             self.log.warning("trained_past_stop", step=self.step)
@@ -344,20 +351,21 @@ class Warden:
         self._decision = None
         self.batches += 1
         self.samples += self.global_batch_size or 0
-        self.step += applied
+        self.step = self.step + applied if step is None else step
         self._note_background_save()
         self.log.info(
             "step",
             step=self.step,
             batch=self.batches - 1,
             skipped=not applied,
-            loss=float(loss),
+            loss=None if loss is None else float(loss),
             grad_norm=None if guarded_norm is None else float(guarded_norm),
             step_time_s=round(step_time_s, 6),
             **fields,
         )
         self._phase = "train"
-        self._heartbeat.beat(self.step, "train", step_time_s=step_time_s, compute_s=compute_s, loss=float(loss))
+        self._heartbeat.beat(self.step, "train", step_time_s=step_time_s, compute_s=compute_s,
+                             loss=None if loss is None else float(loss))
         if not applied:
             return False
         self._faults.after_step(self.step)
@@ -453,17 +461,30 @@ class Warden:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Mark a stretch of work (`eval`, `save`, a custom name) so the supervisor applies its timeout."""
-        previous, self._phase = self._phase, name
-        self._heartbeat.beat(self.step, name, force=True)
+        previous = self.enter_phase(name)
         try:
             yield
         finally:
-            self._phase = previous
-            self._compute_since = time.perf_counter()  # an eval between steps is not the next step's compute
-            self._heartbeat.beat(self.step, previous, force=True)
-            if name == SAVE_PHASE and self._term_pending:
-                self.log.warning("stopped_after_save", step=self.step)
-                self._obey_sigterm()
+            self.leave_phase(name, previous)
+
+    def enter_phase(self, name: str) -> str:
+        """`phase` for a trainer's callbacks, whose stretches begin in one hook and end in another: returns the
+        phase to go back to (`leave_phase`)."""
+        previous, self._phase = self._phase, name
+        self._heartbeat.beat(self.step, name, force=True)
+        return previous
+
+    def leave_phase(self, name: str, previous: str) -> None:
+        self._phase = previous
+        self._compute_since = time.perf_counter()  # an eval between steps is not the next step's compute
+        self._heartbeat.beat(self.step, previous, force=True)
+        if name == SAVE_PHASE and self._term_pending:
+            self.log.warning("stopped_after_save", step=self.step)
+            self._obey_sigterm()
+
+    @property
+    def phase_name(self) -> str:
+        return self._phase
 
     def beat(self) -> None:
         """Show progress inside a long phase (an eval loop, a slow data fetch); throttled, never raises."""
@@ -486,6 +507,8 @@ class Warden:
 
     def _save(self, step: int, store: CheckpointStore) -> Path:
         started = time.perf_counter()
+        if self._framework_save is not None:
+            return self._ask_framework(step, store, started)
         self._faults.in_save(step)
         if self._sharded_format:
             return self._save_sharded(step, store, started)
@@ -508,6 +531,56 @@ class Warden:
         self._heartbeat.save_s += self._heartbeat.last_save_s
         self._faults.after_save(step)
         return path
+
+    def _ask_framework(self, step: int, store: CheckpointStore, started: float) -> Path:
+        """The trainer saves `step` now (then it is recorded here), or later, after this step's callbacks (then
+        its callback calls `begin_save` and `framework_saved`)."""
+        if getattr(self._framework_save, "deferred", False):
+            self._framework_save(step)
+            return store.framework_dir(step, self.config.prefix)
+        self._faults.in_save(step)
+        written = self._framework_save(step)
+        self.framework_saved(step, written, started=started)
+        return written
+
+    def begin_save(self, step: int) -> str:
+        """A trainer is about to write its checkpoint of `step`: the save phase begins (its timeout applies);
+        returns the phase to go back to (`leave_phase`)."""
+        previous = self.enter_phase(SAVE_PHASE)
+        self._faults.in_save(step)
+        return previous
+
+    def framework_resumed(self, step: int, source: str | None) -> None:
+        """A trainer restored its own checkpoint of `step` (`source`; step 0: a fresh start): orders up to it were
+        carried out before this process started, and its checkpoint need not be saved again."""
+        self.step = self._resumed_at = self._saved_at = step
+        self._resumed = True
+        if step:
+            self.log.info("resumed", step=step, source=self._framework_name, directory=str(source))
+        else:
+            self.log.info("fresh_start")
+        self._last_step_end = self._compute_since = time.perf_counter()
+
+    def expect_steps(self, total: int | None) -> None:
+        """The run's length in steps, for the supervisor's progress and ETA (a trainer's own loop knows it)."""
+        self._heartbeat.total_steps = _whole_or_none(total)
+
+    def framework_saved(self, step: int, directory: Path, *, started: float | None = None) -> None:
+        """The trainer wrote its checkpoint of `step` into `directory`: every rank records its share of the files and
+        its health, rank 0 the manifest (collective: every rank calls it for the same step)."""
+        from worker.integrations.records import record_completion
+
+        duration_s = record_completion(directory, step=step, rank=self.rank, world_size=self.world_size,
+                                       health=self._health(), framework=self._framework_name, root=self.layout.root)
+        took = duration_s if started is None else time.perf_counter() - started
+        self._saved(step, self.layout.checkpoints, directory, took, framework=self._framework_name)
+        self._heartbeat.last_save_s = round(took, 6)
+        self._heartbeat.save_s += self._heartbeat.last_save_s
+        self._faults.after_save(step)
+
+    @property
+    def _framework_name(self) -> str:
+        return str(getattr(self._framework_save, "framework", "framework"))
 
     def _saved(self, step: int, store: CheckpointStore, path: Path, duration_s: float, **fields: Any) -> None:
         self.log.info("checkpoint_saved", step=step, path=str(path), duration_s=round(duration_s, 4), **fields)
@@ -695,7 +768,8 @@ class Warden:
         if self._sharded is not None and self._sharded.in_flight is not None:
             self._heartbeat.beat(self.step, SAVE_PHASE, force=True)  # the supervisor waits for a save, not longer
             self._sharded.wait_quietly()
-        previous = self._previous_term
+        # A trainer's own handler is not called: Lightning's broadcasts to its peers, which hangs when one is dead.
+        previous = self._previous_term if self._framework_save is None else signal.SIG_DFL
         if callable(previous):
             previous(signal.SIGTERM, frame)
         elif previous != signal.SIG_IGN:

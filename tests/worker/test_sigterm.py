@@ -18,11 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import signal, sys, time, torch
 from worker.warden import Warden
-if sys.argv[1] == "own-handler":
+if sys.argv[1] in ("own-handler", "framework"):
     signal.signal(signal.SIGTERM, lambda *_: (print("own handler ran", flush=True), sys.exit(3)))
 model = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-warden = Warden(model, opt)
+class AskTrainer:  # a trainer that saves after its callbacks (the Hugging Face Trainer's way)
+    deferred = True
+    def __call__(self, step): pass
+warden = Warden(model, opt, framework_save=AskTrainer() if sys.argv[1] == "framework" else None)
 for _ in range(3):
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
@@ -85,6 +88,20 @@ def test_the_scripts_own_sigterm_handler_still_runs(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 3
         assert proc.stdout.readline() == "own handler ran\n"
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
+
+
+def test_a_trainers_sigterm_handler_is_not_called(tmp_path: Path) -> None:
+    """Under worker.integrations the handler installed before the Warden is a trainer's (Lightning's broadcasts to
+    its peers, which hangs when one is dead): the rank dies of SIGTERM at once, as the supervisor expects."""
+    proc = start(tmp_path, "framework")
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "trained\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        assert proc.stdout.read() == ""
     finally:
         proc.kill()
         proc.communicate(timeout=10)
