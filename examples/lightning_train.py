@@ -76,7 +76,7 @@ class CharModel(L.LightningModule):
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--samples", type=int, default=512, help="training windows per epoch (all ranks)")

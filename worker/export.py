@@ -4,13 +4,15 @@ The file loads with `model.load_state_dict(torch.load(path, weights_only=True))`
 imports trainwarden. By default the checkpoint is the newest one a resume would pick (complete on every rank,
 size and checksum as recorded, healthy); the choice is the supervisor's own (`supervisor.checkpoints`), so
 export and resume never disagree. Of a per-rank checkpoint only rank 0's part is read (DistributedDataParallel
-keeps every rank's model equal); a sharded one is consolidated from every rank's shard, in this one process.
+keeps every rank's model equal); a sharded one is consolidated from every rank's shard, in this one process; a
+trainer's (worker.integrations) is read from its model file.
 torch is imported only when a file is read or written.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -20,12 +22,14 @@ from typing import Any
 
 from worker.checkpoint import CheckpointRefused, load_checkpoint
 from worker.contract import EXIT_CHECKPOINT_REFUSED, EXIT_FAILED, CheckpointStore, RunLayout, parse_sharded_name
-from worker.files import atomic_write
+from worker.files import atomic_write, open_regular, read_bytes
+from worker.manifest import FRAMEWORK_FORMAT, read_manifest
 
 __all__ = ["WRAPPER_PREFIXES", "ExportError", "Exported", "export_weights", "plain_state_dict"]
 
 # What wrappers put before every key: DistributedDataParallel / DataParallel, and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_HF_WEIGHTS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$", re.ASCII)  # the Trainer's, sharded or not
 _RANK_0_FILE = re.compile(r"^(?P<prefix>.+)_rank_0-\d{1,18}\.ckpt$", re.ASCII)  # the shape of worker.contract's names
 
 
@@ -180,12 +184,13 @@ def _model_state(store: CheckpointStore, step: int, prefix: str) -> OrderedDict[
 
 
 def _sharded_model_state(layout: RunLayout, store: CheckpointStore, step: int, prefix: str) -> OrderedDict[str, Any]:
-    """Every rank's shards of the model, consolidated (the manifest and each file were checked by `_choose`)."""
-    import pickle
-
+    """Every rank's shards of the model, consolidated (the manifest and each file were checked by `_choose`); a
+    trainer's checkpoint, its model file."""
     from worker.sharded import load_sharded_model
 
     directory = store.sharded_dir(step, prefix)
+    if read_manifest(directory, step, format=None)["format"] == FRAMEWORK_FORMAT:
+        return plain_state_dict(_framework_model(directory))
     try:
         model = load_sharded_model(directory, layout.root)
     except (OSError, ValueError, pickle.UnpicklingError, RuntimeError) as exc:
@@ -193,6 +198,34 @@ def _sharded_model_state(layout: RunLayout, store: CheckpointStore, step: int, p
     if not model:
         raise ExportError(f"checkpoint {directory} holds no model state_dict under 'model'", EXIT_CHECKPOINT_REFUSED)
     return plain_state_dict(model)
+
+
+def _framework_model(directory: Path) -> Mapping[str, Any]:
+    """The model of a trainer's checkpoint (its files checked by `_choose`): Lightning's `model.ckpt` (its
+    `state_dict`, loaded with weights_only), or the Hugging Face Trainer's `model*.safetensors` (no pickle at all)."""
+    import torch
+
+    manifest = read_manifest(directory, format=FRAMEWORK_FORMAT)
+    names = sorted(manifest["files"])
+    try:
+        if manifest["framework"] == "lightning" and "model.ckpt" in names:
+            with os.fdopen(open_regular(directory / "model.ckpt"), "rb") as f:
+                saved = torch.load(f, map_location="cpu", weights_only=True)
+            model = saved.get("state_dict") if isinstance(saved, dict) else None
+        elif manifest["framework"] == "hf" and (weights := [n for n in names if _HF_WEIGHTS.match(n)]):
+            from safetensors.torch import load as load_safetensors
+
+            model = {}
+            for name in weights:
+                model.update(load_safetensors(read_bytes(directory / name, manifest["files"][name]["size"])))
+        else:
+            raise ExportError(f"checkpoint {directory}: {manifest['framework']}'s files {names[:6]} hold no model "
+                              f"this command reads (a sharded strategy's? consolidate it with the framework's tools)")
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+        raise ExportError(f"checkpoint {directory} refused: {exc}", EXIT_CHECKPOINT_REFUSED) from None
+    if not isinstance(model, Mapping) or not model:
+        raise ExportError(f"checkpoint {directory} holds no model state_dict", EXIT_CHECKPOINT_REFUSED)
+    return model
 
 
 def _write(out: Path, state: OrderedDict[str, Any]) -> None:

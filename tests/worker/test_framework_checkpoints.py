@@ -167,3 +167,35 @@ def test_a_warden_over_a_trainer_asks_it_to_save_follows_its_step_count_and_reco
         assert (manifest["framework"], list(manifest["files"])) == ("lightning", ["model.ckpt"])
     warden.finish()
     assert trainer.asked == [2, 4, 5]  # the final state, as the Warden saves its own
+
+
+def test_export_reads_the_model_out_of_a_lightning_checkpoint_with_weights_only(tmp_path: Path) -> None:
+    import torch
+
+    from worker.export import export_weights
+
+    layout = RunLayout(tmp_path / "run")
+    directory = layout.checkpoints.framework_dir(10, "ckpt")
+    directory.mkdir(parents=True)
+    weights = {"layer.weight": torch.arange(6.0).reshape(2, 3)}
+    torch.save({"state_dict": weights, "global_step": 10, "loops": {}}, directory / "model.ckpt")
+    record_completion(directory, step=10, rank=0, world_size=1, health=HEALTHY, framework="lightning",
+                      root=layout.root)
+    exported = export_weights(layout.root, tmp_path / "weights.pt")
+    assert exported.step == 10
+    assert torch.equal(torch.load(tmp_path / "weights.pt", weights_only=True)["layer.weight"], weights["layer.weight"])
+
+
+def test_export_reads_the_model_out_of_a_trainers_safetensors(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    safetensors = pytest.importorskip("safetensors.torch", reason="the [hf] extra")
+    from worker.export import export_weights
+
+    layout = RunLayout(tmp_path / "run")
+    directory = layout.checkpoints.framework_dir(20, PREFIX)
+    directory.mkdir(parents=True)
+    safetensors.save_file({"wte.weight": torch.ones(4, 2)}, directory / "model.safetensors")
+    (directory / "optimizer.pt").write_bytes(b"not read")
+    record_completion(directory, step=20, rank=0, world_size=1, health=HEALTHY, framework="hf", root=layout.root)
+    export_weights(layout.root, tmp_path / "weights.pt")
+    assert torch.equal(torch.load(tmp_path / "weights.pt", weights_only=True)["wte.weight"], torch.ones(4, 2))
