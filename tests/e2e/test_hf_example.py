@@ -3,8 +3,11 @@ trainwarden; a kill, a hang in a save, a stop and a damaged checkpoint (the test
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.e2e.conftest import run_supervisor
 from tests.e2e.frameworks import (  # noqa: F401 - the shared tests and their fixtures, run for the Trainer
     HF,
     Framework,
@@ -22,3 +25,12 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def framework() -> Framework:
     return HF
+
+
+def test_a_trainer_that_saves_where_the_supervisor_does_not_look_is_a_config_error(tmp_path: Path) -> None:
+    """worker.prefix other than the Trainer's checkpoint name: every rank exits 78 at once, saying how to fix it;
+    the supervisor does not retry (exit 78)."""
+    done = run_supervisor(HF.job(tmp_path, prefix="ckpt"), tmp_path / "run", timeout=120)
+    assert done.returncode == 78, done.stderr[-3000:]
+    errors = (tmp_path / "run" / "logs" / "attempt_0" / "rank_0.err").read_text()
+    assert "worker.prefix is 'ckpt': the Trainer names its checkpoints checkpoint-STEP" in errors
