@@ -14,11 +14,13 @@ complete and healthy one), or, without a supervisor, the newest complete one.
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from worker.contract import EXIT_CONFIG, MANIFEST, WorkerConfig
+from worker.contract import ENV_WORKER_CONFIG, EXIT_CONFIG, MANIFEST, WorkerConfig
 from worker.exits import leave
 from worker.files import unlink_quietly
 from worker.integrations import drop_gradients, run_layout
@@ -42,8 +44,13 @@ def output_dir() -> str:
 
 def resume_from_checkpoint() -> str | None:
     """For `Trainer.train(resume_from_checkpoint=...)`: the checkpoint the supervisor chose, or None (scratch)."""
-    directory = resume_directory(run_layout(), WorkerConfig.from_env())
+    directory = resume_directory(run_layout(), _config())
     return None if directory is None else str(directory)
+
+
+def _config() -> WorkerConfig:
+    """The worker config, with the Trainer's name for its checkpoints (without a supervisor nobody else names it)."""
+    return replace(WorkerConfig.from_env(), prefix=PREFIX)
 
 
 class TrainwardenCallback(TrainerCallback):
@@ -65,9 +72,9 @@ class TrainwardenCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
-        layout, config = run_layout(), WorkerConfig.from_env()
-        _check_setup(args, layout.checkpoint_dir, config)
-        self.warden = Warden(model, optimizer, framework_save=_HFSave(self, layout, config))
+        layout = run_layout()
+        _check_setup(args, layout.checkpoint_dir, WorkerConfig.from_env())
+        self.warden = Warden(model, optimizer, config=_config(), framework_save=_HFSave(self))
         self.warden.framework_resumed(state.global_step, resume_from_checkpoint())
         self.warden.expect_steps(state.max_steps if state.max_steps > 0 else None)
         model.register_forward_hook(self._model_output)
@@ -144,8 +151,8 @@ class _HFSave:
     framework = "hf"
     deferred = True  # the Trainer saves after on_step_end; on_save records it
 
-    def __init__(self, callback: TrainwardenCallback, layout: Any, config: WorkerConfig) -> None:
-        self._callback, self._layout, self._prefix = callback, layout, config.prefix
+    def __init__(self, callback: TrainwardenCallback) -> None:
+        self._callback = callback
 
     def __call__(self, step: int) -> None:
         self._callback._control.should_save = True
@@ -157,7 +164,7 @@ def _check_setup(args: Any, checkpoint_dir: Path, config: WorkerConfig) -> None:
     if Path(args.output_dir).resolve() != checkpoint_dir.resolve():
         problems.append(f"TrainingArguments(output_dir={args.output_dir!r}) is not the run's checkpoint directory: "
                         f"use output_dir=worker.integrations.hf.output_dir() ({checkpoint_dir})")
-    if config.prefix != PREFIX:
+    if os.environ.get(ENV_WORKER_CONFIG) and config.prefix != PREFIX:  # the supervisor looks for its prefix
         problems.append(f"worker.prefix is {config.prefix!r}: the Trainer names its checkpoints {PREFIX}-STEP, "
                         f"set worker.prefix: {PREFIX} in the job config")
     if getattr(args, "save_total_limit", None):

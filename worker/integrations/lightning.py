@@ -34,6 +34,7 @@ except ImportError:  # the older package name
 __all__ = ["CHECKPOINT_FILE", "TrainwardenCallback", "ckpt_path"]
 
 CHECKPOINT_FILE = "model.ckpt"  # Lightning's file (a directory with a sharded strategy) in PREFIX-STEP/
+WHOLE_STATE = False  # Lightning's save option: optimizer, loops and callbacks too, a point to resume from
 MID_EPOCH = ("resumed inside an epoch with a DataLoader that is not resumable: the rest of this epoch's batches "
              "differ from an uninterrupted run's (save at epoch ends, or use a resumable DataLoader such as "
              "torchdata's StatefulDataLoader)")
@@ -143,7 +144,7 @@ class _LightningSave:
         if self._trainer.is_global_zero:
             unlink_quietly(directory / MANIFEST)  # a step saved again (after a resume): no manifest of old files
         ensure_dir(self._layout.root, directory)
-        self._trainer.save_checkpoint(directory / CHECKPOINT_FILE, weights_only=False)  # all of it: a resume point
+        self._trainer.save_checkpoint(directory / CHECKPOINT_FILE, weights_only=WHOLE_STATE)
         return directory
 
 
