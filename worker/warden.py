@@ -482,10 +482,6 @@ class Warden:
             self.log.warning("stopped_after_save", step=self.step)
             self._obey_sigterm()
 
-    @property
-    def phase_name(self) -> str:
-        return self._phase
-
     def beat(self) -> None:
         """Show progress inside a long phase (an eval loop, a slow data fetch); throttled, never raises."""
         self._heartbeat.beat(self.step, self._phase)

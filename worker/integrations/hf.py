@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ class TrainwardenCallback(TrainerCallback):
         self._losses: list[Any] = []  # the model's losses since the last optimizer step (a forward hook's)
         self._loss: float | None = None
         self._back_to: tuple[str, str] | None = None  # (phase we are in, phase to go back to)
+        self._save_started: float | None = None  # when the Trainer's save began (perf_counter)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
@@ -124,7 +126,9 @@ class TrainwardenCallback(TrainerCallback):
             return
         if self._back_to is not None:
             self._leave()
-        self.warden.framework_saved(state.global_step, Path(args.output_dir) / f"{PREFIX}-{state.global_step}")
+        self.warden.framework_saved(state.global_step, Path(args.output_dir) / f"{PREFIX}-{state.global_step}",
+                                    started=self._save_started)
+        self._save_started = None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.warden is not None:
@@ -137,6 +141,7 @@ class TrainwardenCallback(TrainerCallback):
 
     def _begin_save(self, step: int) -> None:
         assert self.warden is not None
+        self._save_started = time.perf_counter()
         self._back_to = (SAVE_PHASE, self.warden.begin_save(step))
 
     def _leave(self) -> None:
