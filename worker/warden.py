@@ -665,13 +665,19 @@ class Warden:
     def finish(self, *, save: bool = True) -> None:
         """Save the final state (unless saved at this step already, or checkpointing is off or `save` is False),
         mark the rank done and close its event log. Every rank calls it at the same step."""
-        if save and self.step != self._saved_at and self._checkpointing:
-            self.save(self.step)
+        if save:
+            self.save_final()
         self._note_background_save(wait=True)
         self.log.info("rank_finished", step=self.step)
         self._phase = "done"
         self._heartbeat.beat(self.step, "done", force=True)
         self._close()
+
+    def save_final(self) -> None:
+        """Save this step unless it is saved already or checkpointing is off (a trainer's callback asks at its last
+        step, while the trainer can still save)."""
+        if self.step != self._saved_at and self._checkpointing:
+            self.save(self.step)
 
     def __enter__(self) -> Warden:
         return self
@@ -690,7 +696,8 @@ class Warden:
         self._features.close()
         self._log_stream.close()
         if self._previous_term is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            _install_handler(signal.SIGTERM, self._previous_term)
+            # A trainer's handler is not put back either: a rank tearing down after a peer died must still die of it.
+            _install_handler(signal.SIGTERM, self._previous_term if self._framework_save is None else signal.SIG_DFL)
         if self._flight is not None:
             self._flight.close()
         if self._stacks is not None:

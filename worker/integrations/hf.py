@@ -103,6 +103,8 @@ class TrainwardenCallback(TrainerCallback):
         self.warden.step_done(loss=self._loss, step=state.global_step)
         if self.warden.should_stop:
             control.should_training_stop = True
+        elif 0 < state.max_steps <= state.global_step:
+            self.warden.save_final()  # the final state, as the Warden saves its own (asked now: the Trainer ends next)
         if control.should_save and args.should_save:
             unlink_quietly(Path(args.output_dir) / f"{PREFIX}-{state.global_step}" / MANIFEST)  # saved again
         if control.should_evaluate:
@@ -132,7 +134,7 @@ class TrainwardenCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.warden is not None:
-            self.warden.finish(save=False)  # the Trainer saved at its last step, if its save strategy says so
+            self.warden.finish(save=False)  # asked for at the last step, while the Trainer could still save
             self.warden = None
 
     def _enter(self, phase: str) -> None:

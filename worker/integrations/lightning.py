@@ -57,7 +57,6 @@ class TrainwardenCallback(Callback):
     def __init__(self, *, max_norm: float | None = None) -> None:
         self.max_norm = max_norm
         self.warden: Warden | None = None
-        self._trainer: Any = None
         self._losses: list[Any] = []  # this optimizer step's micro-batch losses
         self._loss: float | None = None
         self._counted = 0  # the global_step the last step_done saw
@@ -68,7 +67,6 @@ class TrainwardenCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Here, not at setup: Lightning has installed its signal handlers, so the Warden's SIGTERM handler is the
         # one that runs (Lightning's broadcasts to the peers, which hangs when one is dead).
-        self._trainer = trainer
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         save = _LightningSave(trainer, run_layout(), WorkerConfig.from_env())
         self.warden = Warden(pl_module, optimizer, framework_save=save)
