@@ -156,9 +156,9 @@ def test_sigterm_during_a_checkpoint_save_stops_gracefully_at_one_agreed_step(tm
 def test_a_second_sigint_stops_at_once(tmp_path: Path) -> None:
     """Ctrl-C asks for a graceful stop; a second Ctrl-C kills the ranks without waiting for the agreed step."""
     run_dir = tmp_path / "run"
-    # Steps of 0.3 s from step 8 on: the second Ctrl-C lands well before the agreed step (at full speed on a loaded
+    # Steps of 0.3 s from step 11 on: the second Ctrl-C lands well before the agreed step (at full speed on a loaded
     # machine the ranks could reach it, and begin its save, between the two).
-    slow = {"TRAINWARDEN_FAULTS": "0:slow@8:0.3", "OMP_NUM_THREADS": "1"}
+    slow = {"TRAINWARDEN_FAULTS": "0:slow@11:0.3", "OMP_NUM_THREADS": "1"}
     proc = start_supervisor(long_job(tmp_path, worker={"save_checkpoint_steps": 0}, env=slow), run_dir)
     wait_for_step(run_dir, 10)
     proc.send_signal(signal.SIGINT)
