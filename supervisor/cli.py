@@ -52,8 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml is the one place it is written."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainwarden")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainwarden", description="Keep a PyTorch training run alive.")
+    parser.add_argument("--version", action="version", version=f"trainwarden {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job config under supervision, in the foreground")
     run.add_argument("config", help="job config (YAML)")
