@@ -126,8 +126,8 @@ def component_costs() -> dict[str, float]:
     """Seconds per call of what the display and metrics add, in this process: precise where the end-to-end CPU
     figures above are noisy (a few % of a core from run to run on a shared 2-core machine)."""
     from supervisor.config import MetricsConfig
-    from supervisor.console import Console
-    from supervisor.metrics import MetricsExporter
+    from supervisor.observe.console import Console
+    from supervisor.observe.metrics import MetricsExporter
 
     status = {"state": "running", "attempt": 1, "restarts": 1, "max_restarts": 3, "updated_at": time.time(),
               "last_checkpoint": {"step": 425}, "last_checkpoint_at": time.time() - 3,

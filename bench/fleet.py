@@ -30,7 +30,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor.wire import encode  # noqa: E402 - after the path is set
+from supervisor.launch.wire import encode  # noqa: E402 - after the path is set
 
 ENV_SPEC = "TW_FLEET_SPEC"
 JOB_ID = "4242"

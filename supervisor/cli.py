@@ -14,20 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.config import ConfigError, JobConfig, SlurmConfig, check_launchable, load_config
-from supervisor.console import ENV_LOG_FORMAT, LOG_FORMATS, Console, choose_format
 from supervisor.core import Phase, State
-from supervisor.goodput import describe as describe_goodput
-from supervisor.journal import open_journal
-from supervisor.launcher import LocalLauncher
-from supervisor.lease import LOCAL_TTL_S, Lease
-from supervisor.nodes import Ledger, render_rows, update_ledger
+from supervisor.export import ExportError, export_weights
+from supervisor.launch.launcher import LocalLauncher
+from supervisor.launch.nodes import Ledger, render_rows, update_ledger
+from supervisor.launch.slurm import SlurmLauncher, in_allocation
+from supervisor.launch.slurmctl import SlurmError, allocation, node_states
+from supervisor.launch.succession import end_job, take_lease, wait_after_handover
+from supervisor.observe.console import ENV_LOG_FORMAT, LOG_FORMATS, Console, choose_format
+from supervisor.observe.goodput import describe as describe_goodput
+from supervisor.observe.status import StatusError, read_status, render
+from supervisor.rundir.journal import open_journal
+from supervisor.rundir.lease import LOCAL_TTL_S, Lease
 from supervisor.runner import RunDirBusy, Supervisor, lock_run_dir
-from supervisor.slurm import SlurmLauncher, in_allocation
-from supervisor.slurmctl import SlurmError, allocation, node_states
-from supervisor.status import StatusError, read_status, render
-from supervisor.succession import end_job, take_lease, wait_after_handover
 from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
-from worker.export import ExportError, export_weights
 from worker.files import atomic_write_bytes
 
 __all__ = ["main"]
@@ -394,7 +394,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from supervisor.plot import PlotError, plot_run  # here: only this command pays for matplotlib
+    from supervisor.observe.plot import PlotError, plot_run  # here: only this command pays for matplotlib
 
     try:
         summary, notes = plot_run(Path(args.run_dir), None if args.output is None else Path(args.output))

@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 
 from supervisor.core import Policy
-from supervisor.hangs import HEARTBEAT_MODES, HangPolicy
-from supervisor.rollback import AnomalyPolicy
+from supervisor.core.hangs import HEARTBEAT_MODES, HangPolicy
+from supervisor.core.rollback import AnomalyPolicy
 from worker.contract import RunLayout, WorkerConfig, parse_checkpoint_name
 from worker.files import read_bytes
 

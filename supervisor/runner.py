@@ -17,20 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.causes import explain
-from supervisor.checkpoints import (
-    Choice,
-    WorldSizeMismatch,
-    choose_explicit,
-    choose_resume,
-    completed_at,
-    find_junk,
-    health_entries,
-    rotation,
-    world_size_mismatch,
-    world_sizes,
-    write_health_file,
-)
 from supervisor.config import JobConfig
 from supervisor.core import (
     Action,
@@ -58,20 +44,34 @@ from supervisor.core import (
     initial_state,
     next_deadline,
 )
-from supervisor.goodput import Goodput
-from supervisor.journal import Journal
-from supervisor.launcher import Isolated, Launcher, LocalLauncher, Spawned
-from supervisor.lease import ABDICATED, RELEASED, Lease, LeaseHolder, LeaseLost, read_relayed_signal
-from supervisor.metrics import MetricsExporter
-from supervisor.notify import Notifier, ServiceReporter
-from supervisor.observe import Counts, Observer, Progress
-from supervisor.rank_logs import abort_info, count, last_event, last_step, stderr_tail
-from supervisor.ranks import Attempt
-from supervisor.status import StatusError, read_history, read_status, snapshot, write_status
-from supervisor.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
-from supervisor.stragglers import Stragglers
-from supervisor.trees import become_subreaper, kill_predecessor_leftovers
-from supervisor.watch import StopFileChanged, StopFileWatcher
+from supervisor.core.causes import explain
+from supervisor.core.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
+from supervisor.launch.launcher import Isolated, Launcher, LocalLauncher, Spawned
+from supervisor.launch.ranks import Attempt
+from supervisor.launch.trees import become_subreaper, kill_predecessor_leftovers
+from supervisor.observe.goodput import Goodput
+from supervisor.observe.metrics import MetricsExporter
+from supervisor.observe.notify import Notifier, ServiceReporter
+from supervisor.observe.progress import Counts, Observer, Progress
+from supervisor.observe.status import StatusError, read_history, read_status, snapshot, write_status
+from supervisor.observe.stragglers import Stragglers
+from supervisor.rundir.checkpoints import (
+    Choice,
+    WorldSizeMismatch,
+    choose_explicit,
+    choose_resume,
+    completed_at,
+    find_junk,
+    health_entries,
+    rotation,
+    world_size_mismatch,
+    world_sizes,
+    write_health_file,
+)
+from supervisor.rundir.journal import Journal
+from supervisor.rundir.lease import ABDICATED, RELEASED, Lease, LeaseHolder, LeaseLost, read_relayed_signal
+from supervisor.rundir.rank_logs import abort_info, count, last_event, last_step, stderr_tail
+from supervisor.rundir.watch import StopFileChanged, StopFileWatcher
 from worker.contract import (
     EXIT_ANOMALY,
     EXIT_CHECKPOINT_REFUSED,

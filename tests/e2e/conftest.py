@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from supervisor.status import read_status
+from supervisor.observe.status import read_status
 from tests.checkpoint_files import assert_bitwise_equal, load_saved
 from tests.conftest import wait_until
 from worker.contract import RunLayout

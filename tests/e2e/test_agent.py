@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor.wire import Peer
+from supervisor.launch.wire import Peer
 from tests.conftest import wait_until
 from tests.e2e.conftest import REPO
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.goodput import CATEGORIES, describe
+from supervisor.observe.goodput import CATEGORIES, describe
 from tests.e2e.conftest import REPO, journal, run_supervisor, write_config
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.status import render
+from supervisor.observe.status import render
 from tests.e2e.conftest import FAST_HANG, Finished, journal, run_supervisor, trainwarden_status, write_config
 
 pytestmark = pytest.mark.timeout(240)

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.config import MetricsConfig
-from supervisor.metrics import MetricsExporter
+from supervisor.observe.metrics import MetricsExporter
 from tests.conftest import wait_until
 from tests.e2e.conftest import finish, heartbeat, journal, start_supervisor, write_config
 

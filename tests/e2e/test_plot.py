@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.plot import read_timeline
+from supervisor.observe.plot import read_timeline
 from tests.e2e.conftest import GUARDED, REPO, run_supervisor, write_config
 from worker.contract import RunLayout
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.core import HeartbeatSeen, Policy, RanksLaunched, decide, initial_state
-from supervisor.status import snapshot, write_status
+from supervisor.observe.status import snapshot, write_status
 from tests.e2e.conftest import REPO
 from worker.contract import RunLayout
 

@@ -1,5 +1,5 @@
 """A stand-in for nvidia-ml-py on PYTHONPATH: one GPU whose driver asks for a reset (the NVML calls
-supervisor/gpu_health.py makes; the others do not exist)."""
+supervisor/launch/gpu_health.py makes; the others do not exist)."""
 
 from types import SimpleNamespace
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.blame import (
+from supervisor.core.blame import (
     RECENT,
     Verdict,
     name_culprit,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import signal
 
-from supervisor.causes import LIBRARY_DIRS, Cause, CauseKind, explain, explain_exit, oom_kill_count
+from supervisor.core.causes import LIBRARY_DIRS, Cause, CauseKind, explain, explain_exit, oom_kill_count
 
 LIBS = ("/usr/lib/python3.11", "/opt/tw/worker")  # stands in for the stdlib and trainwarden's worker package
 

@@ -6,7 +6,7 @@ import json
 import zlib
 from pathlib import Path
 
-from supervisor.checkpoints import Choice, choose_resume, find_junk, health_entries
+from supervisor.rundir.checkpoints import Choice, choose_resume, find_junk, health_entries
 from worker.contract import CheckpointStore, RunLayout, WorkerConfig, named_store, resume_stores
 
 PREFIX = "demo"

@@ -23,7 +23,7 @@ from supervisor.config import (
     parse_config,
 )
 from supervisor.core import Policy
-from supervisor.rollback import AnomalyPolicy
+from supervisor.core.rollback import AnomalyPolicy
 from worker.anomaly import AdaptiveConfig
 from worker.contract import WorkerConfig
 from worker.feature_rule import FeatureValueConfig

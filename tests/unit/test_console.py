@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from supervisor.console import Console, choose_format, status_line
+from supervisor.observe.console import Console, choose_format, status_line
 
 
 class Terminal(io.StringIO):

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor.causes import Cause, CauseKind
 from supervisor.core import (
     Action,
     ChildExited,
@@ -37,7 +36,8 @@ from supervisor.core import (
     next_deadline,
     rank_deadline,
 )
-from supervisor.hangs import Calibration
+from supervisor.core.causes import Cause, CauseKind
+from supervisor.core.hangs import Calibration
 
 NOW = 1000.0
 PIDS = (100, 101)

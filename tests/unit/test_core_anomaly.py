@@ -19,7 +19,7 @@ from supervisor.core import (
     Tick,
     decide,
 )
-from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback
+from supervisor.core.rollback import AbortInfo, AnomalyPolicy, Rollback
 from tests.unit.test_core import NOW, POLICY, record, running, shape
 from worker.contract import EXIT_ANOMALY
 

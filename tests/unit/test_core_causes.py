@@ -5,8 +5,6 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from supervisor.blame import Verdict
-from supervisor.causes import Cause, CauseKind, explain_exit
 from supervisor.core import (
     FAILURES_KEPT,
     ChildExited,
@@ -24,7 +22,9 @@ from supervisor.core import (
     crash_loop,
     decide,
 )
-from supervisor.rollback import AbortInfo
+from supervisor.core.blame import Verdict
+from supervisor.core.causes import Cause, CauseKind, explain_exit
+from supervisor.core.rollback import AbortInfo
 from tests.unit.test_core import HUNG_AT, NOW, PIDS, POLICY, STACKS, beat, record, running, shape, with_hang
 from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_CRASH_LOOP
 

@@ -17,7 +17,7 @@ from supervisor.core import (
     Tick,
     decide,
 )
-from supervisor.notify import status_line
+from supervisor.observe.notify import status_line
 from tests.unit.test_core import NOW, POLICY, record, running, shape
 from tests.unit.test_core_stop import training
 from worker.contract import EXIT_SAVE_LOST

@@ -17,7 +17,7 @@ from supervisor.core import (
     Tick,
     decide,
 )
-from supervisor.stop_requests import StopRequest, agreed_step
+from supervisor.core.stop_requests import StopRequest, agreed_step
 from tests.unit.test_core import NOW, POLICY, backoff, record, running, shape
 from worker.contract import StopOrder
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
-from supervisor.wire import Hub, Peer
+from supervisor.launch.wire import Hub, Peer
+from supervisor.rundir.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, ensure_dir
 

@@ -26,10 +26,11 @@ from supervisor.core import (
     decide,
     initial_state,
 )
-from supervisor.goodput import CATEGORIES, KEPT_MAX, KEPT_SAVED, Goodput, describe, duration
-from supervisor.hangs import HangPolicy
-from supervisor.observe import JournalRecord
-from supervisor.status import read_status, render, snapshot, write_status
+from supervisor.core.hangs import HangPolicy
+from supervisor.core.model import duration
+from supervisor.observe.goodput import CATEGORIES, KEPT_MAX, KEPT_SAVED, Goodput, describe
+from supervisor.observe.progress import JournalRecord
+from supervisor.observe.status import read_status, render, snapshot, write_status
 from worker.contract import RunLayout
 
 POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,

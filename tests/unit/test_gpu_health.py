@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from supervisor.gpu_health import gpu_problems
+from supervisor.launch.gpu_health import gpu_problems
 
 
 class NotSupported(Exception):

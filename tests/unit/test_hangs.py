@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor.hangs import (
+from supervisor.core.hangs import (
     Calibration,
     HangPolicy,
     beat_deadline,

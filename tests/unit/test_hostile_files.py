@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 
-from supervisor.causes import explain
-from supervisor.checkpoints import Choice, choose_resume, write_health_file
-from supervisor.journal import open_journal
-from supervisor.rank_logs import TAIL_BYTES, last_event, stderr_tail
+from supervisor.core.causes import explain
+from supervisor.core.stop_requests import MAX_STOP_FILE_BYTES
+from supervisor.launch.stacks import MAX_DUMP_BYTES, _read_from
+from supervisor.launch.trees import kill_predecessor_leftovers, record_pids
+from supervisor.observe.status import StatusError, read_status, write_status
+from supervisor.rundir.checkpoints import Choice, choose_resume, write_health_file
+from supervisor.rundir.journal import open_journal
+from supervisor.rundir.rank_logs import TAIL_BYTES, last_event, stderr_tail
+from supervisor.rundir.watch import HeartbeatUnreadable, read_heartbeat
 from supervisor.runner import _previous_step_gaps, _stop_file_signature, lock_run_dir
-from supervisor.stacks import MAX_DUMP_BYTES, _read_from
-from supervisor.status import StatusError, read_status, write_status
-from supervisor.stop_requests import MAX_STOP_FILE_BYTES
-from supervisor.trees import kill_predecessor_leftovers, record_pids
-from supervisor.watch import HeartbeatUnreadable, read_heartbeat
 from tests.hostile import KINDS, bounded, plant
 from worker.contract import RunLayout
 from worker.events import open_event_log

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.journal import JOURNALS_KEPT, append_event, journal_files, open_journal
-from supervisor.plot import read_timeline
+from supervisor.observe.plot import read_timeline
+from supervisor.rundir.journal import JOURNALS_KEPT, append_event, journal_files, open_journal
 from worker.contract import RunLayout
 
 

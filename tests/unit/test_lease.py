@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from supervisor.lease import (
+from supervisor.rundir.lease import (
     ABDICATED,
     HELD,
     RELEASED,

@@ -12,12 +12,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.causes import Cause, CauseKind
-from supervisor.checkpoints import completed_at
 from supervisor.config import ConfigError, MetricsConfig, parse_config
 from supervisor.core import Failure, Policy, RanksLaunched, decide, initial_state
-from supervisor.metrics import CAUSES, PHASES, MetricsExporter, RestartCounts, StatusCollector, families
-from supervisor.status import snapshot
+from supervisor.core.causes import Cause, CauseKind
+from supervisor.observe.metrics import CAUSES, PHASES, MetricsExporter, RestartCounts, StatusCollector, families
+from supervisor.observe.status import snapshot
+from supervisor.rundir.checkpoints import completed_at
 from worker.contract import RunLayout
 
 NOW = 1_700_000_000.0  # wall clock

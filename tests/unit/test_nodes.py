@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from supervisor.nodes import (
+from supervisor.launch.nodes import (
     Ledger,
     NodeFault,
     TooFewNodes,
@@ -284,7 +284,7 @@ def test_sbatch_args_name_the_node_range_the_run_can_use(tmp_path, capsys, polic
     """`trainwarden nodes --sbatch-args`: from the smallest the run accepts to nodes + spares."""
     from supervisor.cli import main
     from supervisor.core import Policy, initial_state
-    from supervisor.status import snapshot, write_status
+    from supervisor.observe.status import snapshot, write_status
 
     layout = RunLayout(tmp_path)
     state = initial_state(Policy(nproc=4, max_restarts=0, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=1.0,

@@ -29,7 +29,7 @@ from supervisor.core import (
     decide,
     initial_state,
 )
-from supervisor.notify import Notifier, ServiceReporter, status_line, stop_extension_s
+from supervisor.observe.notify import Notifier, ServiceReporter, status_line, stop_extension_s
 
 NOW = 1000.0
 POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from supervisor.core import HeartbeatSeen, Policy, RanksLaunched, initial_state
-from supervisor.observe import Counts, Progress
+from supervisor.observe.progress import Counts, Progress
 
 STATE = initial_state(Policy(nproc=2, max_restarts=3, backoff_initial_s=1, backoff_factor=2, backoff_max_s=30,
                                   kill_grace_s=5))

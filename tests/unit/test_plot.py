@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from supervisor import plot
 from supervisor.cli import main
-from supervisor.plot import MAX_MARKS, MAX_POINTS, Mark, cluster, downsample, read_timeline, steps_per_s
+from supervisor.observe import plot
+from supervisor.observe.plot import MAX_MARKS, MAX_POINTS, Mark, cluster, downsample, read_timeline, steps_per_s
 from tests.hostile import KINDS, bounded, plant
 from worker.contract import RunLayout
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.rank_logs import TAIL_BYTES, last_event, last_step
+from supervisor.rundir.rank_logs import TAIL_BYTES, last_event, last_step
 from worker.contract import RunLayout
 
 

@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.checkpoints import Choice, choose_resume, health_entries
-from supervisor.rank_logs import abort_info, last_event, last_step
+from supervisor.core.stop_requests import StopFileUnparsable, StopRequest, parse_stop_file
+from supervisor.launch.trees import kill_predecessor_leftovers
+from supervisor.observe.status import StatusError, read_status, render
+from supervisor.rundir.checkpoints import Choice, choose_resume, health_entries
+from supervisor.rundir.rank_logs import abort_info, last_event, last_step
+from supervisor.rundir.watch import HeartbeatUnreadable, read_heartbeat
 from supervisor.runner import _previous_step_gaps
-from supervisor.status import StatusError, read_status, render
-from supervisor.stop_requests import StopFileUnparsable, StopRequest, parse_stop_file
-from supervisor.trees import kill_predecessor_leftovers
-from supervisor.watch import HeartbeatUnreadable, read_heartbeat
 from worker.contract import RunLayout, StopOrder
 from worker.files import parse_json
 from worker.orders import StopOrders

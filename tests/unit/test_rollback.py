@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.rollback import MAX_WINDOW_STEPS, AbortInfo, AnomalyPolicy, Rollback, plan_rollback
+from supervisor.core.rollback import MAX_WINDOW_STEPS, AbortInfo, AnomalyPolicy, Rollback, plan_rollback
 
 POLICY = AnomalyPolicy(rollback_steps=100, skip_after_steps=200, max_tries=3, widen_factor=2.0)
 FIRST = AbortInfo(first_step=500, abort_step=509, first_batch=520, abort_batch=529)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.checkpoints import rotation
+from supervisor.rundir.checkpoints import rotation
 
 
 def test_keeps_the_newest_keep_max():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.checkpoints import (
+from supervisor.rundir.checkpoints import (
     Choice,
     choose_explicit,
     choose_resume,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.blame import outside_collectives
-from supervisor.rank_logs import last_step
+from supervisor.core.blame import outside_collectives
+from supervisor.rundir.rank_logs import last_step
 from worker.contract import RunLayout
 
 IN_BACKWARD = """Current thread 0x00007f924f88bb80 (most recent call first):

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from supervisor.causes import Cause, CauseKind
 from supervisor.core import (
     ChildExited,
     HeartbeatSeen,
@@ -20,7 +19,16 @@ from supervisor.core import (
     decide,
     initial_state,
 )
-from supervisor.status import FAILURES_SHOWN, StatusError, read_history, read_status, render, snapshot, write_status
+from supervisor.core.causes import Cause, CauseKind
+from supervisor.observe.status import (
+    FAILURES_SHOWN,
+    StatusError,
+    read_history,
+    read_status,
+    render,
+    snapshot,
+    write_status,
+)
 from worker.contract import RunLayout
 
 NOW = 1000.0
@@ -240,7 +248,7 @@ def test_status_file_is_json(tmp_path):
 
 
 def _leased(tmp_path, host: str, *, age_s: float, state: str = "held", pid: int = 4242) -> RunLayout:
-    from supervisor.lease import Lease, claim
+    from supervisor.rundir.lease import Lease, claim
 
     layout = RunLayout(tmp_path)
     write_status(layout, snapshot(running(), now=NOW, extra={"supervisor_pid": pid}), durable=False)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from supervisor.core import ChildExited, HeartbeatSeen, Phase, RanksLaunched, State, decide, initial_state
-from supervisor.status import read_status, render, snapshot, write_status
+from supervisor.observe.status import read_status, render, snapshot, write_status
 from tests.unit.test_status import NOW, POLICY, running
 from worker.contract import RunLayout
 

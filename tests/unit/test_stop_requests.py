@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, StopRequest, parse_stop_file
+from supervisor.core.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, StopRequest, parse_stop_file
 
 SOURCE = "stop file /run/stop"
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from supervisor.config import StragglersConfig
 from supervisor.core import HeartbeatSeen, Policy, State, Tick, initial_state
-from supervisor.observe import JournalRecord
-from supervisor.stragglers import Stragglers
+from supervisor.observe.progress import JournalRecord
+from supervisor.observe.stragglers import Stragglers
 
 NOW = 1000.0
 SUSTAIN_S = 30.0

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from supervisor import slurmctl, succession
-from supervisor.lease import ABDICATED, HELD, RELEASED, Lease, claim, newest
-from supervisor.succession import Succession, stand_for_successor, take_lease, wait_after_handover
+from supervisor.launch import slurmctl, succession
+from supervisor.launch.succession import Succession, stand_for_successor, take_lease, wait_after_handover
+from supervisor.rundir.lease import ABDICATED, HELD, RELEASED, Lease, claim, newest
 from worker.contract import RunLayout
 
 HERE = socket.gethostname()

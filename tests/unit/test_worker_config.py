@@ -7,7 +7,7 @@ import json
 import pytest
 
 from supervisor.config import ConfigError, load_config, parse_config
-from supervisor.rollback import AnomalyPolicy
+from supervisor.core.rollback import AnomalyPolicy
 from worker.anomaly import AdaptiveConfig, MonitorConfig
 from worker.contract import ENV_WORKER_CONFIG, WorkerConfig, parse_checkpoint_name
 from worker.feature_rule import FeatureValueConfig

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from supervisor.cli import main
+from supervisor.export import plain_state_dict
 from tests.checkpoint_files import assert_bitwise_equal
 from worker.contract import EXIT_CHECKPOINT_REFUSED, RunLayout, WorkerConfig
-from worker.export import plain_state_dict
 
 REPO = Path(__file__).resolve().parents[2]
 # The user's model, defined the same way here and in the plain script that loads the export: a submodule named

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.checkpoints import choose_resume, find_junk, health_entries
+from supervisor.rundir.checkpoints import choose_resume, find_junk, health_entries
 from worker.contract import ENV_RESUME_DIR, ENV_RESUME_STEP, RunLayout, WorkerConfig
 from worker.files import read_json
 from worker.integrations.records import framework_files, record_completion, resume_directory
@@ -172,7 +172,7 @@ def test_a_warden_over_a_trainer_asks_it_to_save_follows_its_step_count_and_reco
 def test_export_reads_the_model_out_of_a_lightning_checkpoint_with_weights_only(tmp_path: Path) -> None:
     import torch
 
-    from worker.export import export_weights
+    from supervisor.export import export_weights
 
     layout = RunLayout(tmp_path / "run")
     directory = layout.checkpoints.framework_dir(10, "ckpt")
@@ -189,7 +189,7 @@ def test_export_reads_the_model_out_of_a_lightning_checkpoint_with_weights_only(
 def test_export_reads_the_model_out_of_a_trainers_safetensors(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     safetensors = pytest.importorskip("safetensors.torch", reason="the [hf] extra")
-    from worker.export import export_weights
+    from supervisor.export import export_weights
 
     layout = RunLayout(tmp_path / "run")
     directory = layout.checkpoints.framework_dir(20, PREFIX)

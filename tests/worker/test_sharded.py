@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from supervisor.checkpoints import choose_resume, find_junk
+from supervisor.export import export_weights
+from supervisor.rundir.checkpoints import choose_resume, find_junk
 from tests.checkpoint_files import assert_bitwise_equal
 from tests.conftest import wait_until
 from worker.contract import EXIT_CHECKPOINT_REFUSED, MANIFEST, RunLayout, WorkerConfig
-from worker.export import export_weights
 from worker.manifest import METADATA, read_manifest
 from worker.sharded import _load_planner, _MetadataUnpickler, numpy_missing
 

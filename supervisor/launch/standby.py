@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.config import JobConfig
-from supervisor.trees import die_with_parent
+from supervisor.launch.trees import die_with_parent
 from worker.contract import ENV_ATTEMPT, ENV_RESUME_DIR, ENV_RESUME_STEP, ENV_SKIP_TO_BATCH, RunLayout
 from worker.files import open_append
 from worker.standby import ENV_PREWARM, ENV_SCRIPT, ENV_STANDBY_FD, READY, activate_message

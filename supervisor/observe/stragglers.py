@@ -15,7 +15,7 @@ from typing import Any
 
 from supervisor.config import StragglersConfig
 from supervisor.core import Event, HeartbeatSeen, State
-from supervisor.observe import JournalRecord
+from supervisor.observe.progress import JournalRecord
 
 __all__ = ["Stragglers"]
 

@@ -12,11 +12,10 @@ import sys
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, runtime_checkable
 
 import structlog
 
-from supervisor.console import Console
 from worker.files import open_append, open_dir
 
 __all__ = ["JOURNALS_KEPT", "MAX_JOURNAL_BYTES", "Journal", "append_event", "journal_files", "open_journal"]
@@ -28,11 +27,19 @@ JOURNALS_KEPT = 4  # rotated files besides the current one
 _JSON = structlog.processors.JSONRenderer(default=str)
 
 
+@runtime_checkable
+class EventSink(Protocol):
+    """Renders each event for people (`supervisor.observe.console.Console`): given the event, not its JSON line."""
+
+    def event(self, event_dict: dict[str, Any]) -> None: ...
+
+
 class _TeeLogger:
     """A structlog logger that writes each event, whole, as a JSON line to the journal file and to `echo`
-    (a stream gets the same JSON line; a Console renders it for people); it rotates the file when it is full."""
+    (a stream gets the same JSON line; an EventSink, the console, renders it for people); it rotates the file
+    when it is full."""
 
-    def __init__(self, path: Path, root: Path, echo: IO[str] | Console | None, max_bytes: int) -> None:
+    def __init__(self, path: Path, root: Path, echo: IO[str] | EventSink | None, max_bytes: int) -> None:
         self._path, self._root, self._max_bytes = path, root, max_bytes
         self.file = _open(path, root)
         self._echo = echo
@@ -41,7 +48,7 @@ class _TeeLogger:
     def msg(self, **event_dict: Any) -> None:
         line = _JSON(None, "", dict(event_dict)) + "\n"
         with self._lock:
-            streams = [self.file] if not self._echo or isinstance(self._echo, Console) else [self.file, self._echo]
+            streams = [self.file] if not self._echo or isinstance(self._echo, EventSink) else [self.file, self._echo]
             for stream in streams:
                 try:
                     stream.write(line)
@@ -50,7 +57,7 @@ class _TeeLogger:
                     pass
             if self.file.tell() > self._max_bytes:
                 self._rotate()
-        if isinstance(self._echo, Console):
+        if isinstance(self._echo, EventSink):
             self._echo.event(event_dict)
 
     info = warning = error = critical = debug = msg
@@ -89,10 +96,10 @@ class Journal:
         self._tee.file.close()
 
 
-def open_journal(path: Path, *, root: Path, echo: IO[str] | Console | None = sys.stderr,
+def open_journal(path: Path, *, root: Path, echo: IO[str] | EventSink | None = sys.stderr,
                  max_bytes: int = MAX_JOURNAL_BYTES) -> Journal:
     """Open (append) the journal at `path` inside the run dir `root`, following no symlink; `echo` also
-    receives every event (a stream as the same JSON line, a Console rendered for people)."""
+    receives every event (a stream as the same JSON line, an EventSink such as the console rendered for people)."""
     tee = _TeeLogger(path, root, echo, max_bytes)
     logger = structlog.wrap_logger(
         tee,

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable, Mapping
 
-from supervisor.nodes import parse_sinfo
+from supervisor.launch.nodes import parse_sinfo
 
 __all__ = [
     "SlurmError",

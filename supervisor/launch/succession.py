@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor import slurmctl
-from supervisor.lease import (
+from supervisor.launch import slurmctl
+from supervisor.rundir.lease import (
     HELD,
     RELAYED_SIGNALS,
     RELEASED,

@@ -33,9 +33,6 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from supervisor import slurmctl
-from supervisor.blame import IN_COLLECTIVE, SILENT
-from supervisor.causes import Cause, CauseKind
 from supervisor.config import JobConfig
 from supervisor.core import (
     ChildExited,
@@ -47,15 +44,18 @@ from supervisor.core import (
     SignalReceived,
     StacksCollected,
 )
-from supervisor.launcher import Isolated, Spawned, publish_order
-from supervisor.lease import ABDICATED, RELEASED, Lease
-from supervisor.lease import read as read_lease
-from supervisor.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
-from supervisor.ranks import Attempt, Placement, contract_env, rank_argv
-from supervisor.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, StackDumps, judge
-from supervisor.succession import Succession
-from supervisor.watch import progress_fields
-from supervisor.wire import Hub, Peer, WireError
+from supervisor.core.blame import IN_COLLECTIVE, SILENT
+from supervisor.core.causes import Cause, CauseKind
+from supervisor.launch import slurmctl
+from supervisor.launch.launcher import Isolated, Spawned, publish_order
+from supervisor.launch.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
+from supervisor.launch.ranks import Attempt, Placement, contract_env, rank_argv
+from supervisor.launch.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, StackDumps, judge
+from supervisor.launch.succession import Succession
+from supervisor.launch.wire import Hub, Peer, WireError
+from supervisor.rundir.lease import ABDICATED, RELEASED, Lease
+from supervisor.rundir.lease import read as read_lease
+from supervisor.rundir.watch import progress_fields
 from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import open_append, read_bytes
 

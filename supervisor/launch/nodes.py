@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from supervisor.goodput import duration
+from supervisor.core.model import duration
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, open_in, read_json
 

@@ -11,7 +11,7 @@ import math
 from typing import Any, Protocol
 
 from supervisor.core import Event, HeartbeatSeen, RanksLaunched, State
-from supervisor.watch import progress_fields
+from supervisor.rundir.watch import progress_fields
 
 __all__ = ["Counts", "JournalRecord", "Observer", "Progress"]
 

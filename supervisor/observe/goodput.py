@@ -44,7 +44,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from supervisor.core import Event, HeartbeatSeen, Phase, RanksLaunched, State, Then
-from supervisor.observe import JournalRecord
+from supervisor.core.model import duration
+from supervisor.observe.progress import JournalRecord
 from worker.contract import EXIT_REQUEUE
 
 __all__ = ["CATEGORIES", "Goodput", "describe"]
@@ -307,15 +308,3 @@ def describe(goodput: Any) -> str | None:
              ("hangs", "hang_s"), ("stopped", "stopped_s")]
     shrunk = f"; {duration(goodput['shrunk_s'])} of it on fewer ranks" if _seconds(goodput.get("shrunk_s")) else ""
     return f"goodput {share} (" + ", ".join(f"{word} {duration(goodput[key])}" for word, key in parts) + f"){shrunk}"
-
-
-def duration(seconds: float) -> str:
-    """41s, 12m04s, 3h07m, 2d05h: as precise as a glance needs."""
-    whole = int(round(seconds))
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    if whole < 86400:
-        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"

@@ -45,491 +45,62 @@ from __future__ import annotations
 import math
 import signal
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import replace
 
-from supervisor.blame import Verdict
-from supervisor.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_exit
-from supervisor.hangs import SAVE_PHASE, TRAIN_PHASE, HangPolicy, beat_deadline, phase_timeout, with_gaps
-from supervisor.rollback import AbortInfo, AnomalyPolicy, Rollback, plan_rollback
-from supervisor.stop_requests import StopRequest, agreed_step
+from supervisor.core.blame import Verdict
+from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_exit
+from supervisor.core.hangs import SAVE_PHASE, TRAIN_PHASE, phase_timeout, with_gaps
+from supervisor.core.model import (
+    FAILURES_KEPT,
+    Action,
+    CheckpointRefusal,
+    ChildExited,
+    DumpStacks,
+    Event,
+    Failure,
+    Hang,
+    Heartbeats,
+    HeartbeatSeen,
+    KillLeftovers,
+    LaunchFailed,
+    LaunchRanks,
+    Phase,
+    PublishStopOrder,
+    RanksLaunched,
+    RankState,
+    Record,
+    SignalRanks,
+    SignalReceived,
+    StacksCollected,
+    Started,
+    State,
+    StopRequested,
+    StopStage,
+    Then,
+    Tick,
+    describe_exit,
+    hang_deadline,
+    rank_deadline,
+    saving,
+    signal_name,
+)
+from supervisor.core.rollback import AbortInfo, plan_rollback
+from supervisor.core.stop_requests import StopRequest, agreed_step
 from worker.contract import (
     EXIT_ANOMALY,
     EXIT_CONFIG,
     EXIT_CRASH_LOOP,
-    EXIT_FAILED,
     EXIT_REQUEUE,
     EXIT_SAVE_LOST,
     StopOrder,
 )
 
 __all__ = [
-    "Action",
-    "CheckpointRefusal",
-    "ChildExited",
-    "DumpStacks",
-    "Event",
-    "FAILURES_KEPT",
-    "Failure",
-    "Hang",
-    "HeartbeatSeen",
-    "History",
-    "Heartbeats",
-    "KillLeftovers",
-    "LaunchFailed",
-    "LaunchRanks",
-    "Phase",
-    "Policy",
-    "PublishStopOrder",
-    "RankState",
-    "RanksLaunched",
-    "Record",
-    "SignalRanks",
-    "SignalReceived",
-    "StacksCollected",
-    "Started",
-    "State",
-    "StopRequested",
-    "StopStage",
-    "saves_end",
-    "saving",
-    "stopping_on_request",
-    "Then",
-    "Tick",
     "crash_loop",
     "decide",
-    "describe_exit",
-    "initial_state",
-    "hang_deadline",
-    "next_deadline",
-    "rank_deadline",
+    "saves_end",
+    "stopping_on_request",
 ]
-
-
-class Phase(Enum):
-    """Where the run stands; the words operators know from supervisord."""
-
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    BACKOFF = "backoff"
-    FINISHED = "finished"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (Phase.FINISHED, Phase.STOPPED, Phase.FAILED)
-
-
-class Then(Enum):
-    """What to do once every rank of a stopping attempt is down."""
-
-    RELAUNCH = "relaunch"
-    FAIL = "fail"
-    STOP = "stop"
-
-
-class StopStage(Enum):
-    """How far stopping has gone: collect stacks (after a hang), then SIGTERM, then SIGKILL."""
-
-    STACKS = "stacks"
-    TERM = "term"
-    KILL = "kill"
-
-
-# ---- events: past-tense facts -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Started:
-    """The supervisor is up and the config is valid."""
-
-
-@dataclass(frozen=True)
-class RanksLaunched:
-    """Every rank of `attempt` was started; `resume_step` is the checkpoint they resume from."""
-
-    attempt: int
-    pids: tuple[int, ...]
-    resume_step: int | None
-    passed_over: tuple[tuple[int, str], ...] = ()  # newer checkpoints not resumed from, and why
-    resume_source: str | None = None  # where the checkpoint is, when not the run's regular checkpoints
-    resume_named: bool = False  # the checkpoint is the one `worker.resume_training` names (attempt 0 only)
-
-
-@dataclass(frozen=True)
-class LaunchFailed:
-    """The ranks of `attempt` could not be started at all (none is left running); `retryable` False: never will."""
-
-    attempt: int
-    error: str
-    retryable: bool = True  # False: fail with EXIT_CONFIG (the run dir's checkpoints need another world size)
-    exit_code: int | None = None  # fail with this code instead (EXIT_REQUEUE: too few healthy nodes)
-
-
-@dataclass(frozen=True)
-class CheckpointRefusal:
-    """What a rank logged when it refused to load its resume checkpoint (`checkpoint_refused`)."""
-
-    step: int
-    path: str
-    error: str
-
-
-@dataclass(frozen=True)
-class ChildExited:
-    """A rank's leader process exited; a negative code is the killing signal, as in Popen.
-
-    `abort` is what a rank of the attempt logged when it aborted on anomalies (this one, exiting EXIT_ANOMALY, or a
-    peer: this one may die of the abort first, by SIGABRT); `refused` what it logged when it refused its
-    resume checkpoint (it then exits EXIT_CHECKPOINT_REFUSED, unless a peer's stop kills it on its way out).
-    """
-
-    attempt: int
-    rank: int
-    returncode: int
-    abort: AbortInfo | None = None
-    stopped_at: int | None = None  # the step of the stop order the rank carried out before exiting 0
-    refused: CheckpointRefusal | None = None
-    cause: Cause | None = None  # why it failed, from its stderr; None: only the returncode is known
-    step: int | None = None  # the newest step the rank logged (truer than its throttled heartbeat)
-    node: str | None = None  # the host it ran on, in a multi-node run
-    lost_with: tuple[int, ...] = ()  # its node was lost: the ranks lost with it (their exits follow)
-
-
-@dataclass(frozen=True)
-class HeartbeatSeen:
-    """A rank's heartbeat file holds a new record."""
-
-    attempt: int
-    rank: int
-    seq: int
-    step: int
-    phase: str
-    step_time_s: float | None = None  # the rank's smoothed step duration
-    # Progress a worker-library rank reports besides (None when it does not): for observers, never for decisions.
-    loss: float | None = None  # the last step's loss
-    compute_s: float | None = None  # smoothed time per step before waiting for peers (a slow rank's is larger)
-    total_steps: int | None = None  # the steps the loop trains to (`warden.steps(total)`)
-    save_s: float | None = None  # seconds this rank process spent saving checkpoints so far
-    last_save_s: float | None = None  # the newest save's duration
-    skipped: int | None = None  # batches this rank process skipped
-    anomalies: tuple[tuple[str, int], ...] | None = None  # what this rank process saw itself: (kind, count)
-    age_s: float = 0.0  # how long before the supervisor got it the rank wrote it (a node agent batches its beats)
-
-
-@dataclass(frozen=True)
-class Heartbeats:
-    """New heartbeat records of many ranks, taken in together: one event, one pass over the ranks, for a burst
-    of local beats or a fleet's second of them."""
-
-    beats: tuple[HeartbeatSeen, ...]
-
-
-@dataclass(frozen=True)
-class StopRequested:
-    """Someone asked for a checkpoint at a step, then an exit or not (stop file); signals arrive as SignalReceived."""
-
-    request: StopRequest
-
-
-@dataclass(frozen=True)
-class StacksCollected:
-    """Stack dumps of a hung attempt's ranks were written (`paths`, possibly none).
-
-    `culprit`: the rank the evidence names, if it does, with `verdict` saying of which class and why, and `node`
-    where it ran (multi-node); `blocked`: then, the ranks the stacks show inside a collective (waiting for the
-    culprit); `last_steps`: (rank, step) pairs from the ranks' event logs, truer than the throttled heartbeats.
-    """
-
-    attempt: int
-    paths: tuple[str, ...]
-    culprit: int | None = None
-    last_steps: tuple[tuple[int, int], ...] = ()
-    blocked: tuple[int, ...] = ()
-    verdict: Verdict | None = None
-    node: str | None = None
-
-
-@dataclass(frozen=True)
-class SignalReceived:
-    """The supervisor got a signal (SIGTERM, SIGINT, ...)."""
-
-    signum: int
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed; deadlines are checked."""
-
-
-Event = (Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | Heartbeats | StacksCollected
-         | SignalReceived
-         | StopRequested | Tick)
-
-# ---- actions: imperatives ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LaunchRanks:
-    """Start every rank of `attempt` from the newest complete checkpoint (at or before `resume_at_most`).
-
-    Ranks whose data position is below `skip_to_batch` jump to it; `refused` steps (and why) are passed over.
-    """
-
-    attempt: int
-    resume_at_most: int | None = None
-    skip_to_batch: int | None = None
-    refused: tuple[tuple[int, str], ...] = ()
-
-
-@dataclass(frozen=True)
-class SignalRanks:
-    """Send `signum` to the process group of every rank of `attempt` still running (of `ranks`, when given)."""
-
-    attempt: int
-    signum: int
-    ranks: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class DumpStacks:
-    """Collect the evidence of a hang (stacks, flight recorders) from every running rank; `faulthandler_ranks` have
-    the worker library's handler. `collective_failed`: not a hang, a collective failed (its culprit is sought)."""
-
-    attempt: int
-    ranks: tuple[int, ...]
-    faulthandler_ranks: tuple[int, ...]
-    collective_failed: bool = False
-
-
-@dataclass(frozen=True)
-class PublishStopOrder:
-    """Write the stop order every rank polls (None: remove it)."""
-
-    order: StopOrder | None
-
-
-@dataclass(frozen=True)
-class KillLeftovers:
-    """SIGKILL whatever is left of `attempt`'s process trees (grandchildren outliving their rank)."""
-
-    attempt: int
-
-
-@dataclass(frozen=True)
-class Record:
-    """Write a decision to the supervisor's journal."""
-
-    event: str
-    level: str
-    fields: tuple[tuple[str, object], ...] = ()
-
-
-Action = LaunchRanks | SignalRanks | DumpStacks | KillLeftovers | PublishStopOrder | Record
-
-# ---- state ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The knobs of restart and stop behaviour, from the job config."""
-
-    nproc: int
-    max_restarts: int
-    backoff_initial_s: float
-    backoff_factor: float
-    backoff_max_s: float
-    kill_grace_s: float
-    sigkill_wait_s: float = 5.0
-    stop_timeout_s: float = 300.0  # a graceful stop (save at the next agreed step) may take this long
-    hang: HangPolicy = field(default_factory=HangPolicy)
-    anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
-    crash_loop_attempts: int = 3  # this many failed attempts in a row, the same way or without progress: stop (0: off)
-
-    def backoff_s(self, restarts_done: int) -> float:
-        """Delay before the next relaunch: none for the first, then exponential up to the cap."""
-        if restarts_done == 0 or self.backoff_initial_s == 0:
-            return 0.0
-        try:
-            growth = float(self.backoff_factor) ** (restarts_done - 1)  # float: an int ** 10**6 is a huge int
-        except OverflowError:  # 2.0 ** 1024 and beyond: long past any cap
-            return self.backoff_max_s
-        return min(self.backoff_max_s, self.backoff_initial_s * growth)  # a product past 1e308 is inf, not an error
-
-
-@dataclass(frozen=True)
-class RankState:
-    """One rank of the current attempt as the supervisor sees it."""
-
-    rank: int
-    pid: int | None = None
-    returncode: int | None = None
-    step: int | None = None
-    heartbeat_seq: int | None = None
-    heartbeat_monotonic: float | None = None  # when the supervisor last saw a new beat
-    heartbeat_phase: str | None = None
-    step_time_s: float | None = None
-
-    @property
-    def running(self) -> bool:
-        return self.pid is not None and self.returncode is None
-
-
-@dataclass(frozen=True)
-class Hang:
-    """The newest hang: which rank went silent, in which phase, for how long, and where its stacks are."""
-
-    attempt: int
-    rank: int
-    phase: str
-    step: int | None
-    silent_s: float
-    timeout_s: float
-    stacks: tuple[str, ...] = ()
-    named_by: str = "heartbeat"  # or what named the culprit: flight_recorder, process_state, stacks
-    cls: str | None = None  # host-side | in-collective | desync | silent (supervisor.blame); None: unknown
-    evidence: str | None = None  # what named it, in one line
-    node: str | None = None  # the host the culprit ran on, in a multi-node run
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One failed attempt: the rank that failed first, the step it reached, the step it resumed from, and why."""
-
-    attempt: int
-    rank: int
-    step: int | None  # the newest step the rank reported; None: none
-    resume_step: int | None
-    cause: Cause
-    progressed: bool | None  # some rank got past `resume_step`; None: cannot tell (no rank reports steps)
-    node: str | None = None  # the host the rank ran on, in a multi-node run
-
-
-FAILURES_KEPT = 10  # the failure history in the state (and status): the newest ones
-
-
-@dataclass(frozen=True)
-class History:
-    """What a supervisor that died mid-run leaves the next one (in the state file): the newest attempt, the restarts
-    so far and the failures the crash-loop breaker counts, so a restart neither forgets a crash loop nor reuses an
-    attempt's number (the attempt it was running is lost with it: the next one gets the number after)."""
-
-    attempt: int
-    restarts: int
-    failures: tuple[Failure, ...]
-
-
-@dataclass(frozen=True)
-class State:
-    """Everything the supervisor knows about the run."""
-
-    policy: Policy
-    phase: Phase = Phase.STARTING
-    attempt: int = 0
-    restarts: int = 0
-    ranks: tuple[RankState, ...] = ()
-    deadline: float | None = None  # monotonic; meaning depends on the phase
-    then: Then | None = None
-    stop_stage: StopStage | None = None
-    interrupts: int = 0  # SIGINTs so far: the second one kills at once
-    launched_at: float | None = None  # monotonic launch time of the current attempt
-    heartbeats_seen: bool = False  # some rank of this run has ever beaten: the script uses the worker library
-    step_gaps: tuple[float, ...] = ()  # seconds between consecutive train beats, all ranks, all attempts
-    hang: Hang | None = None
-    rollback: Rollback | None = None  # the newest rollback; its skip window holds for every later attempt
-    rollback_pending: bool = False  # the next launch is that rollback
-    give_up: str | None = None  # why a failing stop fails, when it is not exhausted restarts
-    stop_order: StopOrder | None = None  # the order ranks are carrying out
-    stop_source: str | None = None  # who asked for it
-    stopped_at: int | None = None  # the step a stop-and-exit order saved at, once the ranks exited
-    orders: int = 0  # stop orders issued so far (their ids)
-    failure_code: int = EXIT_FAILED  # the exit code when FAILED
-    resume_step: int | None = None
-    resume_source: str | None = None  # None: the run's regular checkpoints; else a snapshot slot or load_checkpoint
-    resume_passed_over: tuple[tuple[int, str], ...] = ()
-    resume_named: bool = False  # the current attempt resumed from the checkpoint worker.resume_training names
-    refused_steps: tuple[tuple[int, str], ...] = ()  # checkpoints a rank refused to load, and why: never resumed from
-    last_failure: str | None = None
-    failures: tuple[Failure, ...] = ()  # the newest FAILURES_KEPT failed attempts, oldest first
-    saves_lost: tuple[tuple[int, int | None], ...] = ()  # (rank, step): went down inside a save, this attempt
-    stopped_code: int = 0  # the exit code of a clean stop: EXIT_REQUEUE when Slurm's time-limit warning asked
-    reason: str | None = None
-
-    @property
-    def exit_code(self) -> int | None:
-        stopped = EXIT_SAVE_LOST if self.saves_lost else self.stopped_code  # a stop that lost a save is not clean
-        return {Phase.FINISHED: 0, Phase.STOPPED: stopped, Phase.FAILED: self.failure_code}.get(self.phase)
-
-    @property
-    def cause(self) -> str | None:
-        """Why the newest failed attempt failed, in one line."""
-        return self.failures[-1].cause.text if self.failures else None
-
-
-def initial_state(policy: Policy, step_gaps: tuple[float, ...] = (), history: History | None = None) -> State:
-    """A run before its first launch; `step_gaps` carries calibration over from an earlier supervisor, `history`
-    its attempts, restarts and failures when it died mid-run."""
-    state = State(policy=policy, ranks=tuple(RankState(r) for r in range(policy.nproc)), step_gaps=step_gaps)
-    if history is None:
-        return state
-    return replace(state, attempt=history.attempt + 1, restarts=history.restarts,
-                   failures=history.failures[-FAILURES_KEPT:])
-
-
-def rank_deadline(state: State, rank: RankState) -> float | None:
-    """When `rank` must show a new heartbeat (monotonic), or None."""
-    if state.phase is not Phase.RUNNING or not rank.running or state.launched_at is None:
-        return None
-    hang = state.policy.hang
-    return beat_deadline(
-        hang,
-        phase=rank.heartbeat_phase,
-        last_beat=rank.heartbeat_monotonic,
-        launched_at=state.launched_at,
-        expect_beat=hang.heartbeat == "required" or state.heartbeats_seen,
-        gaps=state.step_gaps,
-    )
-
-
-def hang_deadline(state: State) -> float | None:
-    """When the job counts as hung: once every running rank with a deadline is past it.
-
-    In a collective job one stuck rank stalls every peer within a step, so all go silent; a rank
-    legitimately in a long phase (rank 0's slow save) keeps its peers, blocked waiting for it, alive.
-    """
-    if state.phase is not Phase.RUNNING or state.launched_at is None:
-        return None
-    # A rank's deadline grows with its newest beat for a given phase: the newest beat per phase is all it takes
-    # (one timeout worked out per phase, not per rank: a calibrated one reads every gap sample).
-    newest: dict[str | None, float] = {}  # phase (None: no beat yet) -> the newest beat of a running rank in it
-    for rank in state.ranks:
-        if rank.running:
-            phase = rank.heartbeat_phase if rank.heartbeat_monotonic is not None else None
-            beat = -math.inf if rank.heartbeat_monotonic is None or phase is None else rank.heartbeat_monotonic
-            newest[phase] = max(newest.get(phase, -math.inf), beat)
-    hang = state.policy.hang
-    expect_beat = hang.heartbeat == "required" or state.heartbeats_seen
-    deadlines = [d for phase, beat in newest.items()
-                 if (d := beat_deadline(hang, phase=phase, last_beat=None if phase is None else beat,
-                                        launched_at=state.launched_at, expect_beat=expect_beat,
-                                        gaps=state.step_gaps)) is not None]
-    return max(deadlines) if deadlines else None
-
-
-def next_deadline(state: State) -> float | None:
-    """The earliest moment a Tick can change anything: the phase deadline or the hang deadline."""
-    present = [d for d in (state.deadline, hang_deadline(state)) if d is not None]
-    return min(present) if present else None
-
-
-def describe_exit(returncode: int) -> str:
-    """'exited with code 3' or 'killed by SIGKILL', as a person would say it."""
-    if returncode < 0:
-        return f"killed by {_signal_name(-returncode)}"
-    return f"exited with code {returncode}"
-
 
 # ---- transitions ---------------------------------------------------------------------------
 
@@ -903,11 +474,6 @@ def saves_end(state: State, now: float) -> float:
     return max((t + timeout for t in started), default=now)
 
 
-def saving(state: State) -> list[RankState]:
-    """The running ranks whose newest heartbeat says they are inside a checkpoint save."""
-    return [r for r in state.ranks if r.running and r.heartbeat_phase == SAVE_PHASE]
-
-
 def _kill(state: State, now: float) -> tuple[State, list[Action]]:
     state = replace(state, stop_stage=StopStage.KILL, deadline=now + state.policy.sigkill_wait_s)
     return state, [SignalRanks(state.attempt, signal.SIGKILL)]
@@ -1084,7 +650,7 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
     state = replace(state, interrupts=interrupts)
     if event.signum == signal.SIGUSR1:  # Slurm's warning before the time limit: save, stop, be requeued
         state = replace(state, stopped_code=EXIT_REQUEUE)
-    actions: list[Action] = [_record("signal_received", signal=_signal_name(event.signum), phase=state.phase.value)]
+    actions: list[Action] = [_record("signal_received", signal=signal_name(event.signum), phase=state.phase.value)]
     if state.phase is Phase.RUNNING:
         if interrupts >= 2:  # a second Ctrl-C means now
             state, stop = _begin_stop(state, Then.STOP, now)
@@ -1092,7 +658,7 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
             return state, actions + stop + kill
         if stopping_on_request(state):
             return state, actions
-        state, stop = _request_stop(state, StopRequest(None, True, _signal_name(event.signum)), now)
+        state, stop = _request_stop(state, StopRequest(None, True, signal_name(event.signum)), now)
         return state, actions + stop
     if state.phase is Phase.STOPPING:
         # A stop request cancels a pending relaunch, but a run already failing still fails.
@@ -1119,13 +685,6 @@ def _at_once(state: State, now: float) -> tuple[State, list[Action]]:
                                steps=[r.step for r in savers], wait_s=round(saves_end(state, now) - now, 3),
                                message="saving, press Ctrl-C again to abandon the save")]
     return _kill(state, now)
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from supervisor.rollback import AbortInfo
+from supervisor.core.rollback import AbortInfo
 from worker.contract import RunLayout
 from worker.files import open_regular, parse_json
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.journal import journal_files
+from supervisor.rundir.journal import journal_files
 from worker.contract import RunLayout
 from worker.files import Refused, atomic_write, open_dir
 

@@ -2,11 +2,12 @@
 
 The file loads with `model.load_state_dict(torch.load(path, weights_only=True))` in a script that never
 imports trainwarden. By default the checkpoint is the newest one a resume would pick (complete on every rank,
-size and checksum as recorded, healthy); the choice is the supervisor's own (`supervisor.checkpoints`), so
+size and checksum as recorded, healthy); the choice is the supervisor's own (`supervisor.rundir.checkpoints`), so
 export and resume never disagree. Of a per-rank checkpoint only rank 0's part is read (DistributedDataParallel
 keeps every rank's model equal); a sharded one is consolidated from every rank's shard, in this one process; a
 trainer's (worker.integrations) is read from its model file.
-torch is imported only when a file is read or written.
+The one command that loads torch (on demand: only when a file is read or written; the import-linter contract that
+keeps torch out of the supervisor names this module as its one exception).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor.rundir.checkpoints import choose_explicit, choose_resume, world_sizes
 from worker.checkpoint import CheckpointRefused, load_checkpoint
 from worker.contract import EXIT_CHECKPOINT_REFUSED, EXIT_FAILED, CheckpointStore, RunLayout, parse_sharded_name
 from worker.files import atomic_write, open_regular, read_bytes
@@ -124,8 +126,6 @@ def _discover_prefix(layout: RunLayout, stores: list[CheckpointStore]) -> str:
 def _choose(layout: RunLayout, stores: list[CheckpointStore], prefix: str,
             step: int | None) -> tuple[CheckpointStore, int, tuple[tuple[int, str], ...]]:
     """The checkpoint to export, as the supervisor judges them, and the newer ones passed over on the way."""
-    from supervisor.checkpoints import choose_explicit, choose_resume  # the supervisor's rules; scripts need none
-
     if step is not None:
         store = next((s for s in stores if step in _rank_0_steps(s, prefix)), None)
         if store is None:
@@ -152,8 +152,6 @@ def _choose(layout: RunLayout, stores: list[CheckpointStore], prefix: str,
 
 def _world_size(store: CheckpointStore, steps: list[int], prefix: str) -> int:
     """How many ranks wrote the first of `steps` whose rank-0 record says (or whose rank dirs show); else 1."""
-    from supervisor.checkpoints import world_sizes
-
     sizes = world_sizes(store, steps, prefix)
     return next((sizes[step] for step in steps if sizes.get(step) is not None), None) or 1
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.causes import CauseKind
 from supervisor.config import MetricsConfig
 from supervisor.core import Phase
+from supervisor.core.causes import CauseKind
 
 __all__ = ["CAUSES", "GOODPUT_CATEGORIES", "PHASES", "MetricsExporter", "RestartCounts", "StatusCollector", "families"]
 

@@ -20,15 +20,15 @@ from typing import Any, Protocol
 
 import psutil
 
-from supervisor.causes import oom_kill_count
 from supervisor.config import JobConfig
 from supervisor.core import ChildExited, Event, Heartbeats, HeartbeatSeen, LaunchFailed, RankState, StacksCollected
-from supervisor.gpu_health import gpu_problems
-from supervisor.ranks import Attempt, Ranks, launch_ranks, rank_envs
-from supervisor.stacks import start_stack_collection
-from supervisor.standby import FILL_AFTER_S, Standby, Standbys
-from supervisor.trees import descendants, reap_orphans, record_pids, sigkill
-from supervisor.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
+from supervisor.core.causes import oom_kill_count
+from supervisor.launch.gpu_health import gpu_problems
+from supervisor.launch.ranks import Attempt, Ranks, launch_ranks, rank_envs
+from supervisor.launch.stacks import start_stack_collection
+from supervisor.launch.standby import FILL_AFTER_S, Standby, Standbys
+from supervisor.launch.trees import descendants, reap_orphans, record_pids, sigkill
+from supervisor.rundir.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
 from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import atomic_write_json, read_bytes, unlink_quietly
 

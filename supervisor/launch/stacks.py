@@ -4,7 +4,7 @@ Stacks from two sources: faulthandler inside each rank (the worker library regis
 dumps every thread even while the main thread is stuck in a C++ collective), and `py-spy dump` from
 outside when py-spy is installed (it needs no cooperation, so it also covers scripts without the library).
 With the stacks, a worker-library rank writes its flight recorder (`worker.flight`); and each rank's process
-state is read before it is signalled (a frozen rank is woken to dump). `supervisor.blame` names the culprit.
+state is read before it is signalled (a frozen rank is woken to dump). `supervisor.core.blame` names the culprit.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.blame import Verdict, blocked_behind, name_culprit, parse_flight, trim_flight
 from supervisor.core import StacksCollected
-from supervisor.rank_logs import last_step
+from supervisor.core.blame import Verdict, blocked_behind, name_culprit, parse_flight, trim_flight
+from supervisor.rundir.rank_logs import last_step
 from worker.contract import STACK_DUMP_SIGNAL, RunLayout
 from worker.files import atomic_write_bytes, open_regular, read_json
 

@@ -7,11 +7,11 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from supervisor.causes import MAX_CAUSE_CHARS, Cause, CauseKind
 from supervisor.core import FAILURES_KEPT, Failure, Hang, History, Phase, State
-from supervisor.goodput import describe as describe_goodput
-from supervisor.hangs import TRAIN_PHASE, phase_timeout
-from supervisor.lease import LOCAL_TTL_S, newest, pid_alive
+from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind
+from supervisor.core.hangs import TRAIN_PHASE, phase_timeout
+from supervisor.observe.goodput import describe as describe_goodput
+from supervisor.rundir.lease import LOCAL_TTL_S, newest, pid_alive
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, read_json
 

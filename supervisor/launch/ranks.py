@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.config import JobConfig
-from supervisor.standby import Standby
-from supervisor.trees import die_with_parent
+from supervisor.launch.standby import Standby
+from supervisor.launch.trees import die_with_parent
 from worker.contract import (
     ENV_ATTEMPT,
     ENV_RESUME_DIR,

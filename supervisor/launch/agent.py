@@ -1,0 +1,262 @@
+"""The node agent: one per node of a multi-node attempt, started by the supervisor in a Slurm job step.
+
+It dials the supervisor, says who it is, starts the ranks the supervisor places on its node, and reports
+over the same TCP stream what the supervisor would otherwise read from files: every new heartbeat (read
+here, on the node that wrote it, so no shared-filesystem cache can delay it), every rank exit, stack dumps.
+It carries out the supervisor's orders (signal ranks, dump stacks, publish a stop order) and never decides
+anything itself, with two exceptions. The fence: when the supervisor falls silent (it died, or the network
+is cut) for `fence_s`, or its stream ends without a word, the agent kills its ranks, so the supervisor can
+relaunch elsewhere knowing no half of the old job still runs. The succession: the agent then stands for
+successor (succession.py); if the supervisor's lease lapses and it is this agent's turn, it becomes the new
+supervisor. Both are written to the run's journal by the agent itself. Torch-free, like the whole supervisor.
+
+    python -m supervisor.agent --connect HOST:PORT --run-dir DIR --attempt N --fence-s S
+    (the run's token in TRAINWARDEN_AGENT_TOKEN)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from supervisor.core import HeartbeatSeen
+from supervisor.launch.gpu_health import gpu_problems
+from supervisor.launch.launcher import publish_order
+from supervisor.launch.ranks import Ranks, free_port, local_env, signal_group, spawn_ranks
+from supervisor.launch.stacks import collect_stacks
+from supervisor.launch.succession import Succession, become_successor, stand_for_successor
+from supervisor.launch.trees import descendants, die_with_parent, sigkill
+from supervisor.rundir.journal import append_event
+from supervisor.rundir.watch import HeartbeatFiles, HeartbeatUnreadable
+from worker.contract import ENV_RUN_DIR, RunLayout, StopOrder
+
+__all__ = ["ENV_TOKEN", "main"]
+
+ENV_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
+POLL_S = 0.2  # heartbeat files are looked at this often (an lstat each, a read only when one changed)
+BEAT_S = 1.0  # one message this often carries the node's new beats (each with its age), or says it is alive
+MAX_STACK_CHARS = 64 * 1024  # per rank, in a stacks message
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+
+class Agent:
+    """Runs one attempt's ranks on this node for the supervisor at the other end of `peer`."""
+
+    def __init__(self, peer: Any, layout: RunLayout, attempt: int, fence_s: float, token: str) -> None:
+        self._token = token
+        self._peer = peer
+        self._layout = layout
+        self._attempt = attempt
+        self._fence_s = fence_s
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._ranks: Ranks | None = None
+        self._exited: set[int] = set()
+        self._files = HeartbeatFiles(layout)
+        self._beats: dict[int, int] = {}  # rank -> seq of the last beat sent
+        self._unsent: dict[int, tuple[dict[str, Any], float]] = {}  # rank -> its newest record, when it was written
+        self._unreadable: set[int] = set()
+        self._heard = time.monotonic()
+        self._beat_sent = 0.0
+        self._host = socket.gethostname()
+        self._succession: Succession | None = None  # how to take the supervisor's place, once it said
+
+    def run(self) -> int:
+        for signum in FORWARDED_SIGNALS:  # Slurm signals every process of the step: the supervisor decides
+            signal.signal(signum, lambda s, _f: self._inbox.put(("signal", s)))
+        self._peer.serve(lambda m: self._inbox.put(("message", m)), lambda why: self._inbox.put(("end", why)))
+        self._send("hello", token=self._token, node=self._host, attempt=self._attempt, pid=os.getpid(),
+                   port=free_port("0.0.0.0"), slurm_node_id=os.environ.get("SLURM_NODEID"),
+                   gpu_problems=gpu_problems())
+        fenced: str | None = None
+        try:
+            fenced = self._loop()
+        finally:
+            killed = self._kill_all()
+            self._peer.close()
+        if fenced is None:
+            return 0
+        print(f"trainwarden agent: {fenced}: fencing", file=sys.stderr)
+        self.journal("agent_fenced", "warning", why=fenced, ranks_killed=killed)
+        self._succeed()
+        return 1
+
+    def _succeed(self) -> None:
+        """Stand for successor; on winning the lease, become the new supervisor (exec: no return)."""
+        succession = self._succession
+        if succession is None:
+            return
+        deadline = time.monotonic() + succession.wait_s()
+        lease, why = stand_for_successor(self._layout, succession, here=self._host, deadline=deadline)
+        if lease is None:
+            self.journal("successor_declined", "info", why=why, generation=succession.generation)
+            return
+        self.journal("successor_claimed", "warning", generation=lease.generation,
+                     previous_generation=succession.generation)
+        become_successor(self._layout, succession, lease)
+
+    def journal(self, event: str, level: str, **fields: Any) -> None:
+        try:
+            append_event(self._layout.journal, root=self._layout.root, event=event, level=level, node=self._host,
+                         attempt=self._attempt, agent_pid=os.getpid(), **fields)
+        except OSError as exc:
+            print(f"trainwarden agent: cannot write the journal: {exc}", file=sys.stderr)
+
+    def _loop(self) -> str | None:
+        """Until the supervisor says exit or every rank is done (None), or why the agent must fence."""
+        while True:
+            try:
+                kind, payload = self._inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                kind, payload = "tick", None
+            if kind == "message":
+                self._heard = time.monotonic()
+                if payload["type"] == "exit":
+                    return None
+                try:
+                    self._on_message(payload)
+                except (KeyError, TypeError, ValueError) as exc:
+                    print(f"trainwarden agent: bad order {payload.get('type')!r}: {exc}", file=sys.stderr)
+            elif kind == "end":
+                return f"supervisor gone ({payload or 'end of stream'})"
+            elif kind == "exited":
+                self._on_rank_exit(*payload)
+            elif kind == "signal":
+                self._send("signal", signum=payload)
+            elif kind == "stacks":
+                self._send("stacks", **payload)
+            if self._done():
+                sigkill(descendants())  # a rank's grandchildren do not outlive the attempt
+                self._send("done")
+                return None
+            self._forward_heartbeats()
+            if time.monotonic() - self._heard > self._fence_s:
+                return f"nothing from the supervisor for {self._fence_s:g} s"
+
+    def _done(self) -> bool:
+        return self._ranks is not None and self._exited >= set(self._ranks.procs)
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "launch":
+            self._launch(message)
+        elif kind == "signal" and self._ranks is not None:
+            ranks = {int(r) for r in message["ranks"]}
+            sent = [r for r, p in self._ranks.procs.items() if r in ranks and signal_group(p.pid, message["signum"])]
+            self._send("signalled", ranks=sent)
+        elif kind == "dump_stacks" and self._ranks is not None:
+            threading.Thread(target=self._dump_stacks, args=(message["ranks"], message["faulthandler"]),
+                             daemon=True).start()
+        elif kind == "succession":
+            self._succession = Succession.from_json(message["succession"])
+        elif kind == "order":
+            order = message["order"]
+            publish_order(self._layout, None if order is None else StopOrder.from_json(order), _StderrLog())
+
+    def _launch(self, message: dict[str, Any]) -> None:
+        if self._ranks is not None:
+            return
+        envs = {int(rank): local_env(env) for rank, env in message["envs"].items()}
+        try:
+            self._ranks = spawn_ranks(message["argv"], envs, self._layout, self._attempt,
+                                      lambda _a, rank, code: self._inbox.put(("exited", (rank, code))))
+        except OSError as exc:
+            self._send("spawn_failed", error=f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+            return
+        self._send("spawned", pids={str(rank): proc.pid for rank, proc in self._ranks.procs.items()})
+
+    def _on_rank_exit(self, rank: int, code: int) -> None:
+        self._forward_heartbeats(only=[rank], now=True)  # the step it reached, before its exit
+        self._exited.add(rank)
+        self._send("exited", rank=rank, code=code)
+
+    def _dump_stacks(self, ranks: list[int], faulthandler: list[int]) -> None:
+        assert self._ranks is not None
+        pids = {r: self._ranks.procs[r].pid for r in ranks if r in self._ranks.procs}
+        dumps = collect_stacks(self._layout, self._attempt, pids, tuple(r for r in faulthandler if r in pids),
+                               ranks=tuple(self._ranks.procs))
+        self._inbox.put(("stacks", {"paths": list(dumps.paths), "last_steps": [list(p) for p in dumps.last_steps],
+                                    "stacks": {str(r): t[-MAX_STACK_CHARS:] for r, t in dumps.by_rank.items()},
+                                    "flights": {str(r): f for r, f in dumps.flights.items()},
+                                    "states": {str(r): s for r, s in dumps.states.items()},
+                                    "expected": list(dumps.expected)}))
+
+    def _forward_heartbeats(self, only: list[int] | None = None, *, now: bool = False) -> None:
+        """Every BEAT_S (or `now`), one message with the newest record of each rank that beat since the last one,
+        each with its age; an empty one says the agent is alive."""
+        for rank in (self._ranks.procs if self._ranks else {}) if only is None else only:
+            try:
+                seen = self._files.read(rank)
+            except HeartbeatUnreadable as exc:
+                if rank not in self._unreadable:
+                    self._send("unreadable", rank=rank, error=str(exc))
+                self._unreadable.add(rank)
+                continue
+            self._unreadable.discard(rank)
+            if seen is not None and seen.attempt == self._attempt and self._beats.get(rank) != seen.seq:
+                self._beats[rank] = seen.seq
+                self._unsent[rank] = (beat_record(seen), time.monotonic() - seen.age_s)
+        if (now and self._unsent) or time.monotonic() - self._beat_sent >= BEAT_S:
+            sent = self._beat_sent = time.monotonic()
+            beats = [{**record, "age_s": round(sent - written, 3)} for record, written in self._unsent.values()]
+            self._unsent = {}
+            self._send("beat", beats=beats)
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        self._peer.send({"type": kind, **fields})
+
+    def _kill_all(self) -> list[int]:
+        """SIGKILL every rank still running and everything they started; the ranks killed."""
+        killed = []
+        if self._ranks is not None:
+            killed = self._ranks.signal(signal.SIGKILL, only=lambda rank: rank not in self._exited)
+        sigkill(descendants())
+        return sorted(killed)
+
+
+def beat_record(seen: HeartbeatSeen) -> dict[str, Any]:
+    """A heartbeat as the wire carries it: its fields that have a value."""
+    return {key: value for key, value in asdict(seen).items() if value is not None and key != "age_s"}
+
+
+class _StderrLog:
+    """Where the agent's few complaints go: its stderr, which srun labels and the supervisor's log keeps."""
+
+    def error(self, event: str, **fields: Any) -> None:
+        print(f"trainwarden agent: {event} {fields}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from supervisor.launch.wire import Peer
+
+    parser = argparse.ArgumentParser(prog="python -m supervisor.agent")
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--attempt", type=int, required=True)
+    parser.add_argument("--fence-s", type=float, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent()  # srun's step daemon going away takes us along
+    host, _, port = args.connect.rpartition(":")
+    token = os.environ.pop(ENV_TOKEN, "")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=10)
+    except OSError as exc:
+        print(f"trainwarden agent: cannot reach the supervisor at {args.connect}: {exc}", file=sys.stderr)
+        return 1
+    layout = RunLayout(Path(args.run_dir))
+    os.environ[ENV_RUN_DIR] = str(layout.root)
+    agent = Agent(Peer(sock), layout, args.attempt, args.fence_s, token)
+    try:
+        return agent.run()
+    except Exception as exc:
+        agent.journal("agent_died", "error", error=repr(exc)[:300])  # its ranks died with it (parent-death signal)
+        raise
+
