@@ -48,10 +48,14 @@ def main() -> None:
             hashed.append(save(state, Path(tmp) / "hashed.ckpt", checksum=True))
     p, h = statistics.median(plain), statistics.median(hashed)
     print(f"checkpoint: {tensors * 4} MB in {tensors} tensors; {args.repeats} saves each, alternating, with fsync")
-    print(f"torch.save:                   {p:.2f} s median ({min(plain):.2f}-{max(plain):.2f}), "
-          f"{tensors * 4 / p:.0f} MB/s")
-    print(f"torch.save + streamed CRC-32: {h:.2f} s median ({min(hashed):.2f}-{max(hashed):.2f}), "
-          f"{tensors * 4 / h:.0f} MB/s")
+    print(
+        f"torch.save:                   {p:.2f} s median ({min(plain):.2f}-{max(plain):.2f}), "
+        f"{tensors * 4 / p:.0f} MB/s"
+    )
+    print(
+        f"torch.save + streamed CRC-32: {h:.2f} s median ({min(hashed):.2f}-{max(hashed):.2f}), "
+        f"{tensors * 4 / h:.0f} MB/s"
+    )
     print(f"ratio checksummed/plain: {h / p:.2f}")
 
 

@@ -57,8 +57,9 @@ def rank_main(size_mb: int, mode: str, out: Path) -> None:
         dcp_executor(size_mb, mode.removeprefix("dcp-"), out)
         return
     model, optimizer = build(size_mb)
-    config = WorkerConfig(checkpoint_format="dcp", async_save=mode == "async", save_checkpoint_steps=10**9,
-                          prefix="bench")  # saves only where the benchmark calls warden.save
+    config = WorkerConfig(
+        checkpoint_format="dcp", async_save=mode == "async", save_checkpoint_steps=10**9, prefix="bench"
+    )  # saves only where the benchmark calls warden.save
     warden = Warden(model, optimizer, config=config)
     started = time.perf_counter()
     warden.resume()
@@ -77,8 +78,9 @@ def build(size_mb: int) -> tuple[Any, Any]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH[size_mb], WIDTH[size_mb], bias=False)
-                                  for _ in range(layers_for(size_mb))))
+    model = torch.nn.Sequential(
+        *(torch.nn.Linear(WIDTH[size_mb], WIDTH[size_mb], bias=False) for _ in range(layers_for(size_mb)))
+    )
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
@@ -101,8 +103,11 @@ def dcp_executor(size_mb: int, kind: str, out: Path) -> None:
     for i in range(SAVES):
         begun = time.perf_counter()
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        future = dcp.async_save({"model": model_state, "optimizer": optimizer_state},
-                                checkpoint_id=out.parent / f"dcp-{kind}-{i}", async_checkpointer_type=executor)
+        future = dcp.async_save(
+            {"model": model_state, "optimizer": optimizer_state},
+            checkpoint_id=out.parent / f"dcp-{kind}-{i}",
+            async_checkpointer_type=executor,
+        )
         stalls.append(time.perf_counter() - begun)
         future.result(timeout=600)
         written.append(time.perf_counter() - begun)
@@ -145,10 +150,22 @@ def launch(world: int, size_mb: int, mode: str, run_dir: Path) -> dict[str, Any]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "TRAINWARDEN_RUN_DIR": str(run_dir), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(size_mb), mode, str(out)],
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world)]
+    env = {
+        **os.environ,
+        "TRAINWARDEN_RUN_DIR": str(run_dir),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--rank", str(size_mb), mode, str(out)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        for rank in range(world)
+    ]
     for proc in procs:
         if proc.wait(timeout=900) != 0:
             raise SystemExit(f"a rank of {mode} at {world} ranks, {size_mb} MB exited {proc.returncode}")
@@ -162,10 +179,15 @@ def measure(size_mb: int, world: int, scratch: Path) -> dict[str, float]:
     same = launch(world, size_mb, "resume", async_dir)
     half = launch(world // 2, size_mb, "resume", async_dir)
     quiet, busy = asynchronous["quiet_steps_s"], asynchronous["busy_steps_s"] or [float("nan")]
-    return {"sync_s": statistics.median(sync["stalls"]), "async_s": statistics.median(asynchronous["stalls"]),
-            "async_max_s": max(asynchronous["stalls"]), "quiet_steps_per_s": 1 / statistics.median(quiet),
-            "busy_steps_per_s": 1 / statistics.median(busy), "resume_same_s": same["resume_s"],
-            "resume_half_s": half["resume_s"]}
+    return {
+        "sync_s": statistics.median(sync["stalls"]),
+        "async_s": statistics.median(asynchronous["stalls"]),
+        "async_max_s": max(asynchronous["stalls"]),
+        "quiet_steps_per_s": 1 / statistics.median(quiet),
+        "busy_steps_per_s": 1 / statistics.median(busy),
+        "resume_same_s": same["resume_s"],
+        "resume_half_s": half["resume_s"],
+    }
 
 
 def main() -> None:
@@ -173,27 +195,39 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 MB models only (under 5 minutes on 2 cores)")
     args = parser.parse_args()
     sizes = SIZES_MB[:1] if args.quick else SIZES_MB
-    print(f"sharded checkpoints (DCP, fsynced), FSDP2 over gloo, {os.cpu_count()} cores; model size = float32 "
-          f"parameters (AdamW state is twice that); {SAVES} saves each", flush=True)
-    print(f"{'model':>6} {'ranks':>5} {'sync save':>10} {'async stall':>12} {'async max':>10} {'R':>6} "
-          f"{'steps/s idle':>12} {'while writing':>13} {'resume same':>12} {'resume half':>12}", flush=True)
+    print(
+        f"sharded checkpoints (DCP, fsynced), FSDP2 over gloo, {os.cpu_count()} cores; model size = float32 "
+        f"parameters (AdamW state is twice that); {SAVES} saves each",
+        flush=True,
+    )
+    print(
+        f"{'model':>6} {'ranks':>5} {'sync save':>10} {'async stall':>12} {'async max':>10} {'R':>6} "
+        f"{'steps/s idle':>12} {'while writing':>13} {'resume same':>12} {'resume half':>12}",
+        flush=True,
+    )
     ratios = []
     with tempfile.TemporaryDirectory(prefix="checkpoint_stall-") as scratch:
         for size_mb in sizes:
             for world in WORLDS:
                 m = measure(size_mb, world, Path(scratch))
                 ratios.append(m["async_s"] / m["sync_s"])
-                print(f"{size_mb:>4}MB {world:>5} {m['sync_s']:>9.3f}s {m['async_s']:>11.3f}s "
-                      f"{m['async_max_s']:>9.3f}s {ratios[-1]:>6.3f} {m['quiet_steps_per_s']:>12.2f} "
-                      f"{m['busy_steps_per_s']:>13.2f} {m['resume_same_s']:>11.3f}s {m['resume_half_s']:>11.3f}s",
-                      flush=True)
-        executors = {kind: launch(2, sizes[0], f"dcp-{kind}", Path(scratch) / f"dcp-{kind}")
-                     for kind in ("thread", "process")}
+                print(
+                    f"{size_mb:>4}MB {world:>5} {m['sync_s']:>9.3f}s {m['async_s']:>11.3f}s "
+                    f"{m['async_max_s']:>9.3f}s {ratios[-1]:>6.3f} {m['quiet_steps_per_s']:>12.2f} "
+                    f"{m['busy_steps_per_s']:>13.2f} {m['resume_same_s']:>11.3f}s {m['resume_half_s']:>11.3f}s",
+                    flush=True,
+                )
+        executors = {
+            kind: launch(2, sizes[0], f"dcp-{kind}", Path(scratch) / f"dcp-{kind}") for kind in ("thread", "process")
+        }
     for kind, got in executors.items():
         stalls, written = got["stalls"], got["written"]
-        print(f"DCP's own async_save, {kind} executor ({sizes[0]} MB, 2 ranks): stall per save first "
-              f"{stalls[0]:.3f} s, median {statistics.median(stalls):.3f} s; written after first {written[0]:.3f} s, "
-              f"median {statistics.median(written):.3f} s", flush=True)
+        print(
+            f"DCP's own async_save, {kind} executor ({sizes[0]} MB, 2 ranks): stall per save first "
+            f"{stalls[0]:.3f} s, median {statistics.median(stalls):.3f} s; written after first {written[0]:.3f} s, "
+            f"median {statistics.median(written):.3f} s",
+            flush=True,
+        )
     print(f"training-thread stall per save, async / sync: {statistics.median(ratios):.3f}")
 
 

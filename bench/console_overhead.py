@@ -55,8 +55,13 @@ RANK = textwrap.dedent("""
 def job(tmp: Path, *, metrics: bool) -> Path:
     script = tmp / "rank.py"
     script.write_text(RANK)
-    config = {"script": str(script), "args": [str(BEATS_PER_S), str(WARMUP_S + WINDOW_S + 5)],
-              "nproc_per_node": RANKS, "env": {"PYTHONPATH": str(REPO)}, "hang": {"heartbeat": "required"}}
+    config = {
+        "script": str(script),
+        "args": [str(BEATS_PER_S), str(WARMUP_S + WINDOW_S + 5)],
+        "nproc_per_node": RANKS,
+        "env": {"PYTHONPATH": str(REPO)},
+        "hang": {"heartbeat": "required"},
+    }
     if metrics:
         config["metrics"] = {"port": 0, "textfile": str(tmp / "trainwarden.prom")}
     path = tmp / "job.json"  # JSON is YAML
@@ -83,11 +88,19 @@ def measure(kind: str) -> float:
     """The supervisor's CPU use over the window, in % of one core."""
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
-        argv = [sys.executable, "-m", "supervisor", "run", str(job(tmp, metrics=kind == "console+metrics")),
-                "--run-dir", str(tmp / "run")]
+        argv = [
+            sys.executable,
+            "-m",
+            "supervisor",
+            "run",
+            str(job(tmp, metrics=kind == "console+metrics")),
+            "--run-dir",
+            str(tmp / "run"),
+        ]
         if kind == "json":
-            proc = subprocess.Popen([*argv, "--log-format", "json"], cwd=REPO, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [*argv, "--log-format", "json"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             controller = None
         else:  # a real terminal, so the live line is drawn; its output is read and dropped
             controller, terminal = pty.openpty()
@@ -129,24 +142,52 @@ def component_costs() -> dict[str, float]:
     from supervisor.observe.console import Console
     from supervisor.observe.metrics import MetricsExporter
 
-    status = {"state": "running", "attempt": 1, "restarts": 1, "max_restarts": 3, "updated_at": time.time(),
-              "last_checkpoint": {"step": 425}, "last_checkpoint_at": time.time() - 3,
-              "progress": {"step": 431, "total_steps": 600, "loss": 2.065, "steps_per_s": 12.6, "eta_s": 13.0},
-              "goodput": {"wall_s": 40.0, "productive_s": 30.0, "lost_s": 1.0, "restart_s": 8.0, "save_s": 1.0,
-                          "hang_s": 0.0, "stopped_s": 0.0, "ratio": 0.75},
-              "ranks": [{"rank": r, "step": 431, "heartbeat_age_s": 0.2, "compute_s": 0.05} for r in range(RANKS)],
-              "stragglers": [], "skipped_steps": 1, "anomalies": {"global_norm_spike": 1}, "failures": []}
-    event = {"event": "rank_crashed", "level": "error", "rank": 1, "attempt": 0, "returncode": -9,
-             "cause": "killed by SIGKILL", "time": "2026-11-23T16:02:16.000000Z"}
+    status = {
+        "state": "running",
+        "attempt": 1,
+        "restarts": 1,
+        "max_restarts": 3,
+        "updated_at": time.time(),
+        "last_checkpoint": {"step": 425},
+        "last_checkpoint_at": time.time() - 3,
+        "progress": {"step": 431, "total_steps": 600, "loss": 2.065, "steps_per_s": 12.6, "eta_s": 13.0},
+        "goodput": {
+            "wall_s": 40.0,
+            "productive_s": 30.0,
+            "lost_s": 1.0,
+            "restart_s": 8.0,
+            "save_s": 1.0,
+            "hang_s": 0.0,
+            "stopped_s": 0.0,
+            "ratio": 0.75,
+        },
+        "ranks": [{"rank": r, "step": 431, "heartbeat_age_s": 0.2, "compute_s": 0.05} for r in range(RANKS)],
+        "stragglers": [],
+        "skipped_steps": 1,
+        "anomalies": {"global_norm_spike": 1},
+        "failures": [],
+    }
+    event = {
+        "event": "rank_crashed",
+        "level": "error",
+        "rank": 1,
+        "attempt": 0,
+        "returncode": -9,
+        "cause": "killed by SIGKILL",
+        "time": "2026-11-23T16:02:16.000000Z",
+    }
     with open(os.devnull, "w") as sink, tempfile.TemporaryDirectory() as name:
         console = Console(sink, live=True)
         exporter = MetricsExporter(MetricsConfig(textfile=str(Path(name) / "t.prom")), log=_Quiet())
         exporter.publish(status)
         from prometheus_client import generate_latest
-        return {"status line": _per_call(lambda: console.status(status)),
-                "event line": _per_call(lambda: console.event(event)),
-                "metrics publish + textfile": _per_call(lambda: exporter.publish(status)),
-                "metrics scrape": _per_call(lambda: generate_latest(exporter.registry))}
+
+        return {
+            "status line": _per_call(lambda: console.status(status)),
+            "event line": _per_call(lambda: console.event(event)),
+            "metrics publish + textfile": _per_call(lambda: exporter.publish(status)),
+            "metrics scrape": _per_call(lambda: generate_latest(exporter.registry)),
+        }
 
 
 class _Quiet:
@@ -173,16 +214,16 @@ def main() -> None:
             results[kind].append(measure(kind))
             print(f"trial {trial + 1}: {kind:16s} {results[kind][-1]:6.2f} % of a core", flush=True)
     base = statistics.median(results["json"])
-    print(f"\n{RANKS} ranks x {BEATS_PER_S} heartbeats/s, supervisor CPU over {WINDOW_S:.0f} s, median of "
-          f"{args.trials}:")
+    print(
+        f"\n{RANKS} ranks x {BEATS_PER_S} heartbeats/s, supervisor CPU over {WINDOW_S:.0f} s, median of {args.trials}:"
+    )
     print(f"{'display':16s} {'% of a core':>12s} {'vs JSON lines':>14s}")
     for kind in kinds:
         median = statistics.median(results[kind])
         print(f"{kind:16s} {median:12.2f} {median - base:+13.2f}")
     # Rates: a status (line redrawn, metrics published) once a second, a scrape once a second, and, as the
     # worst case, every one of the 400 heartbeats a second an event line (heartbeats make none).
-    rates = {"status line": 1, "event line": RANKS * BEATS_PER_S, "metrics publish + textfile": 1,
-             "metrics scrape": 1}
+    rates = {"status line": 1, "event line": RANKS * BEATS_PER_S, "metrics publish + textfile": 1, "metrics scrape": 1}
     costs = component_costs()
     print(f"\n{'component':28s} {'per call':>10s} {'per second':>11s} {'% of a core':>12s}")
     for part, cost in costs.items():

@@ -96,8 +96,9 @@ LAUNCH: dict[str, Callable[[Job, Path], Launch]] = {
     "tw cold": lambda job, work: cold(trainwarden_launch(work, job.steps, job.save_every)),
     "torchrun": lambda job, work: torchrun_launch(work, job.steps, job.save_every),
     # the variant whose restarts work (research: pytorch#135712): a new TCPStore for every rendezvous round
-    "torchrun ns": lambda job, work: torchrun_launch(work, job.steps, job.save_every,
-                                                      env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+    "torchrun ns": lambda job, work: torchrun_launch(
+        work, job.steps, job.save_every, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    ),
 }
 
 
@@ -161,8 +162,9 @@ def run_trial(name: str, job: Job, work: Path) -> Trial:
     return Trial(name, *measured, wall_s=time.monotonic() - started)
 
 
-def measure(launcher: subprocess.Popen, layout: RunLayout, job: Job,
-            deadline: float) -> tuple[float | None, float | None, int | None, bool, str]:
+def measure(
+    launcher: subprocess.Popen, layout: RunLayout, job: Job, deadline: float
+) -> tuple[float | None, float | None, int | None, bool, str]:
     beat = poll(lambda: beat_at(layout, job.kill_step), deadline, POLL_S, launcher)
     if beat is None:
         return None, None, None, False, f"rank {KILLED_RANK} never reached step {job.kill_step}"
@@ -175,8 +177,11 @@ def measure(launcher: subprocess.Popen, layout: RunLayout, job: Job,
         poll(new, deadline, RELAUNCH_POLL_S, launcher)
     with contextlib.suppress(subprocess.TimeoutExpired):
         launcher.wait(timeout=max(0.0, deadline - time.monotonic()))
-    relaunched = relaunched_at(layout) if layout.journal.parent.exists() else \
-        min((started_at(p) for p in new.seen.values()), default=None)
+    relaunched = (
+        relaunched_at(layout)
+        if layout.journal.parent.exists()
+        else min((started_at(p) for p in new.seen.values()), default=None)
+    )
     relaunch_s = None if relaunched is None else relaunched - killed_at
     events = rank_events(layout)
     first = first_resumed_step(events)
@@ -212,14 +217,18 @@ def verdict(returncode: int | None, events: list[dict[str, Any]], layout: RunLay
 
 def trial_line(index: int, trials: int, t: Trial) -> str:
     resumed = f" (attempt {t.resumed_attempt})" if t.resumed_attempt else ""
-    return (f"trial {index}/{trials}  {t.launcher:<11}  crash→relaunch {fmt(t.relaunch_s):>5} s  "
-            f"crash→first step {fmt(t.first_step_s):>5} s{resumed}  {'worked' if t.worked else 'FAILED'} "
-            f"({t.note}), trial took {t.wall_s:.1f} s")
+    return (
+        f"trial {index}/{trials}  {t.launcher:<11}  crash→relaunch {fmt(t.relaunch_s):>5} s  "
+        f"crash→first step {fmt(t.first_step_s):>5} s{resumed}  {'worked' if t.worked else 'FAILED'} "
+        f"({t.note}), trial took {t.wall_s:.1f} s"
+    )
 
 
 def summary(results: list[Trial]) -> str:
-    rows = [f"{'launcher':<12} {'crash→relaunch s, median [min–max]':<36} "
-            f"{'crash→first step s, median [min–max]':<38} worked first time"]
+    rows = [
+        f"{'launcher':<12} {'crash→relaunch s, median [min–max]':<36} "
+        f"{'crash→first step s, median [min–max]':<38} worked first time"
+    ]
     medians: dict[str, tuple[float | None, float | None]] = {}
     for name in LAUNCH:
         mine = [t for t in results if t.launcher == name]
@@ -227,10 +236,18 @@ def summary(results: list[Trial]) -> str:
         first, first_text = spread([t.first_step_s for t in mine])
         medians[name] = (relaunch, first)
         rows.append(f"{name:<12} {relaunch_text:<36} {first_text:<38} {sum(t.worked for t in mine)}/{len(mine)}")
-    rows.append("crash→first step, trainwarden (warm) / baseline of medians (≤ 0.5 is the target): " + ", ".join(
-        f"/ {name} {ratio(medians['trainwarden'][1], medians[name][1])}" for name in LAUNCH if name != "trainwarden"))
-    rows.append("crash→relaunch, baseline / trainwarden (warm) of medians: " + ", ".join(
-        f"{name} {ratio(medians[name][0], medians['trainwarden'][0])}" for name in LAUNCH if name != "trainwarden"))
+    rows.append(
+        "crash→first step, trainwarden (warm) / baseline of medians (≤ 0.5 is the target): "
+        + ", ".join(
+            f"/ {name} {ratio(medians['trainwarden'][1], medians[name][1])}" for name in LAUNCH if name != "trainwarden"
+        )
+    )
+    rows.append(
+        "crash→relaunch, baseline / trainwarden (warm) of medians: "
+        + ", ".join(
+            f"{name} {ratio(medians[name][0], medians['trainwarden'][0])}" for name in LAUNCH if name != "trainwarden"
+        )
+    )
     return "\n".join(rows)
 
 
@@ -255,12 +272,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     job = Job(args.steps, args.kill_step, args.save_every, args.timeout_s)
-    print_header(f"{args.trials} trials, {job.steps} steps, SIGKILL rank {KILLED_RANK} at step {job.kill_step}, "
-                 f"checkpoint every {job.save_every} steps")
+    print_header(
+        f"{args.trials} trials, {job.steps} steps, SIGKILL rank {KILLED_RANK} at step {job.kill_step}, "
+        f"checkpoint every {job.save_every} steps"
+    )
     with scratch_dir(args.keep) as work:
         try:
-            results = run_trials(args.trials, work, lambda name, where: run_trial(name, job, where), trial_line,
-                                 names=LAUNCH)
+            results = run_trials(
+                args.trials, work, lambda name, where: run_trial(name, job, where), trial_line, names=LAUNCH
+            )
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             return 130

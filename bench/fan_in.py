@@ -54,9 +54,26 @@ def cpu_percent(pid: int, window_s: float, profile: Path | None = None) -> float
     if profile is None:
         time.sleep(window_s)
     else:  # sampling costs the supervisor a little: its figure is then a bound
-        subprocess.run([str(Path(sys.executable).parent / "py-spy"), "record", "--nonblocking", "-r", "50", "-f", "raw",
-                        "-p", str(pid), "-d", str(int(window_s)), "-o", str(profile)], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                str(Path(sys.executable).parent / "py-spy"),
+                "record",
+                "--nonblocking",
+                "-r",
+                "50",
+                "-f",
+                "raw",
+                "-p",
+                str(pid),
+                "-d",
+                str(int(window_s)),
+                "-o",
+                str(profile),
+            ],
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     after = proc.cpu_times()
     return 100 * ((after.user - before.user) + (after.system - before.system)) / (time.monotonic() - started)
 
@@ -68,9 +85,22 @@ def local(window_s: float) -> float:
         console_overhead.BEATS_PER_S = 2
         console_overhead.WINDOW_S = window_s
         job = console_overhead.job(tmp, metrics=False)
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", str(job), "--run-dir", str(tmp / "run"),
-                                 "--log-format", "json"], cwd=REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "supervisor",
+                "run",
+                str(job),
+                "--run-dir",
+                str(tmp / "run"),
+                "--log-format",
+                "json",
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             time.sleep(WARMUP_S)
             return cpu_percent(proc.pid, window_s)
@@ -107,21 +137,52 @@ def simulated(nodes: int, window_s: float) -> dict[str, Any]:
         fleet.install(tmp / "bin")
         names = [f"fleet{i:04d}" for i in range(nodes + LOSSES)]
         fleet_log, control = tmp / "fleet.jsonl", tmp / "control.json"
-        spec = {"nodes": names, "ranks_per_node": RANKS, "interval_s": 1.0, "late_s": NODE_TIMEOUT_S / 2,
-                "late_share": 0.05, "log": str(fleet_log), "control": str(control)}
+        spec = {
+            "nodes": names,
+            "ranks_per_node": RANKS,
+            "interval_s": 1.0,
+            "late_s": NODE_TIMEOUT_S / 2,
+            "late_share": 0.05,
+            "log": str(fleet_log),
+            "control": str(control),
+        }
         (tmp / "spec.json").write_text(json.dumps(spec))
         (tmp / "train.py").write_text("")
-        job = {"script": str(tmp / "train.py"), "nodes": nodes, "nproc_per_node": RANKS, "spare_nodes": LOSSES,
-               "slurm": {"node_timeout_s": NODE_TIMEOUT_S}}
+        job = {
+            "script": str(tmp / "train.py"),
+            "nodes": nodes,
+            "nproc_per_node": RANKS,
+            "spare_nodes": LOSSES,
+            "slurm": {"node_timeout_s": NODE_TIMEOUT_S},
+        }
         (tmp / "job.json").write_text(json.dumps(job))
-        env = {**os.environ, "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": fleet.JOB_ID,
-               "SLURM_JOB_NODELIST": ",".join(names), "TRAINWARDEN_SUPERVISOR_ADDR": "127.0.0.1",
-               fleet.ENV_SPEC: str(tmp / "spec.json")}
+        env = {
+            **os.environ,
+            "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}",
+            "SLURM_JOB_ID": fleet.JOB_ID,
+            "SLURM_JOB_NODELIST": ",".join(names),
+            "TRAINWARDEN_SUPERVISOR_ADDR": "127.0.0.1",
+            fleet.ENV_SPEC: str(tmp / "spec.json"),
+        }
         run_dir = tmp / "run"
         with open(tmp / "supervisor.err", "w") as err:  # the child has its own copy
-            proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", str(tmp / "job.json"), "--run-dir",
-                                     str(run_dir), "--log-format", "json"], cwd=REPO, env=env,
-                                    stdout=subprocess.DEVNULL, stderr=err)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "supervisor",
+                    "run",
+                    str(tmp / "job.json"),
+                    "--run-dir",
+                    str(run_dir),
+                    "--log-format",
+                    "json",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         try:
             return measure(proc, run_dir, fleet_log, control, window_s)
         finally:
@@ -176,10 +237,13 @@ def main() -> None:
     results = {}
     for nodes, window in sizes.items():
         results[nodes] = found = simulated(nodes, window)
-        print(f"{nodes:5d} nodes x {RANKS} ranks: started in {found['startup_s']:.1f} s, supervisor "
-              f"{found['cpu']:.1f} % of a core over {window:.0f} s, {len(found['false'])} false verdicts, node loss "
-              f"declared after {min(found['latencies']):.2f}-{max(found['latencies']):.2f} s "
-              f"(p99 {p99(found['latencies']):.2f} s, {LOSSES} nodes)", flush=True)
+        print(
+            f"{nodes:5d} nodes x {RANKS} ranks: started in {found['startup_s']:.1f} s, supervisor "
+            f"{found['cpu']:.1f} % of a core over {window:.0f} s, {len(found['false'])} false verdicts, node loss "
+            f"declared after {min(found['latencies']):.2f}-{max(found['latencies']):.2f} s "
+            f"(p99 {p99(found['latencies']):.2f} s, {LOSSES} nodes)",
+            flush=True,
+        )
         for event in found["false"]:
             print(f"  false verdict: {json.dumps(event)[:300]}")
     if len(results) > 1:

@@ -94,8 +94,10 @@ def main() -> None:
     report(times, levels, args)
     if alone is not None:
         base = statistics.median(times[levels[0]])
-        print(f"the check's own work per step at level {checked}, timed alone (5 forward hooks, 5 gradient norms, "
-              f"one verdict): {alone * 1e6:.0f} us = {alone / base * 100:.2f} % of the level-{levels[0]} median step")
+        print(
+            f"the check's own work per step at level {checked}, timed alone (5 forward hooks, 5 gradient norms, "
+            f"one verdict): {alone * 1e6:.0f} us = {alone / base * 100:.2f} % of the level-{levels[0]} median step"
+        )
 
 
 def check_work_s(trainer: Trainer, calls: int) -> float:
@@ -118,9 +120,11 @@ def report(times: dict[int, list[float]], levels: list[int], args: argparse.Name
     for level in levels:
         median, fastest = statistics.median(times[level]), min(times[level])
         # The minimum is what a step costs when nothing else competes for the core; the median includes load.
-        print(f"level {level}: median step {median * 1e3:.3f} ms, min {fastest * 1e3:.3f} ms; ratio to level "
-              f"{levels[0]}: median {median / base_median:.4f} ({(median - base_median) * 1e6:+.0f} us), "
-              f"min {fastest / base_min:.4f} ({(fastest - base_min) * 1e6:+.0f} us)")
+        print(
+            f"level {level}: median step {median * 1e3:.3f} ms, min {fastest * 1e3:.3f} ms; ratio to level "
+            f"{levels[0]}: median {median / base_median:.4f} ({(median - base_median) * 1e6:+.0f} us), "
+            f"min {fastest / base_min:.4f} ({(fastest - base_min) * 1e6:+.0f} us)"
+        )
 
 
 if __name__ == "__main__":

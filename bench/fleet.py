@@ -41,7 +41,7 @@ def install(bin_dir: Path) -> None:
     bin_dir.mkdir(parents=True, exist_ok=True)
     for command in ("srun", "scontrol", "sinfo", "squeue", "scancel"):
         wrapper = bin_dir / command
-        wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} {command} \"$@\"\n")
+        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} {command} "$@"\n')
         wrapper.chmod(0o755)
 
 
@@ -55,6 +55,7 @@ def log(event: str, **fields: Any) -> None:
 
 
 # ---- Slurm's commands, as the supervisor asks them ----
+
 
 def scontrol(args: list[str]) -> int:
     if args[:2] == ["show", "hostnames"]:
@@ -78,6 +79,7 @@ def squeue(args: list[str]) -> int:
 
 
 # ---- the step: every node's agent ----
+
 
 class Node:
     def __init__(self, name: str, index: int, attempt: int, ranks_per_node: int) -> None:
@@ -113,16 +115,27 @@ class Node:
             if rank in self.exited:
                 continue
             self.seq[rank] = seq = self.seq.get(rank, 0) + 1
-            records.append({"attempt": self.attempt, "rank": rank, "seq": seq, "step": seq, "phase": "train",
-                            "step_time_s": interval, "loss": 1.0 / seq, "compute_s": interval * 0.9,
-                            "total_steps": 10**6, "age_s": round(random.uniform(0, interval / 2), 3)})
+            records.append(
+                {
+                    "attempt": self.attempt,
+                    "rank": rank,
+                    "seq": seq,
+                    "step": seq,
+                    "phase": "train",
+                    "step_time_s": interval,
+                    "loss": 1.0 / seq,
+                    "compute_s": interval * 0.9,
+                    "total_steps": 10**6,
+                    "age_s": round(random.uniform(0, interval / 2), 3),
+                }
+            )
         return records
 
 
 def srun(args: list[str]) -> int:
     plan = spec()
     nodelist = next(a.split("=", 1)[1] for a in args if a.startswith("--nodelist="))
-    agent = args[args.index("supervisor.agent") + 1:]
+    agent = args[args.index("supervisor.agent") + 1 :]
     connect, attempt = agent[agent.index("--connect") + 1], int(agent[agent.index("--attempt") + 1])
     host, _, port = connect.rpartition(":")
     token = os.environ["TRAINWARDEN_AGENT_TOKEN"]
@@ -132,8 +145,18 @@ def srun(args: list[str]) -> int:
     for node in nodes:
         node.sock = socket.create_connection((host, int(port)), timeout=30)
         node.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        node.send({"type": "hello", "token": token, "node": node.name, "attempt": attempt, "pid": 100000 + node.index,
-                   "port": 20000 + node.index % 40000, "slurm_node_id": str(node.index), "gpu_problems": []})
+        node.send(
+            {
+                "type": "hello",
+                "token": token,
+                "node": node.name,
+                "attempt": attempt,
+                "pid": 100000 + node.index,
+                "port": 20000 + node.index % 40000,
+                "slurm_node_id": str(node.index),
+                "gpu_problems": [],
+            }
+        )
         node.sock.setblocking(False)
         selector.register(node.sock, selectors.EVENT_READ, node)
     log("connected", attempt=attempt, nodes=len(nodes), pid=os.getpid())
@@ -203,8 +226,9 @@ def answer(node: Node, message: dict[str, Any], selector: selectors.BaseSelector
             node.send({"type": "done"})
             node.running = False
     elif kind == "dump_stacks":
-        node.send({"type": "stacks", "paths": [], "last_steps": [], "stacks": {}, "flights": {}, "states": {},
-                   "expected": []})
+        node.send(
+            {"type": "stacks", "paths": [], "last_steps": [], "stacks": {}, "flights": {}, "states": {}, "expected": []}
+        )
     elif kind == "exit":
         if node.sock is not None:
             selector.unregister(node.sock)

@@ -47,8 +47,15 @@ def worker(rank: int, port: int, collectives: int) -> None:
         entries = len(json.loads(text)["entries"])
     dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps({"per_collective_us": per_collective_us, "dump_ms": dump_ms,
-                          "entries": entries if dump_ms is not None else 0}))
+        print(
+            json.dumps(
+                {
+                    "per_collective_us": per_collective_us,
+                    "dump_ms": dump_ms,
+                    "entries": entries if dump_ms is not None else 0,
+                }
+            )
+        )
 
 
 def measure(size: int, collectives: int) -> dict[str, float]:
@@ -57,8 +64,15 @@ def measure(size: int, collectives: int) -> dict[str, float]:
         port = s.getsockname()[1]
     env = dict(os.environ, TORCH_FR_BUFFER_SIZE=str(size), OMP_NUM_THREADS="1")
     argv = [sys.executable, __file__, "--worker"]
-    ranks = [subprocess.Popen([*argv, "0", str(port), str(collectives)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)]
+    ranks = [
+        subprocess.Popen(
+            [*argv, "0", str(port), str(collectives)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+    ]
     out = [p.communicate(timeout=300)[0] for p in ranks]
     return json.loads(out[0].strip().splitlines()[-1])
 
@@ -75,19 +89,26 @@ def main() -> int:
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
-    print(f"cores: {os.cpu_count()}; a gloo group of 1 rank, {args.collectives} all-reduces of 8 floats each, "
-          f"{args.repeats} repeats per buffer size, interleaved", flush=True)
+    print(
+        f"cores: {os.cpu_count()}; a gloo group of 1 rank, {args.collectives} all-reduces of 8 floats each, "
+        f"{args.repeats} repeats per buffer size, interleaved",
+        flush=True,
+    )
     results: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
     for repeat in range(args.repeats):
         for size in sizes:
             got = measure(size, args.collectives)
             results[size].append(got)
             dump = "" if got["dump_ms"] is None else f", dump of {got['entries']} entries {got['dump_ms']:.1f} ms"
-            print(f"  repeat {repeat + 1} buffer {size}: {got['per_collective_us']:.1f} us per all-reduce{dump}",
-                  flush=True)
+            print(
+                f"  repeat {repeat + 1} buffer {size}: {got['per_collective_us']:.1f} us per all-reduce{dump}",
+                flush=True,
+            )
     base = statistics.median(r["per_collective_us"] for r in results[sizes[0]])
-    print(f"{'buffer':>8} {'us/all-reduce':>14} {'+us vs ' + str(sizes[0]):>12} {'+us/step':>9} "
-          f"{'share of 50 ms step':>20} {'dump ms':>8}")
+    print(
+        f"{'buffer':>8} {'us/all-reduce':>14} {'+us vs ' + str(sizes[0]):>12} {'+us/step':>9} "
+        f"{'share of 50 ms step':>20} {'dump ms':>8}"
+    )
     for size in sizes:
         per = statistics.median(r["per_collective_us"] for r in results[size])
         dumps = [r["dump_ms"] for r in results[size] if r["dump_ms"] is not None]

@@ -80,8 +80,10 @@ GAP_SAVES = 2  # faults at least this many checkpoint intervals apart
 REFERENCE_S_PER_STEP = 1.0  # the reference's limit without --timeout-s: ten times a demo step here, and then some
 TRAINWARDEN_POLICY: dict[str, Any] = {
     "restart": {"max_restarts": MAX_RESTARTS, "crash_loop_attempts": 0, "backoff_initial_s": 0.0},
-    "hang": {"phase_timeouts_s": {"startup": 120, "train": 10, "save": 120, "eval": 60},
-             "calibration": {"enabled": False}},
+    "hang": {
+        "phase_timeouts_s": {"startup": 120, "train": 10, "save": 120, "eval": 60},
+        "calibration": {"enabled": False},
+    },
 }
 COMPARED = ("model", "optimizer")  # the parts of a final checkpoint that must match the reference's
 
@@ -155,8 +157,9 @@ def warden(job: Job, work: Path, env: dict[str, str], *, standby: bool) -> Launc
 def torchrun(job: Job, work: Path, env: dict[str, str], *, share: bool) -> Launch:
     extra = {} if share else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     # The demo's worker section for torchrun too: both launchers run the same worker library checks.
-    return torchrun_launch(work, job.steps, job.save_every, env={**env, **extra}, max_restarts=MAX_RESTARTS,
-                           worker=demo_config()["worker"])
+    return torchrun_launch(
+        work, job.steps, job.save_every, env={**env, **extra}, max_restarts=MAX_RESTARTS, worker=demo_config()["worker"]
+    )
 
 
 REFERENCE = Variant("reference", lambda job, work, env: warden(job, work, env, standby=False), True, ("spike",))
@@ -178,11 +181,14 @@ def draw_schedule(seed: int, steps: int, save_every: int, kills: int) -> tuple[F
     low, high = EDGE_STEPS + 1, steps - EDGE_STEPS - 1
     for _ in range(MAX_DRAWS):
         faults = sorted((draw_fault(rng, kind, low, high, save_every) for kind in kinds), key=lambda f: f.step)
-        if faults[0].step >= low and all(b.step - a.step >= GAP_SAVES * save_every
-                                         for a, b in zip(faults, faults[1:], strict=False)):
+        if faults[0].step >= low and all(
+            b.step - a.step >= GAP_SAVES * save_every for a, b in zip(faults, faults[1:], strict=False)
+        ):
             return tuple(faults)
-    raise ValueError(f"cannot place {len(kinds)} faults {GAP_SAVES * save_every} steps apart between steps {low} and "
-                     f"{high}: give more --steps, a smaller --save-every or fewer --kills")
+    raise ValueError(
+        f"cannot place {len(kinds)} faults {GAP_SAVES * save_every} steps apart between steps {low} and "
+        f"{high}: give more --steps, a smaller --save-every or fewer --kills"
+    )
 
 
 def draw_fault(rng: random.Random, kind: str, low: int, high: int, save_every: int) -> Fault:
@@ -209,15 +215,17 @@ def run_variant(variant: Variant, job: Job, work: Path, timeout_s: float, refere
     return read_run(variant, job, launch.run_dir, time.monotonic() - started, exit_code, reference)
 
 
-def read_run(variant: Variant, job: Job, run_dir: Path, wall_s: float, exit_code: int | None,
-             reference: Run | None) -> Run:
+def read_run(
+    variant: Variant, job: Job, run_dir: Path, wall_s: float, exit_code: int | None, reference: Run | None
+) -> Run:
     """What a run left in its run dir: events, journal, checkpoints."""
     layout = RunLayout(run_dir)
     events = rank_events(layout)
     fired = fired_faults(events)
     finished = exit_code == 0 and all(layout.checkpoints.file(r, job.steps, PREFIX).exists() for r in range(NPROC))
-    compared = "reference" if reference is None else same_as(layout, reference.run_dir, job.steps) if finished \
-        else "n/a"  # no final checkpoint to compare
+    compared = (
+        "reference" if reference is None else same_as(layout, reference.run_dir, job.steps) if finished else "n/a"
+    )  # no final checkpoint to compare
     return Run(
         variant=variant.name,
         wall_s=wall_s,
@@ -336,10 +344,12 @@ def outcome(run: Run) -> str:
 
 def run_line(run: Run, reference: Run, job: Job) -> str:
     own = f", supervisor's goodput {fmt(run.supervisor_goodput)}" if run.supervisor_goodput is not None else ""
-    return (f"{run.variant:<18} wall {run.wall_s:7.1f} s  goodput {fmt(goodput(run, reference, job.steps))}{own}  "
-            f"relaunches {run.relaunches}  faults survived {survived(run)}  finished {outcome(run)}  "
-            f"(newest checkpoint {run.kept_step})  bitwise = reference: {run.bitwise}  "
-            f"median step {fmt3(run.step_s)} s")
+    return (
+        f"{run.variant:<18} wall {run.wall_s:7.1f} s  goodput {fmt(goodput(run, reference, job.steps))}{own}  "
+        f"relaunches {run.relaunches}  faults survived {survived(run)}  finished {outcome(run)}  "
+        f"(newest checkpoint {run.kept_step})  bitwise = reference: {run.bitwise}  "
+        f"median step {fmt3(run.step_s)} s"
+    )
 
 
 def survived(run: Run) -> str:
@@ -349,13 +359,36 @@ def survived(run: Run) -> str:
 
 def summary(runs: list[Run], job: Job) -> str:
     reference = runs[0]
-    head = ("variant", "wall s", "goodput", "supervisor's goodput", "relaunches", "faults survived", "finished",
-            "bitwise = reference", "median step s")
-    rows = [[r.variant, f"{r.wall_s:.1f}", fmt(goodput(r, reference, job.steps)), fmt(r.supervisor_goodput),
-             str(r.relaunches), survived(r), outcome(r), r.bitwise, fmt3(r.step_s)] for r in runs]
+    head = (
+        "variant",
+        "wall s",
+        "goodput",
+        "supervisor's goodput",
+        "relaunches",
+        "faults survived",
+        "finished",
+        "bitwise = reference",
+        "median step s",
+    )
+    rows = [
+        [
+            r.variant,
+            f"{r.wall_s:.1f}",
+            fmt(goodput(r, reference, job.steps)),
+            fmt(r.supervisor_goodput),
+            str(r.relaunches),
+            survived(r),
+            outcome(r),
+            r.bitwise,
+            fmt3(r.step_s),
+        ]
+        for r in runs
+    ]
     lines = table([list(head), *rows])
-    lines.append(f"reference training time (first step to last): {fmt(reference.train_s)} s; goodput = that time x "
-                 f"the share of steps kept / wall time")
+    lines.append(
+        f"reference training time (first step to last): {fmt(reference.train_s)} s; goodput = that time x "
+        f"the share of steps kept / wall time"
+    )
     lines += ratio_lines(runs[1:], reference, job)
     return "\n".join(lines)
 
@@ -373,9 +406,11 @@ def ratio_lines(runs: list[Run], reference: Run, job: Job) -> list[str]:
     for theirs in (r for r in runs if r.variant.startswith("torchrun")):
         for ours in wardens:
             mark = "" if theirs.finished and ours.finished else " (not both finished)"
-            lines.append(f"  {theirs.variant}/{ours.variant}: wall {ratio(theirs.wall_s, ours.wall_s)}, "
-                         f"goodput {ours.variant}/{theirs.variant} "
-                         f"{ratio(goodput(ours, reference, job.steps), goodput(theirs, reference, job.steps))}{mark}")
+            lines.append(
+                f"  {theirs.variant}/{ours.variant}: wall {ratio(theirs.wall_s, ours.wall_s)}, "
+                f"goodput {ours.variant}/{theirs.variant} "
+                f"{ratio(goodput(ours, reference, job.steps), goodput(theirs, reference, job.steps))}{mark}"
+            )
     return lines
 
 
@@ -388,8 +423,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=50, help="worker.save_checkpoint_steps")
     parser.add_argument("--kills", type=int, default=4, help="rank SIGKILLs (the first of them during a save)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
-    parser.add_argument("--timeout-s", type=float, default=None,
-                        help="limit for one run (default: 3 x the reference's wall time + 180 s)")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=None,
+        help="limit for one run (default: 3 x the reference's wall time + 180 s)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
     args = parser.parse_args(argv)
     if args.save_every < 1 or args.kills < 0:
@@ -405,8 +444,10 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     job = Job(args.steps, args.save_every, faults)
-    print_header(f"{job.steps} steps, checkpoint every {job.save_every}; seed {args.seed}: "
-                 f"TRAINWARDEN_FAULTS={job.env(None)['TRAINWARDEN_FAULTS']} with TRAINWARDEN_FAULTS_ONCE=1")
+    print_header(
+        f"{job.steps} steps, checkpoint every {job.save_every}; seed {args.seed}: "
+        f"TRAINWARDEN_FAULTS={job.env(None)['TRAINWARDEN_FAULTS']} with TRAINWARDEN_FAULTS_ONCE=1"
+    )
     with scratch_dir(args.keep) as work:
         try:
             runs = run_all(job, work, args.timeout_s)
@@ -421,8 +462,9 @@ def main() -> int:
 
 def run_all(job: Job, work: Path, timeout_s: float | None) -> list[Run] | None:
     """The reference, then each faulty variant in turn, printing a line as each ends; None if the reference failed."""
-    reference = run_variant(REFERENCE, job, work / "reference", timeout_s or REFERENCE_S_PER_STEP * job.steps + 120,
-                            None)
+    reference = run_variant(
+        REFERENCE, job, work / "reference", timeout_s or REFERENCE_S_PER_STEP * job.steps + 120, None
+    )
     print(run_line(reference, reference, job), flush=True)
     if not reference.finished:
         print("the reference did not finish: nothing to compare with", flush=True)

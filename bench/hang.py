@@ -85,8 +85,11 @@ class Job:
 
     @property
     def hang_policy(self) -> dict[str, Any]:
-        return {"heartbeat": "required", "phase_timeouts_s": {"train": self.train_timeout_s},
-                "calibration": {"enabled": False}}
+        return {
+            "heartbeat": "required",
+            "phase_timeouts_s": {"train": self.train_timeout_s},
+            "calibration": {"enabled": False},
+        }
 
     def recovery_window_s(self, launcher: str) -> float:
         """Seconds from hang start the launcher gets to resume training."""
@@ -126,8 +129,9 @@ class Trial:
 
 
 LAUNCH: dict[str, Callable[[Job, Path], Launch]] = {
-    "trainwarden": lambda job, work: trainwarden_launch(work, job.steps, job.save_every, env=job.faults,
-                                                        hang=job.hang_policy),
+    "trainwarden": lambda job, work: trainwarden_launch(
+        work, job.steps, job.save_every, env=job.faults, hang=job.hang_policy
+    ),
     "torchrun": lambda job, work: torchrun_launch(work, job.steps, job.save_every, env=job.faults),
 }
 
@@ -143,8 +147,11 @@ def fault_event(layout: RunLayout) -> dict[str, Any] | None:
 
 def attempt_pids(layout: RunLayout, attempt: int) -> dict[int, int]:
     """Rank -> pid of every rank that has started in `attempt`."""
-    return {e["rank"]: e["pid"] for e in rank_events(layout)
-            if e.get("event") == "rank_started" and e.get("attempt") == attempt}
+    return {
+        e["rank"]: e["pid"]
+        for e in rank_events(layout)
+        if e.get("event") == "rank_started" and e.get("attempt") == attempt
+    }
 
 
 def gone_rank(pids: dict[int, int]) -> int | None:
@@ -219,8 +226,10 @@ def ended_by(journal: list[dict[str, Any]], error: tuple[int, str] | None, stopp
     """Which mechanism broke the hang."""
     hang = journal_event(journal, "hang_detected")
     if hang is not None:
-        return (f"trainwarden hang detection (named rank {hang.get('rank')} in phase {hang.get('phase')}, "
-                f"silent {hang.get('silent_s')} s, timeout {hang.get('timeout_s')} s)")
+        return (
+            f"trainwarden hang detection (named rank {hang.get('rank')} in phase {hang.get('phase')}, "
+            f"silent {hang.get('silent_s')} s, timeout {hang.get('timeout_s')} s)"
+        )
     if error is not None:
         kind = "gloo timeout" if "Timed out" in error[1] else "exception"
         return f"{kind} in rank {error[0]}: {error[1]}"
@@ -280,10 +289,12 @@ def within_target(trial: Trial, job: Job) -> bool:
 
 def trial_line(index: int, trials: int, t: Trial) -> str:
     resumed = f" (attempt {t.resumed_attempt})" if t.resumed_attempt else ""
-    return (f"trial {index}/{trials}  {t.launcher:<11}  hang→declared {fmt(t.declared_s):>5} s  "
-            f"hang→stacks {fmt(t.stacks_s):>5} s  hang→ranks stopped {fmt(t.stopped_s):>5} s  "
-            f"hang→first step {fmt(t.first_step_s):>5} s{resumed}  {t.note}\n"
-            f"    ended by: {t.ended_by}; trial took {t.wall_s:.1f} s")
+    return (
+        f"trial {index}/{trials}  {t.launcher:<11}  hang→declared {fmt(t.declared_s):>5} s  "
+        f"hang→stacks {fmt(t.stacks_s):>5} s  hang→ranks stopped {fmt(t.stopped_s):>5} s  "
+        f"hang→first step {fmt(t.first_step_s):>5} s{resumed}  {t.note}\n"
+        f"    ended by: {t.ended_by}; trial took {t.wall_s:.1f} s"
+    )
 
 
 def configured_timeout(name: str, job: Job) -> str:
@@ -298,27 +309,45 @@ def table_row(name: str, timeout: str, cells: list[str], finished: str) -> str:
 
 def summary(results: list[Trial], job: Job) -> str:
     columns = ["hang→declared", "hang→stacks", "hang→ranks stopped", "hang→first step"]
-    rows = ["medians [min–max] in seconds over the trials",
-            table_row("launcher", "hang timeout", columns, "finished (exit 0)")]
+    rows = [
+        "medians [min–max] in seconds over the trials",
+        table_row("launcher", "hang timeout", columns, "finished (exit 0)"),
+    ]
     first_steps: dict[str, float | None] = {}
     for name in LAUNCHERS:
         mine = [t for t in results if t.launcher == name]
-        measures = [[t.declared_s for t in mine], [t.stacks_s for t in mine],
-                    [t.stopped_s for t in mine], [t.first_step_s for t in mine]]
+        measures = [
+            [t.declared_s for t in mine],
+            [t.stacks_s for t in mine],
+            [t.stopped_s for t in mine],
+            [t.first_step_s for t in mine],
+        ]
         first_steps[name] = spread(measures[3])[0]
-        rows.append(table_row(name, configured_timeout(name, job), [spread(values)[1] for values in measures],
-                              f"{sum(t.finished for t in mine)}/{len(mine)}"))
+        rows.append(
+            table_row(
+                name,
+                configured_timeout(name, job),
+                [spread(values)[1] for values in measures],
+                f"{sum(t.finished for t in mine)}/{len(mine)}",
+            )
+        )
     mine = [t for t in results if t.launcher == "trainwarden"]
     limit_s = job.train_timeout_s + DETECTION_SLACK_S
-    rows.append(f"trainwarden detection within timeout + {DETECTION_SLACK_S:g} s (≤ {limit_s:g} s): "
-                f"{sum(within_target(t, job) for t in mine)}/{len(mine)}")
-    rows.append(f"trainwarden named the hung rank {HUNG_RANK} (from stacks or silence): "
-                f"{sum(t.named_rank == HUNG_RANK for t in mine)}/{len(mine)}")
+    rows.append(
+        f"trainwarden detection within timeout + {DETECTION_SLACK_S:g} s (≤ {limit_s:g} s): "
+        f"{sum(within_target(t, job) for t in mine)}/{len(mine)}"
+    )
+    rows.append(
+        f"trainwarden named the hung rank {HUNG_RANK} (from stacks or silence): "
+        f"{sum(t.named_rank == HUNG_RANK for t in mine)}/{len(mine)}"
+    )
     for name in LAUNCHERS:
         counts = Counter(mechanism(t.ended_by) for t in results if t.launcher == name)
         rows.append(f"{name} hang ended by: " + ", ".join(f"{k} {v}/{sum(counts.values())}" for k, v in counts.items()))
-    rows.append(f"ratio torchrun/trainwarden of median hang→first step (>1 means trainwarden is faster): "
-                f"{ratio(first_steps['torchrun'], first_steps['trainwarden'])}")
+    rows.append(
+        f"ratio torchrun/trainwarden of median hang→first step (>1 means trainwarden is faster): "
+        f"{ratio(first_steps['torchrun'], first_steps['trainwarden'])}"
+    )
     return "\n".join(rows)
 
 
@@ -336,8 +365,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=80, help="training steps of the demo job")
     parser.add_argument("--hang-step", type=int, default=35, help="rank 1 hangs after this step")
     parser.add_argument("--train-timeout-s", type=float, default=5.0, help="trainwarden's hang.phase_timeouts_s.train")
-    parser.add_argument("--torchrun-wait-s", type=float, default=90.0,
-                        help="how long after hang start torchrun may take to resume training")
+    parser.add_argument(
+        "--torchrun-wait-s",
+        type=float,
+        default=90.0,
+        help="how long after hang start torchrun may take to resume training",
+    )
     parser.add_argument("--timeout-s", type=float, default=240.0, help="limit for one trial of one launcher")
     parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
     args = parser.parse_args(argv)
@@ -350,10 +383,12 @@ def main() -> int:
     args = parse_args()
     save_every = demo_config()["worker"]["save_checkpoint_steps"]
     job = Job(args.steps, args.hang_step, save_every, args.train_timeout_s, args.torchrun_wait_s, args.timeout_s)
-    print_header(f"{args.trials} trials, {job.steps} steps, {job.faults['TRAINWARDEN_FAULTS']} "
-                 f"(rank {HUNG_RANK} hangs after step {job.hang_step}), checkpoint every {save_every} steps; "
-                 f"trainwarden train timeout {job.train_timeout_s:g} s, torchrun gets {job.torchrun_wait_s:g} s "
-                 f"to resume; trial limit {job.timeout_s:g} s")
+    print_header(
+        f"{args.trials} trials, {job.steps} steps, {job.faults['TRAINWARDEN_FAULTS']} "
+        f"(rank {HUNG_RANK} hangs after step {job.hang_step}), checkpoint every {save_every} steps; "
+        f"trainwarden train timeout {job.train_timeout_s:g} s, torchrun gets {job.torchrun_wait_s:g} s "
+        f"to resume; trial limit {job.timeout_s:g} s"
+    )
     with scratch_dir(args.keep) as work:
         try:
             results = run_trials(args.trials, work, lambda name, where: run_trial(name, job, where), trial_line)

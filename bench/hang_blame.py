@@ -46,9 +46,15 @@ NPROC = 4
 TRAIN_TIMEOUT_S = 2.0
 SAVE_EVERY = 5
 # (kind, step, expected class): one fault every 6 steps, slow last (it stays for the rest of the run).
-STREAM = [("hang", 6, "host-side"), ("dataloader_hang", 12, "host-side"),
-          ("stall_in_collective", 18, "in-collective"), ("extra_collective", 24, "desync"),
-          ("collective_sizes", 30, "desync"), ("sigstop", 36, "silent"), ("slow", 40, None)]
+STREAM = [
+    ("hang", 6, "host-side"),
+    ("dataloader_hang", 12, "host-side"),
+    ("stall_in_collective", 18, "in-collective"),
+    ("extra_collective", 24, "desync"),
+    ("collective_sizes", 30, "desync"),
+    ("sigstop", 36, "silent"),
+    ("slow", 40, None),
+]
 STEPS = 52
 SLOW_S = 0.5
 ROUND_TIMEOUT_S = 240.0
@@ -76,18 +82,26 @@ class Trial:
 
 def faults_of(round_index: int) -> str:
     """Round r puts kind i on rank (i + r) % NPROC; slow gets its seconds per step."""
-    return ",".join(f"{(i + round_index) % NPROC}:{kind}@{step}" + (f":{SLOW_S}" if kind == "slow" else "")
-                    for i, (kind, step, _) in enumerate(STREAM))
+    return ",".join(
+        f"{(i + round_index) % NPROC}:{kind}@{step}" + (f":{SLOW_S}" if kind == "slow" else "")
+        for i, (kind, step, _) in enumerate(STREAM)
+    )
 
 
 def run_round(round_index: int, work: Path) -> list[Trial]:
     work.mkdir(parents=True)
     env = {"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS_ONCE": "1", "TRAINWARDEN_FAULTS": faults_of(round_index)}
-    hang = {"heartbeat": "required", "phase_timeouts_s": {"train": TRAIN_TIMEOUT_S, "save": 30},
-            "calibration": {"enabled": False}}
-    extra = {"nproc_per_node": NPROC, "args": ["--steps", str(STEPS), "--batch-size", "8", "--block", "32"],
-             "restart": {"max_restarts": 20, "backoff_initial_s": 0.2, "backoff_factor": 1.0},
-             "stop": {"kill_grace_s": 1.0}}
+    hang = {
+        "heartbeat": "required",
+        "phase_timeouts_s": {"train": TRAIN_TIMEOUT_S, "save": 30},
+        "calibration": {"enabled": False},
+    }
+    extra = {
+        "nproc_per_node": NPROC,
+        "args": ["--steps", str(STEPS), "--batch-size", "8", "--block", "32"],
+        "restart": {"max_restarts": 20, "backoff_initial_s": 0.2, "backoff_factor": 1.0},
+        "stop": {"kill_grace_s": 1.0},
+    }
     launch = trainwarden_launch(work, STEPS, SAVE_EVERY, env=env, hang=hang, extra_config=extra)
     with launched(launch, work) as proc:
         try:
@@ -95,8 +109,11 @@ def run_round(round_index: int, work: Path) -> list[Trial]:
         except subprocess.TimeoutExpired:
             code = None
     if code != 0:
-        print(f"  round {round_index + 1}: the supervisor {'timed out' if code is None else f'exited {code}'}; "
-              f"see {work}", flush=True)
+        print(
+            f"  round {round_index + 1}: the supervisor {'timed out' if code is None else f'exited {code}'}; "
+            f"see {work}",
+            flush=True,
+        )
     return judge_round(round_index, RunLayout(launch.run_dir))
 
 
@@ -111,18 +128,29 @@ def judge_round(round_index: int, layout: RunLayout) -> list[Trial]:
     return trials
 
 
-def judge_fault(kind: str, rank: int, expected: str | None, fault: dict[str, Any] | None,
-                journal: list[dict[str, Any]]) -> Trial:
+def judge_fault(
+    kind: str, rank: int, expected: str | None, fault: dict[str, Any] | None, journal: list[dict[str, Any]]
+) -> Trial:
     if fault is None:
         return Trial(kind, rank, expected, None, None, None, None, "never fired")
     at, attempt = event_time(fault), fault["attempt"]
-    later = [e for e in journal if e.get("attempt", -1) >= attempt] if expected is None else \
-        [e for e in journal if e.get("attempt") == attempt]
+    later = (
+        [e for e in journal if e.get("attempt", -1) >= attempt]
+        if expected is None
+        else [e for e in journal if e.get("attempt") == attempt]
+    )
     declared = next((e for e in later if e["event"] in ("hang_suspected", "rank_crashed")), None)
     verdict = next((e for e in later if e["event"] in ("hang_detected", "culprit_named")), None)
-    return Trial(kind, rank, expected, since(at, declared), since(at, verdict),
-                 None if verdict is None else verdict.get("rank"), None if verdict is None else verdict.get("class"),
-                 None if verdict is None else verdict.get("named_by"))
+    return Trial(
+        kind,
+        rank,
+        expected,
+        since(at, declared),
+        since(at, verdict),
+        None if verdict is None else verdict.get("rank"),
+        None if verdict is None else verdict.get("class"),
+        None if verdict is None else verdict.get("named_by"),
+    )
 
 
 def since(at: float, event: dict[str, Any] | None) -> float | None:
@@ -130,9 +158,13 @@ def since(at: float, event: dict[str, Any] | None) -> float | None:
 
 
 def trial_line(round_index: int, t: Trial) -> str:
-    said = "nothing declared" if t.declared_s is None else (
-        f"declared after {t.declared_s:.2f} s, named after {t.named_s if t.named_s is None else round(t.named_s, 2)} "
-        f"s: rank {t.named_rank} {t.named_class} by {t.named_by}")
+    named_s = t.named_s if t.named_s is None else round(t.named_s, 2)
+    said = (
+        "nothing declared"
+        if t.declared_s is None
+        else f"declared after {t.declared_s:.2f} s, named after {named_s} s: rank {t.named_rank} {t.named_class} by "
+        f"{t.named_by}"
+    )
     return f"  round {round_index + 1} {t.kind} on rank {t.rank}: {said} -> {'right' if t.right else 'WRONG'}"
 
 
@@ -145,8 +177,10 @@ def summary(trials: list[Trial]) -> str:
         mine = by_kind[kind]
         declared = spread([t.declared_s for t in mine])[1] if expected else "never (target)"
         named = spread([t.named_s for t in mine])[1] if expected else "never (target)"
-        lines.append(f"{kind:<20} {expected or 'not blamed':<14} {declared:<24} {named:<24} "
-                     f"{sum(t.right for t in mine):>3}/{len(mine)}")
+        lines.append(
+            f"{kind:<20} {expected or 'not blamed':<14} {declared:<24} {named:<24} "
+            f"{sum(t.right for t in mine):>3}/{len(mine)}"
+        )
     right = sum(t.right for t in trials)
     lines.append(f"culprit named correctly: {right}/{len(trials)}")
     return "\n".join(lines)
@@ -163,8 +197,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     rounds = 3 if args.quick else args.rounds
-    print_header(f"{rounds} rounds of {len(STREAM)} faults on the demo, {NPROC} ranks, gloo, train timeout "
-                 f"{TRAIN_TIMEOUT_S:g} s")
+    print_header(
+        f"{rounds} rounds of {len(STREAM)} faults on the demo, {NPROC} ranks, gloo, train timeout {TRAIN_TIMEOUT_S:g} s"
+    )
     trials: list[Trial] = []
     with scratch_dir(args.keep) as work:
         for index in range(rounds):

@@ -84,8 +84,15 @@ def demo_config() -> dict[str, Any]:
     return yaml.safe_load(DEMO_CONFIG.read_text(encoding="utf-8"))
 
 
-def trainwarden_launch(work: Path, steps: int, save_every: int, *, env: Mapping[str, str] | None = None,
-                       hang: dict[str, Any] | None = None, extra_config: Mapping[str, Any] | None = None) -> Launch:
+def trainwarden_launch(
+    work: Path,
+    steps: int,
+    save_every: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    hang: dict[str, Any] | None = None,
+    extra_config: Mapping[str, Any] | None = None,
+) -> Launch:
     """`python -m supervisor run` on a config derived from configs/demo.yaml; `env` and `hang` go into the job,
     then `extra_config` is merged in, section by section (a key it leaves out keeps the demo's value)."""
     run_dir = work / "run"
@@ -102,17 +109,37 @@ def trainwarden_launch(work: Path, steps: int, save_every: int, *, env: Mapping[
     return Launch(argv, dict(os.environ), run_dir)
 
 
-def torchrun_launch(work: Path, steps: int, save_every: int, *, env: Mapping[str, str] | None = None,
-                    max_restarts: int = 3, worker: Mapping[str, Any] | None = None) -> Launch:
+def torchrun_launch(
+    work: Path,
+    steps: int,
+    save_every: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    max_restarts: int = 3,
+    worker: Mapping[str, Any] | None = None,
+) -> Launch:
     """Plain torchrun with its default rendezvous; the worker library resumes by itself. `worker`: more of the
     worker config (e.g. the demo's `worker:` section, so both launchers run the same job)."""
     run_dir = work / "run"
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    argv = [torchrun, "--nproc-per-node", str(NPROC), "--max-restarts", str(max_restarts), SCRIPT,
-            "--steps", str(steps)]
+    argv = [
+        torchrun,
+        "--nproc-per-node",
+        str(NPROC),
+        "--max-restarts",
+        str(max_restarts),
+        SCRIPT,
+        "--steps",
+        str(steps),
+    ]
     worker_config = json.dumps({**(worker or {}), "save_checkpoint_steps": save_every, "prefix": PREFIX})
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", TRAINWARDEN_RUN_DIR=str(run_dir),
-                    TRAINWARDEN_WORKER_CONFIG=worker_config, **(env or {}))
+    full_env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TRAINWARDEN_RUN_DIR=str(run_dir),
+        TRAINWARDEN_WORKER_CONFIG=worker_config,
+        **(env or {}),
+    )
     return Launch(argv, full_env, run_dir)
 
 
@@ -129,8 +156,15 @@ def merged(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 def launched(launch: Launch, work: Path) -> Iterator[subprocess.Popen]:
     """Start the launcher in its own session, output in `work`; on leaving, every process of the run is killed."""
     with open(work / "launcher.out", "wb") as out, open(work / "launcher.err", "wb") as err:
-        launcher = subprocess.Popen(launch.argv, cwd=REPO, env=launch.env, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, start_new_session=True)
+        launcher = subprocess.Popen(
+            launch.argv,
+            cwd=REPO,
+            env=launch.env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
     try:
         yield launcher
     finally:
@@ -282,8 +316,13 @@ def ratio(numerator: float | None, denominator: float | None) -> str:
 LAUNCHERS = ("trainwarden", "torchrun")
 
 
-def run_trials(trials: int, work: Path, run_trial: Callable[[str, Path], T],
-               describe: Callable[[int, int, T], str], names: Iterable[str] = LAUNCHERS) -> list[T]:
+def run_trials(
+    trials: int,
+    work: Path,
+    run_trial: Callable[[str, Path], T],
+    describe: Callable[[int, int, T], str],
+    names: Iterable[str] = LAUNCHERS,
+) -> list[T]:
     """Each trial runs every launcher in turn, so drift on the machine hits all alike; prints as it goes."""
     results = []
     for index in range(1, trials + 1):

@@ -101,8 +101,16 @@ TRAINWARDEN = Path(sys.executable).parent / "trainwarden"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 LOG_LINE = re.compile(r"^\[(?P<time>[^\]]+)\] (?:(?:error|fatal|debug\d?|info|verbose): )?(?P<text>.*)$")
 # Errors torchrun and the ranks print, in the order they are worth naming as what ended a run.
-TORCHRUN_ERRORS = ("RendezvousTimeoutError", "RendezvousClosedError", "RendezvousConnectionError",
-                   "DistNetworkError", "DistStoreError", "ChildFailedError", "Connection reset by peer", "Timed out")
+TORCHRUN_ERRORS = (
+    "RendezvousTimeoutError",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "DistNetworkError",
+    "DistStoreError",
+    "ChildFailedError",
+    "Connection reset by peer",
+    "Timed out",
+)
 WIDTH = 26  # of a summary column: "63.70 [63.05–64.35], 1 n/a"
 
 
@@ -172,9 +180,11 @@ def slurm_facts() -> str:
     conf = SLURM_CONF.read_text(encoding="utf-8")
     timeout = re.search(r"^SlurmdTimeout=(\S+)", conf, re.MULTILINE)
     kill_wait = re.search(r"^KillWait=(\S+)", conf, re.MULTILINE)
-    return (f"{version}; SlurmdTimeout={timeout[1] if timeout else '300 (default)'} s, "
-            f"KillWait={kill_wait[1] if kill_wait else '30 (default)'} s ({SLURM_CONF}); "
-            f"nodes twnode1..{cluster.NODES}; faults hit {NODE}")
+    return (
+        f"{version}; SlurmdTimeout={timeout[1] if timeout else '300 (default)'} s, "
+        f"KillWait={kill_wait[1] if kill_wait else '30 (default)'} s ({SLURM_CONF}); "
+        f"nodes twnode1..{cluster.NODES}; faults hit {NODE}"
+    )
 
 
 def log_size() -> int:
@@ -256,8 +266,9 @@ def sweep(work: Path) -> list[str]:
         if proc.pid == os.getpid():
             continue
         try:
-            mine = str(work) in " ".join(proc.cmdline()) or proc.environ().get(
-                "TRAINWARDEN_RUN_DIR", "").startswith(str(work))
+            mine = str(work) in " ".join(proc.cmdline()) or proc.environ().get("TRAINWARDEN_RUN_DIR", "").startswith(
+                str(work)
+            )
         except psutil.Error:
             continue
         if mine:
@@ -279,16 +290,25 @@ def sweep(work: Path) -> list[str]:
 def submit_trainwarden(job: Job, work: Path) -> tuple[int, RunLayout]:
     run_dir = work / "run"
     config = demo_config()
-    config.update(script=str(REPO / SCRIPT), args=["--steps", str(job.steps)], run_dir=str(run_dir),
-                  nodes=NODES_PER_RUN, nproc_per_node=NPROC_PER_NODE, spare_nodes=1)
+    config.update(
+        script=str(REPO / SCRIPT),
+        args=["--steps", str(job.steps)],
+        run_dir=str(run_dir),
+        nodes=NODES_PER_RUN,
+        nproc_per_node=NPROC_PER_NODE,
+        spare_nodes=1,
+    )
     config["worker"]["save_checkpoint_steps"] = job.save_every
     config["slurm"] = {**config.get("slurm", {}), "node_timeout_s": job.node_timeout_s}
     job_yaml = work / "job.yaml"
     job_yaml.write_text(yaml.safe_dump(config), encoding="utf-8")
     script = work / "job.sbatch"
-    script.write_text("#!/bin/bash\n"
-                      f"exec {shlex.quote(sys.executable)} -m supervisor run {shlex.quote(str(job_yaml))} "
-                      f"--run-dir {shlex.quote(str(run_dir))}\n", encoding="utf-8")
+    script.write_text(
+        "#!/bin/bash\n"
+        f"exec {shlex.quote(sys.executable)} -m supervisor run {shlex.quote(str(job_yaml))} "
+        f"--run-dir {shlex.quote(str(run_dir))}\n",
+        encoding="utf-8",
+    )
     args = ["-N3", "--no-kill", "-J", "bench-failover-tw", f"--output={work}/job-%j.out"]
     return cluster.sbatch(args, script, cwd=REPO), RunLayout(run_dir)
 
@@ -305,13 +325,16 @@ def submit_torchrun(job: Job, work: Path) -> tuple[int, RunLayout]:
         f"srun -N{NODES_PER_RUN} --ntasks-per-node=1 {shlex.quote(str(TORCHRUN))} --nnodes={NODES_PER_RUN} "
         f"--nproc-per-node={NPROC_PER_NODE} --rdzv-backend=c10d --rdzv-endpoint=$head_node:{RDZV_PORT} "
         f'--rdzv-id="$SLURM_JOB_ID" --max-restarts=3 {shlex.quote(str(REPO / SCRIPT))} --steps {job.steps}\n',
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     args = [f"-N{NODES_PER_RUN}", "-J", "bench-failover-torchrun", f"--output={work}/job-%j.out"]
     return cluster.sbatch(args, script, cwd=REPO), RunLayout(run_dir)
 
 
 SUBMIT: dict[str, Callable[[Job, Path], tuple[int, RunLayout]]] = {
-    "trainwarden": submit_trainwarden, "torchrun": submit_torchrun}
+    "trainwarden": submit_trainwarden,
+    "torchrun": submit_torchrun,
+}
 
 
 # ---- observing a run ---------------------------------------------------------------------------
@@ -329,11 +352,18 @@ def every_rank_past(launcher: str, layout: RunLayout, step: int) -> bool:
     if launcher == "trainwarden":
         now = supervisor_state(layout)
         ranks = now.get("ranks") or []
-        return (now.get("attempt") == 0 and now.get("state") == "running" and len(ranks) == WORLD
-                and all((rank.get("step") or 0) >= step for rank in ranks))
+        return (
+            now.get("attempt") == 0
+            and now.get("state") == "running"
+            and len(ranks) == WORLD
+            and all((rank.get("step") or 0) >= step for rank in ranks)
+        )
     for rank in range(WORLD):
-        steps = [e.get("step", 0) for e in read_events(layout.rank_events(rank))
-                 if e.get("event") == "step" and e.get("attempt", 0) == 0]
+        steps = [
+            e.get("step", 0)
+            for e in read_events(layout.rank_events(rank))
+            if e.get("event") == "step" and e.get("attempt", 0) == 0
+        ]
         if max(steps, default=0) < step:
             return False
     return True
@@ -395,8 +425,7 @@ def first_step_after(layout: RunLayout, t0: float) -> tuple[float, int] | None:
 
 
 def first_journal_event(journal: list[dict[str, Any]], name: str, **fields: Any) -> dict[str, Any] | None:
-    return next((e for e in journal if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())),
-                None)
+    return next((e for e in journal if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())), None)
 
 
 def requeue_note(info: dict[str, str], t0: float) -> str | None:
@@ -445,8 +474,9 @@ def run_trial(case: Case, job: Job, work: Path) -> Trial:
         except (RuntimeError, TimeoutError) as exc:
             return failed_trial(case, job_id, f"{exc}; output: {output_tail(work, job_id, 600)!r}", started)
         if NODE not in cluster.job_nodes(job_id):
-            return failed_trial(case, job_id, f"Slurm did not place the job on {NODE}: {cluster.job_nodes(job_id)}",
-                                started)
+            return failed_trial(
+                case, job_id, f"Slurm did not place the job on {NODE}: {cluster.job_nodes(job_id)}", started
+            )
         t0 = time.time()
         FAULTS[case.fault](NODE)
         seen = observe(job_id, layout, t0, job)
@@ -464,16 +494,37 @@ def run_trial(case: Case, job: Job, work: Path) -> Trial:
 
 
 def failed_trial(case: Case, job_id: int | None, why: str, started: float) -> Trial:
-    return Trial(case, job_id, None, None, None, None, "", SlurmSaw(None, ()), False, "n/a", "n/a", why,
-                 time.monotonic() - started)
+    return Trial(
+        case,
+        job_id,
+        None,
+        None,
+        None,
+        None,
+        "",
+        SlurmSaw(None, ()),
+        False,
+        "n/a",
+        "n/a",
+        why,
+        time.monotonic() - started,
+    )
 
 
-def trainwarden_result(case: Case, job: Job, work: Path, job_id: int, layout: RunLayout, t0: float, seen: Observed,
-                       offset: int, started: float) -> Trial:
+def trainwarden_result(
+    case: Case,
+    job: Job,
+    work: Path,
+    job_id: int,
+    layout: RunLayout,
+    t0: float,
+    seen: Observed,
+    offset: int,
+    started: float,
+) -> Trial:
     note = ""
     if seen.ended is None:
-        stop = subprocess.run([str(TRAINWARDEN), "stop", str(layout.root)], capture_output=True, text=True,
-                              timeout=30)
+        stop = subprocess.run([str(TRAINWARDEN), "stop", str(layout.root)], capture_output=True, text=True, timeout=30)
         if stop.returncode != 0:
             note = f"trainwarden stop exited {stop.returncode}: {stop.stderr.strip()[-200:]}; "
     try:
@@ -485,8 +536,14 @@ def trainwarden_result(case: Case, job: Job, work: Path, job_id: int, layout: Ru
     lost = first_journal_event(journal, "node_lost", node=NODE)
     placed = {e.get("attempt"): e.get("nodes") for e in journal if e.get("event") == "ranks_placed"}
     first = seen.first_step
-    worked = (lost is not None and placed.get(1) == SPARE_PLACEMENT and max(placed, default=0) == 1
-              and first is not None and first[1] == 1 and code == 0)
+    worked = (
+        lost is not None
+        and placed.get(1) == SPARE_PLACEMENT
+        and max(placed, default=0) == 1
+        and first is not None
+        and first[1] == 1
+        and code == 0
+    )
     nodes = "+".join(sorted(placed.get(1) or {})) or "none"
     note += f"attempt 1 on {nodes}; attempts placed {len(placed)}"
     if seen.ended is not None:
@@ -495,14 +552,26 @@ def trainwarden_result(case: Case, job: Job, work: Path, job_id: int, layout: Ru
         note += f"; why: {lost.get('why')}"
     if code != 0:
         note += f"; output: {output_tail(work, job_id, 600)!r}"
-    return Trial(case, job_id, None if lost is None else event_time(lost) - t0,
-                 None if first is None else first[0] - t0, None if first is None else first[1],
-                 seen.verdict_s, seen.last_state, read_slurm_log(offset, job_id, t0), worked, exit_text,
-                 "n/a", note, time.monotonic() - started)
+    return Trial(
+        case,
+        job_id,
+        None if lost is None else event_time(lost) - t0,
+        None if first is None else first[0] - t0,
+        None if first is None else first[1],
+        seen.verdict_s,
+        seen.last_state,
+        read_slurm_log(offset, job_id, t0),
+        worked,
+        exit_text,
+        "n/a",
+        note,
+        time.monotonic() - started,
+    )
 
 
-def torchrun_result(case: Case, job: Job, work: Path, job_id: int, t0: float, seen: Observed, offset: int,
-                    started: float) -> Trial:
+def torchrun_result(
+    case: Case, job: Job, work: Path, job_id: int, t0: float, seen: Observed, offset: int, started: float
+) -> Trial:
     first = seen.first_step
     saw = read_slurm_log(offset, job_id, t0)
     error = torchrun_error(work, job_id)
@@ -523,12 +592,25 @@ def torchrun_result(case: Case, job: Job, work: Path, job_id: int, t0: float, se
         ended_by = f"the job ended ({seen.ended[0]}) {seen.ended[1]:.1f} s after the fault: {error or 'no error seen'}"
     else:
         ended_by = f"nothing: still running without training {job.resume_limit_s:g} s after the fault" + (
-            f" (last error: {error})" if error else "")
+            f" (last error: {error})" if error else ""
+        )
     restarts = max((e.get("attempt", 0) for e in rank_events(RunLayout(work / "run"), range(WORLD))), default=0)
     note = f"highest restart count seen {restarts}" + (f"; error: {error}" if error and first is None else "")
-    return Trial(case, job_id, None, None if first is None else first[0] - t0, None if first is None else first[1],
-                 seen.verdict_s, seen.last_state, saw, first is not None, exit_text, ended_by, note,
-                 time.monotonic() - started)
+    return Trial(
+        case,
+        job_id,
+        None,
+        None if first is None else first[0] - t0,
+        None if first is None else first[1],
+        seen.verdict_s,
+        seen.last_state,
+        saw,
+        first is not None,
+        exit_text,
+        ended_by,
+        note,
+        time.monotonic() - started,
+    )
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -538,16 +620,23 @@ def trial_line(index: int, trials: int, t: Trial, job: Job) -> str:
     first = "never" if t.first_step_s is None else f"{t.first_step_s:.2f} s (attempt {t.resumed_attempt})"
     if t.first_step_s is None and t.exit != "n/a":
         first += f" within {job.resume_limit_s:g} s"
-    verdict = f"{fmt(t.verdict_s)} s ({t.verdict_state})" if t.verdict_s is not None else (
-        f"none within {job.verdict_limit_s:g} s (last {t.verdict_state or '?'})")
-    line = (f"trial {index}/{trials}  {t.case.name:<21} job {t.job}  declared {fmt(t.declared_s)} s  "
-            f"first step after resume {first}  Slurm down {verdict}  Slurm did: {t.slurm.summary()}  "
-            f"worked first time: {'yes' if t.worked else 'no'}  exit {t.exit}  [{t.wall_s:.0f} s]")
+    verdict = (
+        f"{fmt(t.verdict_s)} s ({t.verdict_state})"
+        if t.verdict_s is not None
+        else (f"none within {job.verdict_limit_s:g} s (last {t.verdict_state or '?'})")
+    )
+    line = (
+        f"trial {index}/{trials}  {t.case.name:<21} job {t.job}  declared {fmt(t.declared_s)} s  "
+        f"first step after resume {first}  Slurm down {verdict}  Slurm did: {t.slurm.summary()}  "
+        f"worked first time: {'yes' if t.worked else 'no'}  exit {t.exit}  [{t.wall_s:.0f} s]"
+    )
     details = [t.note]
     if t.case.launcher == "torchrun":
         details.insert(0, f"ended by: {t.ended_by}")
-    details.append(f"slurmctld log: set DOWN {'never' if t.slurm.down_s is None else f'@{t.slurm.down_s:.1f}s'}"
-                   + "".join(f"; {text}" for _, text in t.slurm.actions[:3]))
+    details.append(
+        f"slurmctld log: set DOWN {'never' if t.slurm.down_s is None else f'@{t.slurm.down_s:.1f}s'}"
+        + "".join(f"; {text}" for _, text in t.slurm.actions[:3])
+    )
     return line + "\n    " + "; ".join(d for d in details if d)
 
 
@@ -560,11 +649,21 @@ def table_row(cells: list[str]) -> str:
 
 
 def summary(results: list[Trial], job: Job, cases: list[Case]) -> str:
-    rows = [f"medians [min–max] in seconds from the fault over the trials; Slurm's verdict: sinfo or scontrol says "
-            f"down (polled every {POLL_S:g} s, at most {job.verdict_limit_s:g} s); resume waited for at most "
-            f"{job.resume_limit_s:g} s",
-            table_row(["case", "declared", "first step after resume", "Slurm's verdict (down)",
-                       "worked first time", "Slurm acted on the job"])]
+    rows = [
+        f"medians [min–max] in seconds from the fault over the trials; Slurm's verdict: sinfo or scontrol says "
+        f"down (polled every {POLL_S:g} s, at most {job.verdict_limit_s:g} s); resume waited for at most "
+        f"{job.resume_limit_s:g} s",
+        table_row(
+            [
+                "case",
+                "declared",
+                "first step after resume",
+                "Slurm's verdict (down)",
+                "worked first time",
+                "Slurm acted on the job",
+            ]
+        ),
+    ]
     medians: dict[str, dict[str, float | None]] = {}
     for case in cases:
         mine = [t for t in results if t.case == case]
@@ -578,18 +677,33 @@ def summary(results: list[Trial], job: Job, cases: list[Case]) -> str:
         kill_text = f"{len(acted)}/{len(mine)}" + (f": {', '.join(kinds)}" if kinds else "")
         first_text = first[1] if first[0] is not None else f"never within {job.resume_limit_s:g} s"
         medians[case.name] = {"declared": declared[0], "first": first[0], "verdict": verdict[0]}
-        rows.append(table_row([case.name, declared[1], first_text, verdict[1],
-                               f"{sum(t.worked for t in mine)}/{len(mine)}", kill_text]))
+        rows.append(
+            table_row(
+                [
+                    case.name,
+                    declared[1],
+                    first_text,
+                    verdict[1],
+                    f"{sum(t.worked for t in mine)}/{len(mine)}",
+                    kill_text,
+                ]
+            )
+        )
     for case in cases:
         mine = [t for t in results if t.case == case]
         if case.launcher != "trainwarden" or not mine:
             continue
         limit_s = job.node_timeout_s + DETECTION_SLACK_S
-        rows.append(f"target {case.name}: declared within node_timeout_s + {DETECTION_SLACK_S:g} s (≤ {limit_s:g} s): "
-                    f"{sum(within(t, limit_s) for t in mine)}/{len(mine)}"
-                    + (f"; under {CRASH_TARGET_S:g} s: {sum(within(t, CRASH_TARGET_S) for t in mine)}/{len(mine)}"
-                       if case.fault == "crash" else "")
-                    + f"; relaunch on the spare worked first time: {sum(t.worked for t in mine)}/{len(mine)}")
+        rows.append(
+            f"target {case.name}: declared within node_timeout_s + {DETECTION_SLACK_S:g} s (≤ {limit_s:g} s): "
+            f"{sum(within(t, limit_s) for t in mine)}/{len(mine)}"
+            + (
+                f"; under {CRASH_TARGET_S:g} s: {sum(within(t, CRASH_TARGET_S) for t in mine)}/{len(mine)}"
+                if case.fault == "crash"
+                else ""
+            )
+            + f"; relaunch on the spare worked first time: {sum(t.worked for t in mine)}/{len(mine)}"
+        )
     for case in cases:
         mine = [t for t in results if t.case == case]
         if case.launcher == "torchrun" and mine:
@@ -601,12 +715,16 @@ def summary(results: list[Trial], job: Job, cases: list[Case]) -> str:
     for fault in ("crash", "partition"):
         tw, tr = medians.get(f"trainwarden-{fault}"), medians.get(f"torchrun-{fault}")
         if tw is not None:
-            rows.append(f"ratio Slurm's verdict / trainwarden declared ({fault}, medians): "
-                        f"{ratio(tw['verdict'], tw['declared'])}")
+            rows.append(
+                f"ratio Slurm's verdict / trainwarden declared ({fault}, medians): "
+                f"{ratio(tw['verdict'], tw['declared'])}"
+            )
         if tw is not None and tr is not None:
             why = "" if tr["first"] else f" (torchrun never resumed within {job.resume_limit_s:g} s)"
-            rows.append(f"ratio torchrun / trainwarden first step after resume ({fault}, medians): "
-                        f"{ratio(tr['first'], tw['first'])}{why}")
+            rows.append(
+                f"ratio torchrun / trainwarden first step after resume ({fault}, medians): "
+                f"{ratio(tr['first'], tw['first'])}{why}"
+            )
     return "\n".join(rows)
 
 
@@ -620,17 +738,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
     parser.add_argument("--fault-step", type=int, default=12, help="the fault comes once every rank passed this step")
     parser.add_argument("--node-timeout-s", type=float, default=10.0, help="trainwarden's slurm.node_timeout_s")
-    parser.add_argument("--resume-limit-s", type=float, default=120.0,
-                        help="how long after the fault a run may take to train again")
-    parser.add_argument("--verdict-limit-s", type=float, default=90.0,
-                        help="how long after the fault sinfo is polled for Slurm's verdict")
-    parser.add_argument("--start-timeout-s", type=float, default=240.0,
-                        help="submission to every rank past the fault step")
+    parser.add_argument(
+        "--resume-limit-s", type=float, default=120.0, help="how long after the fault a run may take to train again"
+    )
+    parser.add_argument(
+        "--verdict-limit-s",
+        type=float,
+        default=90.0,
+        help="how long after the fault sinfo is polled for Slurm's verdict",
+    )
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=240.0, help="submission to every rank past the fault step"
+    )
     parser.add_argument("--stop-timeout-s", type=float, default=120.0, help="trainwarden stop / scancel to job end")
-    parser.add_argument("--lock-timeout-s", type=float, default=1800.0,
-                        help="how long to wait for the cluster's session lock")
-    parser.add_argument("--case", action="append", choices=[c.name for c in CASES],
-                        help="run only this case (repeatable; default: all four)")
+    parser.add_argument(
+        "--lock-timeout-s", type=float, default=1800.0, help="how long to wait for the cluster's session lock"
+    )
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=[c.name for c in CASES],
+        help="run only this case (repeatable; default: all four)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run dirs and job outputs")
     args = parser.parse_args(argv)
     if not 0 < args.fault_step < args.steps:
@@ -646,15 +775,25 @@ def main() -> int:
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
-    job = Job(args.steps, args.save_every, args.fault_step, args.node_timeout_s, args.resume_limit_s,
-              args.verdict_limit_s, args.start_timeout_s, args.stop_timeout_s)
+    job = Job(
+        args.steps,
+        args.save_every,
+        args.fault_step,
+        args.node_timeout_s,
+        args.resume_limit_s,
+        args.verdict_limit_s,
+        args.start_timeout_s,
+        args.stop_timeout_s,
+    )
     cases = [c for c in CASES if not args.case or c.name in args.case]
     demo = demo_config()
-    print_header(f"{args.trials} trials per case, cases {', '.join(c.name for c in cases)}; demo job "
-                 f"{NODES_PER_RUN} nodes x {NPROC_PER_NODE} ranks (gloo, CPU), {job.steps} steps, checkpoint every "
-                 f"{job.save_every}; fault once every rank passed step {job.fault_step}; trainwarden: spare_nodes 1, "
-                 f"slurm.node_timeout_s {job.node_timeout_s:g}, stop.kill_grace_s {demo['stop']['kill_grace_s']:g}, "
-                 f"restart.max_restarts {demo['restart']['max_restarts']}; torchrun: --max-restarts=3, c10d rendezvous")
+    print_header(
+        f"{args.trials} trials per case, cases {', '.join(c.name for c in cases)}; demo job "
+        f"{NODES_PER_RUN} nodes x {NPROC_PER_NODE} ranks (gloo, CPU), {job.steps} steps, checkpoint every "
+        f"{job.save_every}; fault once every rank passed step {job.fault_step}; trainwarden: spare_nodes 1, "
+        f"slurm.node_timeout_s {job.node_timeout_s:g}, stop.kill_grace_s {demo['stop']['kill_grace_s']:g}, "
+        f"restart.max_restarts {demo['restart']['max_restarts']}; torchrun: --max-restarts=3, c10d rendezvous"
+    )
     started = time.monotonic()
     print("waiting for the cluster's session lock ...", flush=True)
     lock = cluster.lock_session(timeout=args.lock_timeout_s)

@@ -58,12 +58,18 @@ def main() -> None:
             library.append(per_call_us(args.calls, guarded))
         warden.finish()
     cost = statistics.median(library) - statistics.median(baseline)
-    print(f"plain iteration (clip_grad_norm_):        {statistics.median(baseline):.2f} us "
-          f"(median of {args.repeats} x {args.calls})")
-    print(f"library iteration (guard_step+step_done): {statistics.median(library):.2f} us "
-          f"(min {min(library):.2f}, max {max(library):.2f})")
-    print(f"overhead per step: {cost:.2f} us = {cost / (STEP_S * 1e6) * 100:.3f} % of a "
-          f"{STEP_S * 1000:.0f} ms step (target < 1 %)")
+    print(
+        f"plain iteration (clip_grad_norm_):        {statistics.median(baseline):.2f} us "
+        f"(median of {args.repeats} x {args.calls})"
+    )
+    print(
+        f"library iteration (guard_step+step_done): {statistics.median(library):.2f} us "
+        f"(min {min(library):.2f}, max {max(library):.2f})"
+    )
+    print(
+        f"overhead per step: {cost:.2f} us = {cost / (STEP_S * 1e6) * 100:.3f} % of a "
+        f"{STEP_S * 1000:.0f} ms step (target < 1 %)"
+    )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,7 @@ class CharTransformer(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(block, d_model)
-        layer = nn.TransformerEncoderLayer(
-            d_model, n_head, 4 * d_model, dropout=0.1, batch_first=True, norm_first=True
-        )
+        layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout=0.1, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
@@ -98,8 +96,7 @@ def main() -> None:
 
     warden = Warden(ddp, optimizer, scheduler, global_batch_size=args.batch_size * dist.get_world_size())
     for _ in warden.steps(args.steps):  # resumes first; ends after args.steps steps, or early on a stop order
-        x, y = batch_for(data, index=warden.batches, rank=rank, seed=args.seed, batch=args.batch_size,
-                         block=args.block)
+        x, y = batch_for(data, index=warden.batches, rank=rank, seed=args.seed, batch=args.batch_size, block=args.block)
         loss = nn.functional.cross_entropy(ddp(x).view(-1, len(vocab)), y.view(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -115,6 +112,7 @@ def main() -> None:
                 print(f"step {warden.step}/{args.steps} loss {loss.item():.4f} eval {eval_loss:.4f}", flush=True)
     warden.finish()  # saves the final state unless it is saved already
     dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

@@ -41,10 +41,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--lr-decay-steps", type=int, help="length of the cosine decay; default: --steps")
-    parser.add_argument("--param-dtype", choices=sorted(DTYPES), default="bfloat16",
-                        help="FSDP2's compute dtype for parameters (gradients are reduced in float32)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: NCCL, one GPU per rank (LOCAL_RANK), deterministic kernels for exact resume")
+    parser.add_argument(
+        "--param-dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
+        help="FSDP2's compute dtype for parameters (gradients are reduced in float32)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: NCCL, one GPU per rank (LOCAL_RANK), deterministic kernels for exact resume",
+    )
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--samples-file", help="rank 0 appends each applied step's sample ids here (JSON lines)")
     return parser.parse_args()
@@ -63,8 +71,14 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
 
 def batch_of(data: torch.Tensor, ids: list[int], *, seed: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The windows of sample `ids`: sample i always starts at the same place, whichever rank reads it."""
-    starts = [int(torch.randint(0, len(data) - block - 1, (1,), generator=torch.Generator().manual_seed(
-        seed_of(seed, "sample", i)))) for i in ids]
+    starts = [
+        int(
+            torch.randint(
+                0, len(data) - block - 1, (1,), generator=torch.Generator().manual_seed(seed_of(seed, "sample", i))
+            )
+        )
+        for i in ids
+    ]
     x = torch.stack([data[s : s + block] for s in starts])
     y = torch.stack([data[s + 1 : s + block + 1] for s in starts])
     return x, y

@@ -68,8 +68,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-                   for z in self.c_attn(x).split(c, dim=2))
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
 
@@ -140,18 +139,22 @@ def _init_weights(module: nn.Module) -> None:
 def configure_optimizer(model: nn.Module, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW decaying only matrices (weights, embeddings), not biases or LayerNorm gains, as nanoGPT does."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
 def warmup_cosine(*, warmup: int, total: int, min_ratio: float = 0.1) -> Callable[[int], float]:
     """The LR multiplier at step `it`: linear warmup, then cosine decay to `min_ratio` at `total` (nanoGPT's)."""
+
     def multiplier(it: int) -> float:
         if it < warmup:
             return (it + 1) / (warmup + 1)
         progress = min(1.0, (it - warmup) / max(1, total - warmup))
         return min_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - min_ratio)
+
     return multiplier
 
 
@@ -178,8 +181,9 @@ class MicroBatches:
     fetched ahead is the one a restarted process fetches, and the global RNG is left to dropout.
     """
 
-    def __init__(self, data: torch.Tensor, *, rank: int, seed: int, batch_size: int, block: int,
-                 grad_accum: int) -> None:
+    def __init__(
+        self, data: torch.Tensor, *, rank: int, seed: int, batch_size: int, block: int, grad_accum: int
+    ) -> None:
         self.data, self.rank, self.seed = data, rank, seed
         self.batch_size, self.block, self.grad_accum = batch_size, block, grad_accum
         self._ahead: tuple[tuple[int, int], Batch] | None = None  # (key, batch) fetched ahead
@@ -230,8 +234,9 @@ class MetricsLogger:
             self._file.flush()  # a killed rank loses no line it logged
 
 
-def forward_backward(ddp: DistributedDataParallel, batches: MicroBatches, scaler: torch.amp.GradScaler,
-                     autocast: Any, *, index: int) -> float:
+def forward_backward(
+    ddp: DistributedDataParallel, batches: MicroBatches, scaler: torch.amp.GradScaler, autocast: Any, *, index: int
+) -> float:
     """Gradients of batch `index` accumulated over its micro-batches (scaled by `scaler`); returns its mean loss."""
     total = 0.0
     for micro in range(batches.grad_accum):
@@ -273,12 +278,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--warmup", type=int, default=20, help="warmup steps of the cosine schedule")
-    parser.add_argument("--lr-decay-steps", type=int, help="length of the cosine decay (nanoGPT's lr_decay_iters); "
-                        "default: --steps")
+    parser.add_argument(
+        "--lr-decay-steps", type=int, help="length of the cosine decay (nanoGPT's lr_decay_iters); default: --steps"
+    )
     parser.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient norm to this (0: off)")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",  # bfloat16 is slower on CPU
-                        help="autocast dtype; float16 adds a GradScaler")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",  # bfloat16 is slower on CPU
+        help="autocast dtype; float16 adds a GradScaler",
+    )
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate on rank 0 every N steps (0: never)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--metrics-file", help="append JSON lines of metrics here (rank 0); default: none")
@@ -311,8 +321,9 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> tuple[GPT, Distrib
     return model, ddp
 
 
-def eval_on_rank_0(warden: Warden, model: GPT, data: torch.Tensor, autocast: Any, metrics: MetricsLogger,
-                   args: argparse.Namespace) -> None:
+def eval_on_rank_0(
+    warden: Warden, model: GPT, data: torch.Tensor, autocast: Any, metrics: MetricsLogger, args: argparse.Namespace
+) -> None:
     """Rank 0 evaluates; the other ranks go on and wait for it in the next step's all-reduce."""
     with warden.phase("eval"):  # its own hang timeout
         eval_loss = evaluate(model, data, autocast, seed=args.seed, batch_size=args.batch_size, block=args.block)
@@ -334,10 +345,16 @@ def main() -> None:
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype is not torch.float32)
     scaler = torch.amp.GradScaler("cpu", enabled=dtype is torch.float16)  # bfloat16 has float32's range: no scaling
     seed_rank_rngs(args.seed, rank)
-    batches = MicroBatches(train_data, rank=rank, seed=args.seed, batch_size=args.batch_size, block=args.block,
-                           grad_accum=args.grad_accum)
-    warden = Warden(ddp, optimizer, scheduler, extra_state={"scaler": scaler},  # the scaler's state is saved too
-                    global_batch_size=args.batch_size * args.grad_accum * world_size)
+    batches = MicroBatches(
+        train_data, rank=rank, seed=args.seed, batch_size=args.batch_size, block=args.block, grad_accum=args.grad_accum
+    )
+    warden = Warden(
+        ddp,
+        optimizer,
+        scheduler,
+        extra_state={"scaler": scaler},  # the scaler's state is saved too
+        global_batch_size=args.batch_size * args.grad_accum * world_size,
+    )
     metrics = MetricsLogger(args.metrics_file if rank == 0 else None)
 
     for _ in warden.steps(args.steps):  # resumes first; ends after args.steps steps, or early on a stop order

@@ -55,20 +55,40 @@ def main() -> None:
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     split = int(0.9 * len(data))
     torch.manual_seed(args.seed)  # the model's initial weights
-    config = GPT2Config(vocab_size=len(chars), n_positions=args.block, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=len(chars),
+        n_positions=args.block,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     training = TrainingArguments(
-        output_dir=output_dir(), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, learning_rate=3e-3, weight_decay=0.01, seed=args.seed,
+        output_dir=output_dir(),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        seed=args.seed,
         # trainwarden asks the Trainer for a checkpoint every worker.save_checkpoint_steps and at a stop's step
         # (save_strategy="steps" with save_steps works as well: every checkpoint the Trainer writes is recorded).
-        save_strategy="no", eval_strategy="steps", eval_steps=args.eval_every, logging_steps=10, report_to=[],
-        use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0,
+        save_strategy="no",
+        eval_strategy="steps",
+        eval_steps=args.eval_every,
+        logging_steps=10,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
         max_grad_norm=0.0,  # the callback judges the gradients, then clips them (max_norm below)
         disable_tqdm=True,
     )
     trainer = Trainer(
-        model=GPT2LMHeadModel(config), args=training,
+        model=GPT2LMHeadModel(config),
+        args=training,
         train_dataset=Windows(data[:split], block=args.block, size=args.samples, seed=args.seed),
         eval_dataset=Windows(data[split:], block=args.block, size=32, seed=args.seed + 1),
         callbacks=[TrainwardenCallback(max_norm=1.0)],

@@ -40,14 +40,14 @@ class Windows(Dataset):
 class CharModel(L.LightningModule):
     """A small pre-norm causal transformer over characters, built from its config (no downloads)."""
 
-    def __init__(self, vocab: int, *, d_model: int = 64, n_head: int = 4, n_layer: int = 2, block: int = 64,
-                 lr: float = 3e-3) -> None:
+    def __init__(
+        self, vocab: int, *, d_model: int = 64, n_head: int = 4, n_layer: int = 2, block: int = 64, lr: float = 3e-3
+    ) -> None:
         super().__init__()
         self.vocab, self.lr = vocab, lr
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(block, d_model)
-        layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout=0.0, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
@@ -98,14 +98,28 @@ def main() -> None:
     local, world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("WORLD_SIZE", 1))
     trainer = L.Trainer(
         # Launched as torchrun launches (the supervisor, srun): one process per device, Lightning spawns none.
-        accelerator="cpu", devices=local, num_nodes=world // local, strategy="ddp", max_steps=args.steps,
-        val_check_interval=args.eval_every, check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=local,
+        num_nodes=world // local,
+        strategy="ddp",
+        max_steps=args.steps,
+        val_check_interval=args.eval_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
         logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[TrainwardenCallback()],
     )
-    trainer.fit(model, DataLoader(train, batch_size=args.batch_size, shuffle=True),
-                DataLoader(val, batch_size=args.batch_size), ckpt_path=ckpt_path(), weights_only=True)
+    trainer.fit(
+        model,
+        DataLoader(train, batch_size=args.batch_size, shuffle=True),
+        DataLoader(val, batch_size=args.batch_size),
+        ckpt_path=ckpt_path(),
+        weights_only=True,
+    )
 
 
 if __name__ == "__main__":

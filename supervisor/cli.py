@@ -69,50 +69,91 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a job config under supervision, in the foreground")
     run.add_argument("config", help="job config (YAML)")
     run.add_argument("--run-dir", help="run directory (overrides the config's run_dir)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="set a config key before validation (repeatable): KEY a dotted path, VALUE YAML, "
-                          "e.g. --set worker.save_checkpoint_steps=100")
-    run.add_argument("--log-format", choices=LOG_FORMATS, default=None,
-                     help=f"events on stderr: console (readable, with a live status line on a terminal), json "
-                          f"(one object per line, as in the journal), or auto (default; {ENV_LOG_FORMAT}): console "
-                          f"on a terminal, json elsewhere")
-    run.add_argument("--ignore-stop-file", action="store_true",
-                     help="launch although the stop file is present (its current content is not acted on)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a config key before validation (repeatable): KEY a dotted path, VALUE YAML, "
+        "e.g. --set worker.save_checkpoint_steps=100",
+    )
+    run.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help=f"events on stderr: console (readable, with a live status line on a terminal), json "
+        f"(one object per line, as in the journal), or auto (default; {ENV_LOG_FORMAT}): console "
+        f"on a terminal, json elsewhere",
+    )
+    run.add_argument(
+        "--ignore-stop-file",
+        action="store_true",
+        help="launch although the stop file is present (its current content is not acted on)",
+    )
     run.add_argument("--successor", action="store_true", help=argparse.SUPPRESS)  # started by a node agent
     run.set_defaults(func=_run)
     status = sub.add_parser("status", help="where a run stands")
     status.add_argument("run_dir", help="the run directory")
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
-    status.add_argument("--excluded-nodes", action="store_true",
-                        help="print only the nodes a multi-node run excludes, comma-separated (for sbatch --exclude)")
+    status.add_argument(
+        "--excluded-nodes",
+        action="store_true",
+        help="print only the nodes a multi-node run excludes, comma-separated (for sbatch --exclude)",
+    )
     status.set_defaults(func=_status)
     stop = sub.add_parser("stop", help="ask a run to save a checkpoint and exit (or continue): writes its stop file")
     stop.add_argument("run_dir", help="the run directory")
-    stop.add_argument("--at-step", type=int, metavar="N", help="save at step N (default: the next step every "
-                                                                 "rank can agree on)")
-    stop.add_argument("--continue", dest="keep_going", action="store_true",
-                      help="keep training after the checkpoint (needs --at-step)")
+    stop.add_argument(
+        "--at-step", type=int, metavar="N", help="save at step N (default: the next step every rank can agree on)"
+    )
+    stop.add_argument(
+        "--continue",
+        dest="keep_going",
+        action="store_true",
+        help="keep training after the checkpoint (needs --at-step)",
+    )
     stop.set_defaults(func=_stop)
     nodes = sub.add_parser("nodes", help="a multi-node run's node ledger: which nodes failed it, which are excluded")
     nodes.add_argument("run_dir", help="the run directory")
-    nodes.add_argument("--forget", metavar="NODE", action="append", default=[],
-                       help="clear every fault of NODE, so the run uses it again (repeatable)")
-    nodes.add_argument("--sbatch-args", action="store_true",
-                       help="print only the sbatch options to resubmit with: a node range and the excluded nodes")
+    nodes.add_argument(
+        "--forget",
+        metavar="NODE",
+        action="append",
+        default=[],
+        help="clear every fault of NODE, so the run uses it again (repeatable)",
+    )
+    nodes.add_argument(
+        "--sbatch-args",
+        action="store_true",
+        help="print only the sbatch options to resubmit with: a node range and the excluded nodes",
+    )
     nodes.set_defaults(func=_nodes)
     export = sub.add_parser("export", help="write a checkpoint's model weights as a plain state_dict file")
     export.add_argument("run_dir", help="the run directory")
-    export.add_argument("-o", "--output", required=True, metavar="PATH",
-                        help="the file to write (replaced atomically; a symlink there is replaced, not followed)")
-    export.add_argument("--step", type=int, metavar="N",
-                        help="the checkpoint of step N (default: the newest usable one, as a resume would pick)")
+    export.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="PATH",
+        help="the file to write (replaced atomically; a symlink there is replaced, not followed)",
+    )
+    export.add_argument(
+        "--step",
+        type=int,
+        metavar="N",
+        help="the checkpoint of step N (default: the newest usable one, as a resume would pick)",
+    )
     export.add_argument("--prefix", help="the checkpoint file prefix (default: the only one in the run dir)")
     export.set_defaults(func=_export)
-    plot = sub.add_parser("plot", help="draw a run as one PNG: loss, steps/s, every event, per-rank step time "
-                                       "(needs the plot extra: matplotlib)")
+    plot = sub.add_parser(
+        "plot",
+        help="draw a run as one PNG: loss, steps/s, every event, per-rank step time (needs the plot extra: matplotlib)",
+    )
     plot.add_argument("run_dir", help="the run directory")
-    plot.add_argument("-o", "--output", metavar="FILE",
-                      help="the PNG to write (default RUN_DIR/plot.png; replaced atomically)")
+    plot.add_argument(
+        "-o", "--output", metavar="FILE", help="the PNG to write (default RUN_DIR/plot.png; replaced atomically)"
+    )
     plot.set_defaults(func=_plot)
     return parser
 
@@ -142,8 +183,12 @@ def _run(args: argparse.Namespace) -> int:
     multi = _multi_node(config)
     try:
         lock = None if multi else lock_run_dir(layout)  # many nodes: the lease alone, a successor is elsewhere
-        lease = take_lease(layout, ttl_s=config.slurm.node_timeout_s if multi else LOCAL_TTL_S,
-                           batch=not args.successor, locked_here=lock is not None)
+        lease = take_lease(
+            layout,
+            ttl_s=config.slurm.node_timeout_s if multi else LOCAL_TTL_S,
+            batch=not args.successor,
+            locked_here=lock is not None,
+        )
     except RunDirBusy as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -172,21 +217,35 @@ def _run(args: argparse.Namespace) -> int:
     _say_outcome(supervisor.state, layout)  # first: how it ended and why, then where the time went
     _say_goodput(layout)
     if args.successor:  # no batch script may be left to end the job as its exit code says
-        end_job(layout, code, exclude=_excluded_now(layout, config),
-                nodes=(config.nodes, config.nodes + config.spare_nodes), say=_say)
+        end_job(
+            layout,
+            code,
+            exclude=_excluded_now(layout, config),
+            nodes=(config.nodes, config.nodes + config.spare_nodes),
+            say=_say,
+        )
     return code
 
 
-def _supervise(config: JobConfig, layout: RunLayout, journal: Any, args: argparse.Namespace, lease: Lease,
-               console: Console | None) -> Supervisor | int:
+def _supervise(
+    config: JobConfig, layout: RunLayout, journal: Any, args: argparse.Namespace, lease: Lease, console: Console | None
+) -> Supervisor | int:
     """Supervise, and after handing over (cut off, or deposed), wait: either the run is ours again, or the
     exit code is the successor's. The last supervisor that ran, or an exit code."""
     while True:
-        factory = functools.partial(SlurmLauncher, lease=lease, args=args.argv) if _multi_node(config) \
-            else LocalLauncher
+        factory = (
+            functools.partial(SlurmLauncher, lease=lease, args=args.argv) if _multi_node(config) else LocalLauncher
+        )
         try:
-            supervisor = Supervisor(config, layout, journal, config_path=args.config, launcher=factory, lease=lease,
-                                    ignore_stop_file=args.ignore_stop_file)
+            supervisor = Supervisor(
+                config,
+                layout,
+                journal,
+                config_path=args.config,
+                launcher=factory,
+                lease=lease,
+                ignore_stop_file=args.ignore_stop_file,
+            )
         except OSError as exc:  # a symlink, FIFO or directory where the supervisor's own files go
             return _unusable(layout, exc)
         if console is not None:
@@ -250,8 +309,11 @@ def _say_outcome(state: State, layout: RunLayout) -> None:
     """How the run ended and why, with where the rank logs are; then, on a line of its own, the cause of the last
     failed attempt."""
     if state.phase is Phase.FINISHED:
-        print(f"trainwarden: run finished: every rank exited 0 (attempt {state.attempt}, "
-              f"{state.restarts} restart{'' if state.restarts == 1 else 's'})", file=sys.stderr)
+        print(
+            f"trainwarden: run finished: every rank exited 0 (attempt {state.attempt}, "
+            f"{state.restarts} restart{'' if state.restarts == 1 else 's'})",
+            file=sys.stderr,
+        )
         return
     logs = layout.attempt_log(state.attempt, 0, "err").parent
     reason = state.reason or ""
@@ -277,8 +339,9 @@ def _say_goodput(layout: RunLayout) -> None:
 
 def _unusable(layout: RunLayout, exc: OSError) -> int:
     """The run dir holds something that must not be written through; retrying cannot help."""
-    print(f"trainwarden: cannot use run dir {layout.root}: {exc.filename or ''}: {exc.strerror or exc}",
-          file=sys.stderr)
+    print(
+        f"trainwarden: cannot use run dir {layout.root}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr
+    )
     return EXIT_CONFIG
 
 
@@ -320,8 +383,10 @@ def _stop(args: argparse.Namespace) -> int:
     print(f"wrote {content or '(empty)'} to {path}: the run saves a checkpoint {when}, then {then}s")
     # One rule for every later start (a requeue, a resubmission, systemd, a successor): the file is kept.
     until = "once that checkpoint is saved, remove it" if args.keep_going else "to go on later, remove it"
-    print(f"the stop file stays: while it is there, a new start of this run dir (a requeue, a resubmission, a "
-          f"restart) launches nothing and exits 0; {until} (rm {path}) or start with --ignore-stop-file")
+    print(
+        f"the stop file stays: while it is there, a new start of this run dir (a requeue, a resubmission, a "
+        f"restart) launches nothing and exits 0; {until} (rm {path}) or start with --ignore-stop-file"
+    )
     return 0
 
 
@@ -335,8 +400,10 @@ def _nodes(args: argparse.Namespace) -> int:
     try:
         for node in args.forget:
             update_ledger(layout, lambda ledger, n=node: ledger.forgiven(n, now))
-            print(f"forgot every fault of {node}: this run may use it again (a running supervisor does so from "
-                  "its next attempt on)")
+            print(
+                f"forgot every fault of {node}: this run may use it again (a running supervisor does so from "
+                "its next attempt on)"
+            )
         ledger = Ledger.load(layout)
     except (OSError, ValueError) as exc:
         print(f"trainwarden: {layout.node_ledger}: {exc}", file=sys.stderr)
@@ -349,8 +416,11 @@ def _nodes(args: argparse.Namespace) -> int:
         # A run that may shrink (slurm.min_nodes) may also start on fewer nodes: Slurm gives what it has.
         low = min(policy["min_nodes"], policy["nodes"]) or policy["nodes"]
         high = policy["nodes"] + policy["spare_nodes"]
-        print(f"--nodes={low}" + (f"-{high}" if high > low else "") + (f" --exclude={','.join(excluded)}"
-                                                                          if excluded else ""))
+        print(
+            f"--nodes={low}"
+            + (f"-{high}" if high > low else "")
+            + (f" --exclude={','.join(excluded)}" if excluded else "")
+        )
     elif not args.forget:
         print(render_rows(ledger.rows(now, **rules, slurm_states=states)))
     return 0
@@ -417,8 +487,10 @@ def _not_stoppable(layout: RunLayout) -> str | None:
     except StatusError:
         return None  # a run whose supervisor never wrote its state: the default stop file is the one
     if isinstance(watched, str) and watched != str(layout.default_stop_file):
-        return (f"this run watches the stop file {watched[:300]!r} (stop.stop_file_path), not "
-                f"{layout.default_stop_file}; write that file instead, e.g. touch it; nothing written")
+        return (
+            f"this run watches the stop file {watched[:300]!r} (stop.stop_file_path), not "
+            f"{layout.default_stop_file}; write that file instead, e.g. touch it; nothing written"
+        )
     return None
 
 

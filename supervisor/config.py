@@ -99,8 +99,11 @@ class SlurmConfig:
     @property
     def ledger_rules(self) -> dict[str, float]:
         """The node ledger's keyword arguments (`Ledger.excluded`, `Ledger.rows`)."""
-        return {"max_failures": self.max_node_failures, "window_s": self.node_failure_window_s,
-                "cooldown_s": self.node_cooldown_s}
+        return {
+            "max_failures": self.max_node_failures,
+            "window_s": self.node_failure_window_s,
+            "cooldown_s": self.node_cooldown_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -194,8 +197,10 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.node_cooldown_s": (lambda v: v >= 0, "0 or more"),
     "stragglers.margin": (lambda v: v > 0, "more than 0"),
     "stragglers.sustain_s": (lambda v: v >= 0, "0 or more"),
-    "standby.prewarm_imports": (lambda v: all(_MODULE.fullmatch(name) for name in v),
-                                "a list of module names such as torch or torch.nn"),
+    "standby.prewarm_imports": (
+        lambda v: all(_MODULE.fullmatch(name) for name in v),
+        "a list of module names such as torch or torch.nn",
+    ),
     "env": (lambda v: all(k and "=" not in k for k in v), "a mapping of variable names (non-empty, no '=')"),
     "restart.max_restarts": (lambda v: v >= 0, "0 or more"),
     "restart.crash_loop_attempts": (lambda v: v == 0 or v >= 2, "0 (off) or at least 2"),
@@ -236,8 +241,10 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.keep_checkpoint_max": (lambda v: v >= 0, "0 or more"),
     "worker.no_usable_checkpoint": (lambda v: v in ("scratch", "refuse"), "scratch or refuse"),
     "worker.checkpoint_format": (lambda v: v in ("auto", "files", "dcp"), "auto, files or dcp"),
-    "worker.resume_training": (lambda v: isinstance(v, bool) or _step_of(v) is not None,
-                               "true, false, or a checkpoint name such as demo_rank_0-40.ckpt or 40"),
+    "worker.resume_training": (
+        lambda v: isinstance(v, bool) or _step_of(v) is not None,
+        "true, false, or a checkpoint name such as demo_rank_0-40.ckpt or 40",
+    ),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
     "worker.save_checkpoint_interval_s": (lambda v: v >= 0, "0 or more"),
     "worker.snapshot_steps": (lambda v: v >= 0, "0 or more"),
@@ -246,8 +253,10 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),
     "metrics.port": (lambda v: 0 <= v <= 65535, "between 0 (any free port) and 65535"),
     "metrics.address": (lambda v: v != "", "an address to listen on, such as 127.0.0.1 or 0.0.0.0"),
-    "metrics.textfile": (lambda v: v.endswith(".prom") and Path(v).name != ".prom",
-                         "a path ending in .prom (node_exporter's textfile collector reads only those)"),
+    "metrics.textfile": (
+        lambda v: v.endswith(".prom") and Path(v).name != ".prom",
+        "a path ending in .prom (node_exporter's textfile collector reads only those)",
+    ),
 }
 
 
@@ -336,8 +345,9 @@ class _UniqueKeyLoader(_LOADER):  # type: ignore[misc, valid-type]
         for key, _ in node.value:
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
                 if key.value in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{_brief(key.value)}'",
-                                                            key.start_mark)
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '{_brief(key.value)}'", key.start_mark
+                    )
                 seen.add(key.value)
         return super().construct_mapping(node, deep)
 
@@ -401,15 +411,19 @@ def parse_config(raw: Any, *, source: str = "<config>", overrides: Sequence[str]
     blame = {text.partition("=")[0].strip(): f"--set {_brief(text)}" for text in overrides}
     config = _build(JobConfig, raw, source, prefix="", blame=blame)
     if (config.script is None) == (config.command is None):
-        raise ConfigError(f"{_blamed(('script', 'command'), blame, source)}: give exactly one of 'script' "
-                          f"(a Python file) or 'command' (a list)")
+        raise ConfigError(
+            f"{_blamed(('script', 'command'), blame, source)}: give exactly one of 'script' "
+            f"(a Python file) or 'command' (a list)"
+        )
     if config.command is not None and not config.command:
         raise ConfigError(f"{_blamed(('command',), blame, source)}: 'command' must not be empty")
     adaptive = config.worker.adaptive_spike
     if adaptive.enabled and adaptive.window < adaptive.min_samples:  # the rule could never fire
         keys = [f"worker.adaptive_spike.{key}" for key in ("enabled", "window", "min_samples")]
-        raise ConfigError(f"{_blamed(keys, blame, source)}: 'worker.adaptive_spike.window' ({adaptive.window}) "
-                          f"must be at least 'worker.adaptive_spike.min_samples' ({adaptive.min_samples})")
+        raise ConfigError(
+            f"{_blamed(keys, blame, source)}: 'worker.adaptive_spike.window' ({adaptive.window}) "
+            f"must be at least 'worker.adaptive_spike.min_samples' ({adaptive.min_samples})"
+        )
     _check_feature_value_pairs(config.worker.feature_value_check, source, blame)
     _check_min_nodes(config, source, blame)
     return config
@@ -421,17 +435,22 @@ def _check_min_nodes(config: JobConfig, source: str, blame: Mapping[str, str]) -
     if minimum is None:
         return
     if not 1 <= minimum <= config.nodes:
-        raise ConfigError(f"{_blamed(('slurm.min_nodes', 'nodes'), blame, source)}: 'slurm.min_nodes' ({minimum}) "
-                          f"must be between 1 and 'nodes' ({config.nodes})")
+        raise ConfigError(
+            f"{_blamed(('slurm.min_nodes', 'nodes'), blame, source)}: 'slurm.min_nodes' ({minimum}) "
+            f"must be between 1 and 'nodes' ({config.nodes})"
+        )
     if minimum < config.nodes and config.worker.checkpoint_format != "dcp":
         keys = ("slurm.min_nodes", "worker.checkpoint_format")
-        raise ConfigError(f"{_blamed(keys, blame, source)}: 'slurm.min_nodes' below 'nodes' needs "
-                          f"'worker.checkpoint_format: dcp' (per-rank checkpoints cannot change world size)")
+        raise ConfigError(
+            f"{_blamed(keys, blame, source)}: 'slurm.min_nodes' below 'nodes' needs "
+            f"'worker.checkpoint_format: dcp' (per-rank checkpoints cannot change world size)"
+        )
 
 
 def _blamed(names: Iterable[str], blame: Mapping[str, str], source: str, *, whole: bool = True) -> str:
     """Who to name for an error about `names`: the last override that set one of them or a section holding it
     (or, for a `whole` value such as a mapping, part of it); else `source`, the file."""
+
     def touches(key: str, name: str) -> bool:
         return key == name or name.startswith(f"{key}.") or (whole and key.startswith(f"{name}."))
 
@@ -481,8 +500,9 @@ def _check_feature_value_pairs(check: Any, source: str, blame: Mapping[str, str]
         first, second = getattr(check, f"{pair}1"), getattr(check, f"{pair}2")
         if first <= second:
             keys = [f"worker.feature_value_check.{pair}{level}" for level in (1, 2)]
-            raise ConfigError(f"{_blamed(keys, blame, source)}: '{keys[0]}' ({first:g}) must be greater than "
-                              f"'{keys[1]}' ({second:g})")
+            raise ConfigError(
+                f"{_blamed(keys, blame, source)}: '{keys[0]}' ({first:g}) must be greater than '{keys[1]}' ({second:g})"
+            )
 
 
 def _build(cls: type, raw: Any, source: str, prefix: str, blame: Mapping[str, str]) -> Any:

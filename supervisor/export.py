@@ -83,8 +83,9 @@ def _plain_metadata(metadata: Mapping[str, Any], stripped: str) -> OrderedDict[s
     return plain  # the wrappers' own entries are dropped
 
 
-def export_weights(run_dir: str | Path, out: str | Path, *, step: int | None = None,
-                   prefix: str | None = None) -> Exported:
+def export_weights(
+    run_dir: str | Path, out: str | Path, *, step: int | None = None, prefix: str | None = None
+) -> Exported:
     """Write rank 0's model weights of checkpoint `step` (default: the newest usable one) of `run_dir` to `out`.
 
     Loads with weights_only only. `out` is written atomically: a symlink there is replaced by the file, never
@@ -94,8 +95,11 @@ def export_weights(run_dir: str | Path, out: str | Path, *, step: int | None = N
     stores = layout.checkpoint_stores()
     prefix = prefix if prefix is not None else _discover_prefix(layout, stores)
     store, chosen, passed_over = _choose(layout, stores, prefix, step)
-    state = _sharded_model_state(layout, store, chosen, prefix) if store.is_sharded(chosen, prefix) else \
-        _model_state(store, chosen, prefix)
+    state = (
+        _sharded_model_state(layout, store, chosen, prefix)
+        if store.is_sharded(chosen, prefix)
+        else _model_state(store, chosen, prefix)
+    )
     out = Path(out)
     _write(out, state)
     tensors = sum(1 for value in state.values() if _is_tensor(value))
@@ -115,29 +119,38 @@ def _discover_prefix(layout: RunLayout, stores: list[CheckpointStore]) -> str:
             if sharded and store.sharded_steps(sharded[0]):
                 found.add(sharded[0])
     if not found:
-        raise ExportError(f"no checkpoint in {layout.checkpoint_dir} (no complete rank_0/PREFIX_rank_0-STEP.ckpt "
-                          f"with its .json record, no PREFIX-STEP.dcp with its manifest)")
+        raise ExportError(
+            f"no checkpoint in {layout.checkpoint_dir} (no complete rank_0/PREFIX_rank_0-STEP.ckpt "
+            f"with its .json record, no PREFIX-STEP.dcp with its manifest)"
+        )
     if len(found) > 1:
-        raise ExportError(f"{layout.checkpoint_dir} holds checkpoints of several prefixes ({', '.join(sorted(found))})"
-                          f": name one with --prefix")
+        raise ExportError(
+            f"{layout.checkpoint_dir} holds checkpoints of several prefixes ({', '.join(sorted(found))})"
+            f": name one with --prefix"
+        )
     return found.pop()
 
 
-def _choose(layout: RunLayout, stores: list[CheckpointStore], prefix: str,
-            step: int | None) -> tuple[CheckpointStore, int, tuple[tuple[int, str], ...]]:
+def _choose(
+    layout: RunLayout, stores: list[CheckpointStore], prefix: str, step: int | None
+) -> tuple[CheckpointStore, int, tuple[tuple[int, str], ...]]:
     """The checkpoint to export, as the supervisor judges them, and the newer ones passed over on the way."""
     if step is not None:
         store = next((s for s in stores if step in _rank_0_steps(s, prefix)), None)
         if store is None:
-            raise ExportError(f"no complete checkpoint of step {step} in {layout.checkpoint_dir} "
-                              f"(complete: {_steps_named(stores, prefix)})")
+            raise ExportError(
+                f"no complete checkpoint of step {step} in {layout.checkpoint_dir} "
+                f"(complete: {_steps_named(stores, prefix)})"
+            )
         world = _world_size(store, [step], prefix)
         choice = choose_explicit(store, world, prefix, step)  # named: complete and intact, healthy or not
         if choice.step is None:
             _, why = choice.passed_over[0]
             complete = step in store.complete_steps(world, prefix)
-            raise ExportError(f"step {step} of {layout.root} is not usable: {why}",
-                              EXIT_CHECKPOINT_REFUSED if complete else EXIT_FAILED)
+            raise ExportError(
+                f"step {step} of {layout.root} is not usable: {why}",
+                EXIT_CHECKPOINT_REFUSED if complete else EXIT_FAILED,
+            )
         return store, step, ()
     newest = sorted({s for store in stores for s in _rank_0_steps(store, prefix)}, reverse=True)
     if not newest:
@@ -217,8 +230,10 @@ def _framework_model(directory: Path) -> Mapping[str, Any]:
             for name in weights:
                 model.update(load_safetensors(read_bytes(directory / name, manifest["files"][name]["size"])))
         else:
-            raise ExportError(f"checkpoint {directory}: {manifest['framework']}'s files {names[:6]} hold no model "
-                              f"this command reads (a sharded strategy's? consolidate it with the framework's tools)")
+            raise ExportError(
+                f"checkpoint {directory}: {manifest['framework']}'s files {names[:6]} hold no model "
+                f"this command reads (a sharded strategy's? consolidate it with the framework's tools)"
+            )
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
         raise ExportError(f"checkpoint {directory} refused: {exc}", EXIT_CHECKPOINT_REFUSED) from None
     if not isinstance(model, Mapping) or not model:

@@ -118,8 +118,9 @@ def lock_run_dir(layout: RunLayout) -> IO[str]:
     except BlockingIOError:
         holder = lock.read(32).strip()  # bounded: the file is in the run dir, anyone may have written it
         lock.close()
-        raise RunDirBusy(f"{layout.root} is already supervised by pid {holder if holder.isdigit() else 'unknown'}"
-                         ) from None
+        raise RunDirBusy(
+            f"{layout.root} is already supervised by pid {holder if holder.isdigit() else 'unknown'}"
+        ) from None
     lock.truncate(0)
     lock.write(f"{os.getpid()}\n")
     lock.flush()
@@ -129,9 +130,17 @@ def lock_run_dir(layout: RunLayout) -> IO[str]:
 class Supervisor:
     """Runs one job to its end and returns the exit code."""
 
-    def __init__(self, config: JobConfig, layout: RunLayout, journal: Journal, *, config_path: str,
-                 ignore_stop_file: bool = False, launcher: LauncherFactory = LocalLauncher,
-                 lease: Lease | None = None) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        layout: RunLayout,
+        journal: Journal,
+        *,
+        config_path: str,
+        ignore_stop_file: bool = False,
+        launcher: LauncherFactory = LocalLauncher,
+        lease: Lease | None = None,
+    ) -> None:
         self.config = config
         self.layout = layout
         self.stop_file = config.stop_file(layout)
@@ -175,12 +184,22 @@ class Supervisor:
             self._lease.start()
         self._launcher.start()
         self._stop_watcher.start()
-        self.log.info("supervisor_started", pid=os.getpid(), config=self._config_path, run_dir=str(self.layout.root),
-                      nproc=self.config.nproc_per_node, nodes=self.config.nodes, subreaper=become_subreaper())
+        self.log.info(
+            "supervisor_started",
+            pid=os.getpid(),
+            config=self._config_path,
+            run_dir=str(self.layout.root),
+            nproc=self.config.nproc_per_node,
+            nodes=self.config.nodes,
+            subreaper=become_subreaper(),
+        )
         worker = self.config.worker
         if worker.save_checkpoint_steps == 0 and worker.save_checkpoint_interval_s == 0:
-            self.log.warning("checkpointing_off", reason="worker.save_checkpoint_steps and "
-                             "worker.save_checkpoint_interval_s are 0: after a crash the run starts again from step 0")
+            self.log.warning(
+                "checkpointing_off",
+                reason="worker.save_checkpoint_steps and "
+                "worker.save_checkpoint_interval_s are 0: after a crash the run starts again from step 0",
+            )
         for leftover in kill_predecessor_leftovers(self.layout):
             self.log.warning("predecessor_leftover_killed", **leftover)
         unlink_quietly(self.layout.stop_order)  # a predecessor's order is not ours to carry out
@@ -202,8 +221,9 @@ class Supervisor:
             self._end_lease()
         if self.handed_over is not None:
             return None
-        self.log.info("supervisor_exiting", state=self.state.phase.value, exit_code=self.state.exit_code,
-                      reason=self.state.reason)
+        self.log.info(
+            "supervisor_exiting", state=self.state.phase.value, exit_code=self.state.exit_code, reason=self.state.reason
+        )
         return self.state.exit_code or 0
 
     def _end_lease(self) -> None:
@@ -219,8 +239,12 @@ class Supervisor:
         """Stop acting for the run at once: nothing more is launched, signalled or written by this supervisor."""
         if self.handed_over is None:
             self.handed_over, self._abdicate = why, abdicate
-            self.log.error("supervisor_isolated" if abdicate else "supervisor_deposed", why=why,
-                           attempt=self.state.attempt, action="fencing this node's ranks; handing over")
+            self.log.error(
+                "supervisor_isolated" if abdicate else "supervisor_deposed",
+                why=why,
+                attempt=self.state.attempt,
+                action="fencing this node's ranks; handing over",
+            )
 
     def _stop_file_blocks_start(self) -> bool:
         """A stop file present at start means the run was stopped on purpose: an automatic restart must not undo
@@ -235,10 +259,14 @@ class Supervisor:
             self._stop_file_seen = present[0]
             self.log.warning("stop_file_ignored", path=str(self.stop_file))
             return False
-        self.log.error("stop_file_present", path=str(self.stop_file),
-                       action="not launching; remove the file or pass --ignore-stop-file")
-        self.state = replace(self.state, phase=Phase.STOPPED,
-                             reason=f"not started: stop file {self.stop_file} is present")
+        self.log.error(
+            "stop_file_present",
+            path=str(self.stop_file),
+            action="not launching; remove the file or pass --ignore-stop-file",
+        )
+        self.state = replace(
+            self.state, phase=Phase.STOPPED, reason=f"not started: stop file {self.stop_file} is present"
+        )
         self._write_status(durable=True)
         return True
 
@@ -442,13 +470,15 @@ class Supervisor:
             chosen = None if action.ranks is None else set(action.ranks)  # a set: thousands of ranks
             running = {r.rank for r in self.state.ranks if r.running and (chosen is None or r.rank in chosen)}
             sent = self._launcher.signal(action.attempt, action.signum, running)
-            self.log.info("ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent,
-                          attempt=action.attempt)
+            self.log.info(
+                "ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent, attempt=action.attempt
+            )
         elif isinstance(action, LaunchRanks):
             threading.Thread(target=self._prepare_launch, args=(action,), daemon=True).start()
         elif isinstance(action, DumpStacks):
-            self._launcher.dump_stacks(action.attempt, action.ranks, action.faulthandler_ranks,
-                                       collective_failed=action.collective_failed)
+            self._launcher.dump_stacks(
+                action.attempt, action.ranks, action.faulthandler_ranks, collective_failed=action.collective_failed
+            )
         elif isinstance(action, KillLeftovers):
             survivors = [r for r in self.state.ranks if r.running and r.pid is not None]
             self._launcher.kill_leftovers(action.attempt, survivors)
@@ -489,34 +519,48 @@ class Supervisor:
         for step, reason in choice.passed_over:
             self.log.warning("checkpoint_passed_over", step=step, reason=reason, attempt=action.attempt)
         if choice.step is None and choice.passed_over:
-            self.log.error("no_usable_checkpoint", attempt=action.attempt, candidates=len(choice.passed_over),
-                           then=self.config.worker.no_usable_checkpoint)
+            self.log.error(
+                "no_usable_checkpoint",
+                attempt=action.attempt,
+                candidates=len(choice.passed_over),
+                then=self.config.worker.no_usable_checkpoint,
+            )
         launched = self._launch(action, choice)
         return [] if launched is None else [launched]
 
     def _launch(self, action: LaunchRanks, choice: Choice) -> Event | None:
         attempt = action.attempt
         resume_step = choice.step
-        if resume_step is None and choice.passed_over and attempt == 0 and isinstance(
-                self.config.worker.resume_training, str):
+        if (
+            resume_step is None
+            and choice.passed_over
+            and attempt == 0
+            and isinstance(self.config.worker.resume_training, str)
+        ):
             named, why = choice.passed_over[0]
-            return LaunchFailed(attempt, f"the checkpoint named by worker.resume_training (step {named}) "
-                                         f"is not usable: {why}")
+            return LaunchFailed(
+                attempt, f"the checkpoint named by worker.resume_training (step {named}) is not usable: {why}"
+            )
         if resume_step is None and choice.passed_over and self.config.worker.no_usable_checkpoint == "refuse":
             newest, why = choice.passed_over[0]
-            return LaunchFailed(attempt, f"no usable checkpoint (newest, step {newest}: {why}); "
-                                         "refusing to start from scratch (worker.no_usable_checkpoint: refuse)")
+            return LaunchFailed(
+                attempt,
+                f"no usable checkpoint (newest, step {newest}: {why}); "
+                "refusing to start from scratch (worker.no_usable_checkpoint: refuse)",
+            )
         if self._lease is not None and not self._lease.valid():  # launching now could race a successor
-            self._hand_over(self._lease.lost.why if self._lease.lost else "the lease could not be renewed in time",
-                            abdicate=False)
+            self._hand_over(
+                self._lease.lost.why if self._lease.lost else "the lease could not be renewed in time", abdicate=False
+            )
             return None
         for rank in range(self.config.world_size):  # a beat from an earlier run must not pass for this one
             unlink_quietly(self.layout.heartbeat(rank))
         self._sort_out_junk()
         store = choice.store
         self._launching = LaunchPrepared(action, choice)
-        spawned = self._launcher.launch(Attempt(attempt, resume_step, None if store is None else store.root,
-                                                action.skip_to_batch))
+        spawned = self._launcher.launch(
+            Attempt(attempt, resume_step, None if store is None else store.root, action.skip_to_batch)
+        )
         return spawned if spawned is None or isinstance(spawned, LaunchFailed) else self._ranks_launched(spawned)
 
     def _spawned(self, spawned: Spawned) -> list[Event]:
@@ -530,8 +574,14 @@ class Supervisor:
         choice, attempt = self._launching.choice, spawned.attempt
         store = choice.store
         source = None if store is None or store == self.layout.checkpoints else store.label
-        return RanksLaunched(attempt, spawned.pids, choice.step, choice.passed_over, source,
-                             resume_named=self._names_resume(attempt) and choice.step is not None)
+        return RanksLaunched(
+            attempt,
+            spawned.pids,
+            choice.step,
+            choice.passed_over,
+            source,
+            resume_named=self._names_resume(attempt) and choice.step is not None,
+        )
 
     def _sort_out_junk(self) -> None:
         """Before a launch (no save can be in flight): delete our torn temporaries, report anything foreign once."""
@@ -561,8 +611,14 @@ class Supervisor:
             named = parse_checkpoint_name(worker.resume_training)
             assert named is not None  # the config was validated
             return choose_explicit(named_store(self.layout, worker), world, worker.prefix, named)
-        return choose_resume(resume_stores(self.layout, worker), world, worker.prefix, at_most=at_most,
-                             require_healthy=worker.use_checkpoint_health_monitor, refused=dict(refused))
+        return choose_resume(
+            resume_stores(self.layout, worker),
+            world,
+            worker.prefix,
+            at_most=at_most,
+            require_healthy=worker.use_checkpoint_health_monitor,
+            refused=dict(refused),
+        )
 
     def _record_health(self, steps: list[int]) -> list[int]:
         """Rotate, then keep health_ckpts.json (seed 000) listing every complete checkpoint of this world size, when
@@ -620,8 +676,13 @@ class Supervisor:
         # Checkpoints are looked through (one listing per rank) at the periodic writes and at the end, not at each
         # change of phase: a crash of thousands of ranks must not wait for it to be handled.
         looked = not durable or self.state.phase.terminal or self._health_seen is None
-        steps = self._record_health(self.layout.checkpoints.complete_steps(
-            self.config.world_size, self.config.worker.prefix)) if looked else self._health_steps
+        steps = (
+            self._record_health(
+                self.layout.checkpoints.complete_steps(self.config.world_size, self.config.worker.prefix)
+            )
+            if looked
+            else self._health_steps
+        )
         extra = {
             "run_dir": str(self.layout.root),
             "config": self._config_path,

@@ -11,12 +11,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["CRAFTED_REFUSAL", "assert_bitwise_equal", "bitwise_difference", "bitwise_equal", "load_saved",
-           "write_crafted"]
+__all__ = [
+    "CRAFTED_REFUSAL",
+    "assert_bitwise_equal",
+    "bitwise_difference",
+    "bitwise_equal",
+    "load_saved",
+    "write_crafted",
+]
 
 # Why the library refuses `write_crafted`'s file, in torch 2.13's words (pinned in .ci/run).
-CRAFTED_REFUSAL = ("not tensors and plain data only (weights_only load): "
-                   "Trying to load unsupported GLOBAL posix.system whose module posix is blocked.")
+CRAFTED_REFUSAL = (
+    "not tensors and plain data only (weights_only load): "
+    "Trying to load unsupported GLOBAL posix.system whose module posix is blocked."
+)
 
 
 def load_saved(path: Path) -> dict[str, Any]:

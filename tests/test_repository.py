@@ -11,8 +11,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_ruff_is_clean() -> None:
     """`ruff check` finds nothing in the project's code."""
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "supervisor", "worker", "tests", "bench",
-                             "examples"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "supervisor", "worker", "tests", "bench", "examples"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

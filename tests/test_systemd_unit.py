@@ -58,7 +58,8 @@ def test_unit_is_a_notify_service_that_restarts_on_failure_but_not_on_config_err
     assert (service["Type"], service["NotifyAccess"]) == ("notify", "main")
     assert service["Restart"] == "on-failure" and seconds(service["RestartSec"]) >= 5
     assert {str(code) for code in (EXIT_ANOMALY, EXIT_CRASH_LOOP, EXIT_CONFIG)} <= set(
-        service["RestartPreventExitStatus"].split())
+        service["RestartPreventExitStatus"].split()
+    )
     assert service["ExecStart"] == f"{INSTALLED_COMMAND} run /etc/trainwarden/%i.yaml"
     assert seconds(service["WatchdogSec"]) > 0
 
@@ -78,7 +79,17 @@ def test_unit_limits_and_hardening_leave_gpus_and_nccl_working() -> None:
     service = service_section()
 
     assert (service["LimitNOFILE"], service["LimitMEMLOCK"]) == ("1048576", "infinity")
-    hiding = {"PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock", "PrivateTmp", "PrivateIPC",
-              "RemoveIPC", "MemoryDenyWriteExecute", "NoNewPrivileges", "PrivateNetwork"}
+    hiding = {
+        "PrivateDevices",
+        "DevicePolicy",
+        "DeviceAllow",
+        "ProtectClock",
+        "PrivateTmp",
+        "PrivateIPC",
+        "RemoveIPC",
+        "MemoryDenyWriteExecute",
+        "NoNewPrivileges",
+        "PrivateNetwork",
+    }
     assert hiding.isdisjoint(service)
     assert service["ProtectSystem"] == "full"

@@ -87,15 +87,14 @@ class AnomalyDetector:
             while len(history) > self.adaptive.window:
                 history.popleft()
 
-
     def state_dict(self) -> dict[str, list[float]]:
         """The normal steps' history, for a checkpoint: a resumed run judges its first steps as it would have."""
         return {"norms": list(self._norms), "losses": list(self._losses)}
 
     def load_state_dict(self, state: dict[str, list[float]]) -> None:
         """Put back `state_dict`'s history (the newest `window` values, should the window have shrunk)."""
-        self._norms = deque(float(v) for v in state["norms"][-self.adaptive.window:])
-        self._losses = deque(float(v) for v in state["losses"][-self.adaptive.window:])
+        self._norms = deque(float(v) for v in state["norms"][-self.adaptive.window :])
+        self._losses = deque(float(v) for v in state["losses"][-self.adaptive.window :])
 
 
 def _spike(history: deque[float], value: float, cfg: AdaptiveConfig) -> bool:

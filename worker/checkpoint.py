@@ -48,8 +48,13 @@ def _numpy_state(numpy: Any) -> dict[str, Any]:
     import torch
 
     name, keys, pos, has_gauss, cached_gaussian = numpy.random.get_state(legacy=True)
-    return {"bit_generator": str(name), "keys": torch.tensor(keys.tolist(), dtype=torch.int64), "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return {
+        "bit_generator": str(name),
+        "keys": torch.tensor(keys.tolist(), dtype=torch.int64),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
 
 
 def restore_rng(state: dict[str, Any]) -> dict[str, str]:
@@ -63,14 +68,18 @@ def restore_rng(state: dict[str, Any]) -> dict[str, str]:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
         else:
-            skipped["cuda"] = (f"CUDA is not available in this process, so nothing here draws from a CUDA generator; "
-                               f"the {len(state['cuda'])} saved CUDA generator state(s) are left unused")
+            skipped["cuda"] = (
+                f"CUDA is not available in this process, so nothing here draws from a CUDA generator; "
+                f"the {len(state['cuda'])} saved CUDA generator state(s) are left unused"
+            )
     if "numpy" in state:
         try:
             import numpy
         except ImportError as exc:  # then no code in this process can draw from NumPy's RNG either
-            skipped["numpy"] = (f"numpy cannot be imported in this process ({exc}), so nothing here can draw from "
-                                "its RNG; the saved NumPy RNG state is left unused")
+            skipped["numpy"] = (
+                f"numpy cannot be imported in this process ({exc}), so nothing here can draw from "
+                "its RNG; the saved NumPy RNG state is left unused"
+            )
         else:
             numpy.random.set_state(_numpy_tuple(numpy, state["numpy"]))
     return skipped
@@ -186,8 +195,9 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(store: CheckpointStore, *, rank: int, step: int, prefix: str,
-                    weights_only: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    store: CheckpointStore, *, rank: int, step: int, prefix: str, weights_only: bool = True
+) -> dict[str, Any]:
     """Load this rank's checkpoint of `step`: tensors and plain data only unless `weights_only` is False.
 
     CheckpointRefused names the file when it is a symlink or special file, holds anything else, or cannot be

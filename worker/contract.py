@@ -226,8 +226,9 @@ class RunLayout:
 
     def snapshot_slot(self, slot: int) -> CheckpointStore:
         """One of the two alternating snapshot slots (seed 004); the older one is overwritten next."""
-        return CheckpointStore(self.checkpoint_dir / SNAPSHOT_DIR / str(slot), label=f"snapshot slot {slot}",
-                               base=self.checkpoint_dir)
+        return CheckpointStore(
+            self.checkpoint_dir / SNAPSHOT_DIR / str(slot), label=f"snapshot slot {slot}", base=self.checkpoint_dir
+        )
 
     def checkpoint_stores(self) -> list[CheckpointStore]:
         """Every place of this run a resume may come from: regular checkpoints first, then the snapshot slots."""
@@ -321,7 +322,6 @@ def parse_sharded_name(name: str) -> tuple[str, int] | None:
     """(prefix, step) of a checkpoint directory's name (sharded or a framework's), or None."""
     match = _SHARDED_NAME.match(name)
     return (match["prefix"], int(match["step"])) if match else None
-
 
 
 def parse_checkpoint_name(name: str) -> int | None:

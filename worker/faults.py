@@ -54,9 +54,25 @@ __all__ = ["ENV_FAULTS", "ENV_FAULTS_ONCE", "KINDS", "Fault", "FaultPlan", "hang
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
 ENV_FAULTS_ONCE = "TRAINWARDEN_FAULTS_ONCE"
-KINDS = ("sigkill", "sigkill_in_save", "sigkill_after_save", "hang", "hang_in_save", "sigstop", "slow_save",
-         "slow", "spike", "nan", "sdc", "sigkill_in_async_write", "hang_in_async_write", "dataloader_hang",
-         "stall_in_collective", "extra_collective", "collective_sizes")
+KINDS = (
+    "sigkill",
+    "sigkill_in_save",
+    "sigkill_after_save",
+    "hang",
+    "hang_in_save",
+    "sigstop",
+    "slow_save",
+    "slow",
+    "spike",
+    "nan",
+    "sdc",
+    "sigkill_in_async_write",
+    "hang_in_async_write",
+    "dataloader_hang",
+    "stall_in_collective",
+    "extra_collective",
+    "collective_sizes",
+)
 GRADIENT_KINDS = ("spike", "nan")
 SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
 # The peers of a rank whose all-reduce stalls come to it this much later, so the stall's hook is in place before the
@@ -87,8 +103,7 @@ def _parse_item(item: str) -> Fault:
         kind, when = rest.split("@", 1)
         step, _, arg = when.partition(":")
         arg, _, target = arg.partition(":")
-        fault = Fault(rank=int(rank), kind=kind, step=int(step), arg=float(arg) if arg else None,
-                      target=target or None)
+        fault = Fault(rank=int(rank), kind=kind, step=int(step), arg=float(arg) if arg else None, target=target or None)
     except ValueError:
         raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP[:ARG[:LAYER]]") from None
     if fault.kind not in KINDS:
@@ -103,11 +118,21 @@ def _parse_item(item: str) -> Fault:
 class FaultPlan:
     """The faults armed for this rank in this attempt; `due()` is a dict lookup, cheap every step."""
 
-    def __init__(self, faults: list[Fault], *, rank: int, attempt: int,
-                 on_fire: Callable[[Fault], None] = lambda fault: None, marks: Path | None = None) -> None:
+    def __init__(
+        self,
+        faults: list[Fault],
+        *,
+        rank: int,
+        attempt: int,
+        on_fire: Callable[[Fault], None] = lambda fault: None,
+        marks: Path | None = None,
+    ) -> None:
         armed = attempt == 0 or marks is not None
-        self._due = {(f.kind, f.step): f for f in faults
-                     if armed and f.rank == rank and (marks is None or not _mark(marks, f).exists())}
+        self._due = {
+            (f.kind, f.step): f
+            for f in faults
+            if armed and f.rank == rank and (marks is None or not _mark(marks, f).exists())
+        }
         self._marks = marks
         self._on_fire = on_fire
         self._repeats = {key: int(f.arg or 1) for key, f in self._due.items() if f.kind in GRADIENT_KINDS}
@@ -116,12 +141,23 @@ class FaultPlan:
         self._slow = min(slow, key=lambda f: f.step, default=None)
 
     @classmethod
-    def from_env(cls, *, rank: int, attempt: int, on_fire: Callable[[Fault], None] = lambda fault: None,
-                 rank_dir: Path | None = None) -> FaultPlan:
+    def from_env(
+        cls,
+        *,
+        rank: int,
+        attempt: int,
+        on_fire: Callable[[Fault], None] = lambda fault: None,
+        rank_dir: Path | None = None,
+    ) -> FaultPlan:
         """The plan `TRAINWARDEN_FAULTS` describes; marks go to `rank_dir` under TRAINWARDEN_FAULTS_ONCE=1."""
         once = os.environ.get(ENV_FAULTS_ONCE) == "1" and rank_dir is not None
-        return cls(parse_faults(os.environ.get(ENV_FAULTS, "")), rank=rank, attempt=attempt, on_fire=on_fire,
-                   marks=rank_dir if once else None)
+        return cls(
+            parse_faults(os.environ.get(ENV_FAULTS, "")),
+            rank=rank,
+            attempt=attempt,
+            on_fire=on_fire,
+            marks=rank_dir if once else None,
+        )
 
     def due(self, kind: str, step: int) -> Fault | None:
         """The armed fault of `kind` at `step`, announced through `on_fire` (it is about to strike)."""

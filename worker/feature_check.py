@@ -46,8 +46,17 @@ def _unwrapped(model: Any) -> Any:
 class FeatureValueCheck:
     """Check points on one rank's model, their histories, and the per-step verdict."""
 
-    def __init__(self, model: Any, config: FeatureValueConfig, *, log: Any, faults: FaultPlan,
-                 rank: int, attempted_step: Callable[[], int], on_leave: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: FeatureValueConfig,
+        *,
+        log: Any,
+        faults: FaultPlan,
+        rank: int,
+        attempted_step: Callable[[], int],
+        on_leave: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config, self._log, self._faults, self._rank = config, log, faults, rank
         self._on_leave = on_leave  # an abort's teardown takes a while: the heartbeat says this rank is leaving
         self._attempted_step = attempted_step  # the step the current backward pass belongs to
@@ -57,8 +66,9 @@ class FeatureValueCheck:
         self._pending: list[Any] = [None] * len(layers)  # this step's norms, still on the device
         self._arrivals: list[int] = []  # layers in the order backward reached them: corruption spreads that way
         self._sdc = self._arm_sdc(faults)
-        self._handles = [module.register_forward_hook(partial(self._on_forward, i)) for i, (_, module)
-                         in enumerate(layers)]
+        self._handles = [
+            module.register_forward_hook(partial(self._on_forward, i)) for i, (_, module) in enumerate(layers)
+        ]
         self.first_fault: tuple[str, Finding] | None = None  # this step's first L1 fault, for the abort event
         if config.level > 0:
             log.info("feature_value_check_started", layers=self.names, **config.thresholds())
@@ -74,9 +84,14 @@ class FeatureValueCheck:
         for fault in faults.armed("sdc"):
             target = fault.target or (self.names[0] if self.names else None)
             if target not in self.names:
-                self._log.warning("fault_not_armed", kind="sdc", step=fault.step, layer=target,
-                                  reason="not a checked layer (or feature_value_check.level is 0)",
-                                  checked_layers=self.names)
+                self._log.warning(
+                    "fault_not_armed",
+                    kind="sdc",
+                    step=fault.step,
+                    layer=target,
+                    reason="not a checked layer (or feature_value_check.level is 0)",
+                    checked_layers=self.names,
+                )
                 continue
             armed[fault.step] = self.names.index(target)
         return armed
@@ -143,9 +158,19 @@ class FeatureValueCheck:
         """Log the abort the supervisor reads (seed 000's `anomaly_abort` fields) and exit with EXIT_ANOMALY."""
         local = self.first_fault
         details = _finding_fields(*local) if local is not None else {"layer": None}
-        self._log.error("anomaly_abort", cause="feature_value", step=step, batch=batch, consecutive=1,
-                        first_anomaly_step=step, first_anomaly_batch=batch, suspect_ranks=suspect_ranks,
-                        local=local is not None, **details, **self.config.thresholds())
+        self._log.error(
+            "anomaly_abort",
+            cause="feature_value",
+            step=step,
+            batch=batch,
+            consecutive=1,
+            first_anomaly_step=step,
+            first_anomaly_batch=batch,
+            suspect_ranks=suspect_ranks,
+            local=local is not None,
+            **details,
+            **self.config.thresholds(),
+        )
         self._on_leave()
         leave(EXIT_ANOMALY)
 
@@ -167,9 +192,16 @@ class FeatureValueCheck:
 def _finding_fields(layer: str, finding: Finding) -> dict[str, Any]:
     """The seed's log line as fields: val, pre_val, min_val, max_val, the values judged so far, and why."""
     history = finding.history
-    return {"layer": layer, "val": _number(finding.val), "pre_val": _number(history.pre_val),
-            "min_val": history.min_val, "max_val": history.max_val, "checks": history.checks,
-            "jump": _number(finding.jump), "reasons": list(finding.reasons)}
+    return {
+        "layer": layer,
+        "val": _number(finding.val),
+        "pre_val": _number(history.pre_val),
+        "min_val": history.min_val,
+        "max_val": history.max_val,
+        "checks": history.checks,
+        "jump": _number(finding.jump),
+        "reasons": list(finding.reasons),
+    }
 
 
 def _number(value: float | None) -> float | str | None:

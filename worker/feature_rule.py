@@ -64,8 +64,14 @@ class FeatureValueConfig:
 
     def thresholds(self) -> dict[str, Any]:
         """The rule's parameters, as every feature-value event carries them (like the seed's log line)."""
-        return {"min_steps": self.min_steps, "upper_thresh1": self.upper_thresh1, "upper_thresh2": self.upper_thresh2,
-                "sigma_thresh1": self.sigma_thresh1, "sigma_thresh2": self.sigma_thresh2, "detect_level": self.level}
+        return {
+            "min_steps": self.min_steps,
+            "upper_thresh1": self.upper_thresh1,
+            "upper_thresh2": self.upper_thresh2,
+            "sigma_thresh1": self.sigma_thresh1,
+            "sigma_thresh2": self.sigma_thresh2,
+            "detect_level": self.level,
+        }
 
 
 @dataclass
@@ -129,9 +135,13 @@ def with_env(config: FeatureValueConfig, env: Mapping[str, str]) -> tuple[Featur
     """`config` with the TRAINWARDEN_ASD_* variables applied; an invalid one is ignored and described."""
     changes: dict[str, Any] = {}
     problems = []
-    for name, parse in ((ENV_ASD_ENABLE, _parse_level), (ENV_ASD_UPPER_THRESH, _parse_pair("upper_thresh")),
-                        (ENV_ASD_SIGMA_THRESH, _parse_pair("sigma_thresh")), (ENV_ASD_MIN_STEPS, _parse_min_steps),
-                        (ENV_ASD_LAYERS, _parse_layers)):
+    for name, parse in (
+        (ENV_ASD_ENABLE, _parse_level),
+        (ENV_ASD_UPPER_THRESH, _parse_pair("upper_thresh")),
+        (ENV_ASD_SIGMA_THRESH, _parse_pair("sigma_thresh")),
+        (ENV_ASD_MIN_STEPS, _parse_min_steps),
+        (ENV_ASD_LAYERS, _parse_layers),
+    ):
         raw = env.get(name)
         if raw is None or raw.strip() == "":
             continue

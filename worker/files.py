@@ -73,8 +73,14 @@ def open_regular(path: str | Path, *, follow_symlinks: bool = False) -> int:
     return fd
 
 
-_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
-          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFLNK: "a symbolic link",
+}
 
 
 def read_bytes(path: str | Path, limit: int, *, follow_symlinks: bool = False) -> bytes:
@@ -114,8 +120,13 @@ def parse_json(data: bytes | str) -> Any:
     bounded nesting; ValueError naming what is wrong otherwise."""
     text = data.decode("utf-8") if isinstance(data, bytes) else data  # UnicodeDecodeError is a ValueError
     try:
-        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int,
-                          object_pairs_hook=_unique_keys)
+        return json.loads(
+            text,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+            parse_int=_bounded_int,
+            object_pairs_hook=_unique_keys,
+        )
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -198,16 +209,21 @@ def _in_dir(root: Path, directory: Path) -> Iterator[int]:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, root: Path, durable: bool = True,
-                 before_rename: Callable[[Path], object] | None = None) -> None:
+def atomic_write(
+    path: Path,
+    write: Callable[[IO[bytes]], object],
+    *,
+    root: Path,
+    durable: bool = True,
+    before_rename: Callable[[Path], object] | None = None,
+) -> None:
     """Create `path` (inside `root`) through `write(file)` so that readers see the old or the new content,
     never a torn file. No symlink below `root` is followed, and a symlink at `path` is replaced, not
     written through. `durable=False` skips the fsyncs: still atomic for readers, not across a power cut.
     `before_rename(temporary)` is a fault-injection hook."""
     with _in_dir(root, path.parent) as dir_fd:
         tmp = f".{path.name}.{secrets.token_hex(4)}.tmp"  # the shape the supervisor knows as our temporary
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
-                     dir_fd=dir_fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
         try:
             with os.fdopen(fd, "wb") as f:
                 write(f)
@@ -232,8 +248,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, root: Path, durable: bool = T
 
 def atomic_write_json(path: Path, obj: Any, *, root: Path, durable: bool = True) -> None:
     """Atomically write `obj` as JSON (strict: NaN and Infinity are refused, so readers never see them)."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode(), root=root,
-                       durable=durable)
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode(), root=root, durable=durable)
 
 
 def open_append(path: Path, *, root: Path) -> int:

@@ -50,8 +50,16 @@ class _Agreed:
 class StepGuard:
     """Checks each step's gradients and loss; skips anomalous steps and aborts a streak of them."""
 
-    def __init__(self, config: WorkerConfig, *, log: Any, faults: FaultPlan, world_size: int, rank: int = 0,
-                 on_leave: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        log: Any,
+        faults: FaultPlan,
+        world_size: int,
+        rank: int = 0,
+        on_leave: Callable[[], None] = lambda: None,
+    ) -> None:
         monitor = config.monitor_config
         skip_on_norm = config.use_skip_data_by_global_norm and monitor.monitor_on
         self.threshold = monitor.global_norm_spike_threshold if skip_on_norm else None
@@ -63,8 +71,17 @@ class StepGuard:
         self._on_leave = on_leave  # an abort's teardown takes a while: the heartbeat says this rank is leaving
 
     def check(
-        self, params: Iterable[Any], loss: float, *, step: int, batch: int, max_norm: float,
-        feature_fault: bool | None = None, order_id: int = 0, save_due: bool = False, amp_scaling: bool = False,
+        self,
+        params: Iterable[Any],
+        loss: float,
+        *,
+        step: int,
+        batch: int,
+        max_norm: float,
+        feature_fault: bool | None = None,
+        order_id: int = 0,
+        save_due: bool = False,
+        amp_scaling: bool = False,
     ) -> Verdict:
         """Clip the gradients and decide, together with every rank.
 
@@ -92,11 +109,19 @@ class StepGuard:
             return Verdict(False, grad_norm, (), agreed.orders, agreed.save_due)
         self.detector.record(step, skipped=skip, loss=loss, grad_norm=grad_norm)
         if skip:
-            self._log.warning("step_skipped", opt_global_step=step - 1, step=step, batch=batch,
-                              global_norm=_json_number(grad_norm), loss=_json_number(loss),
-                              skip_data_grad_norm_threshold=self.threshold, is_skip=True,
-                              consecutive=self.detector.consecutive, reasons=list(verdict.reasons),
-                              local=verdict.anomalous)
+            self._log.warning(
+                "step_skipped",
+                opt_global_step=step - 1,
+                step=step,
+                batch=batch,
+                global_norm=_json_number(grad_norm),
+                loss=_json_number(loss),
+                skip_data_grad_norm_threshold=self.threshold,
+                is_skip=True,
+                consecutive=self.detector.consecutive,
+                reasons=list(verdict.reasons),
+                local=verdict.anomalous,
+            )
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
         return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due)
@@ -113,8 +138,16 @@ class StepGuard:
         elif kind == "nan" and grads:
             grads[0].grad.view(-1)[0] = float("nan")
 
-    def _agree(self, anomaly: bool, overflow: bool, save_due: bool, grads: list[Any], feature_fault: bool | None,
-               order_id: int, step: int) -> _Agreed:
+    def _agree(
+        self,
+        anomaly: bool,
+        overflow: bool,
+        save_due: bool,
+        grads: list[Any],
+        feature_fault: bool | None,
+        order_id: int,
+        step: int,
+    ) -> _Agreed:
         """Every local flag made job-wide (any rank's counts; feature faults per rank; the lowest and highest
         stop-order id held): one all-reduce, none when alone."""
         import torch
@@ -133,11 +166,17 @@ class StepGuard:
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:
         # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".
-        self._log.error("anomaly_abort", step=step, batch=batch, global_norm=_json_number(grad_norm),
-                        threshold=self.threshold, consecutive=self.detector.consecutive,
-                        count_threshold=self.count_threshold,
-                        first_anomaly_step=self.detector.first_anomaly_step,
-                        first_anomaly_batch=batch - self.detector.consecutive + 1)
+        self._log.error(
+            "anomaly_abort",
+            step=step,
+            batch=batch,
+            global_norm=_json_number(grad_norm),
+            threshold=self.threshold,
+            consecutive=self.detector.consecutive,
+            count_threshold=self.count_threshold,
+            first_anomaly_step=self.detector.first_anomaly_step,
+            first_anomaly_batch=batch - self.detector.consecutive + 1,
+        )
         self._on_leave()
         leave(EXIT_ANOMALY)
 

@@ -38,8 +38,16 @@ class Heartbeat:
         self.skipped = 0  # batches this process skipped (the same on every rank: they agree)
         self.anomalies: dict[str, int] = {}  # what this rank itself saw, by kind (non_finite, global_norm_spike, ...)
 
-    def beat(self, step: int, phase: str, *, force: bool = False, step_time_s: float | None = None,
-             compute_s: float | None = None, loss: float | None = None) -> None:
+    def beat(
+        self,
+        step: int,
+        phase: str,
+        *,
+        force: bool = False,
+        step_time_s: float | None = None,
+        compute_s: float | None = None,
+        loss: float | None = None,
+    ) -> None:
         """Record progress; writes only when the interval has passed, the phase changed, or forced.
 
         `step_time_s` (the last step's duration) is smoothed, so the supervisor can tell how far ranks get
@@ -58,10 +66,21 @@ class Heartbeat:
         self._seq += 1
         self._phase = phase
         self._last_write = now
-        record = {**self._static, "seq": self._seq, "step": step, "phase": phase, "time": time.time(),
-                  "step_time_s": self._step_time_s, "compute_s": self._compute_s, "loss": self._loss,
-                  "total_steps": self.total_steps, "save_s": round(self.save_s, 6), "last_save_s": self.last_save_s,
-                  "skipped": self.skipped, "anomalies": self.anomalies}
+        record = {
+            **self._static,
+            "seq": self._seq,
+            "step": step,
+            "phase": phase,
+            "time": time.time(),
+            "step_time_s": self._step_time_s,
+            "compute_s": self._compute_s,
+            "loss": self._loss,
+            "total_steps": self.total_steps,
+            "save_s": round(self.save_s, 6),
+            "last_save_s": self.last_save_s,
+            "skipped": self.skipped,
+            "anomalies": self.anomalies,
+        }
         try:
             # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.
             atomic_write_json(self.path, record, root=self._root, durable=False)

@@ -70,8 +70,9 @@ def is_our_file(name: str) -> bool:
     return bool(_OURS.match(name) or (temporary and (temporary["name"] is None or _OURS.match(temporary["name"]))))
 
 
-def build_manifest(step: int, records: list[dict[str, Any]], *, torch_version: str,
-                   common: dict[str, Any], format: str = FORMAT) -> dict[str, Any]:
+def build_manifest(
+    step: int, records: list[dict[str, Any]], *, torch_version: str, common: dict[str, Any], format: str = FORMAT
+) -> dict[str, Any]:
     """Rank 0's manifest from every rank's record (rank order); ManifestError if a record is not one of ours."""
     files: dict[str, Any] = {}
     ranks = []
@@ -81,8 +82,17 @@ def build_manifest(step: int, records: list[dict[str, Any]], *, torch_version: s
             files[name] = {**entry, "rank": rank}
         ranks.append({"rank": rank, "is_health": checked["is_health"], "health_reasons": checked["health_reasons"]})
     _files(files, format)
-    return {"format": format, "version": VERSION, "step": step, "world_size": len(records), "torch": torch_version,
-            **common, "files": files, "ranks": ranks, "is_health": int(any(r["is_health"] for r in ranks))}
+    return {
+        "format": format,
+        "version": VERSION,
+        "step": step,
+        "world_size": len(records),
+        "torch": torch_version,
+        **common,
+        "files": files,
+        "ranks": ranks,
+        "is_health": int(any(r["is_health"] for r in ranks)),
+    }
 
 
 def _record(record: Any, rank: int, format: str) -> dict[str, Any]:
@@ -99,11 +109,19 @@ def _files(files: Any, format: str = FORMAT) -> dict[str, Any]:
     if not isinstance(files, dict) or not files:
         raise ManifestError("'files' is not a mapping of file names")
     for name, entry in files.items():
-        if not (framework_name(name) if format == FRAMEWORK_FORMAT else
-                is_our_file(name) and (not name.startswith(".") or name == METADATA)):
+        if not (
+            framework_name(name)
+            if format == FRAMEWORK_FORMAT
+            else is_our_file(name) and (not name.startswith(".") or name == METADATA)
+        ):
             raise ManifestError(f"lists {name[:80]!r}, not a file name of ours")
-        if (not isinstance(entry, dict) or type(entry.get("size")) is not int or entry["size"] < 0
-                or not isinstance(entry.get("crc32"), str) or not _HEX8.match(entry["crc32"])):
+        if (
+            not isinstance(entry, dict)
+            or type(entry.get("size")) is not int
+            or entry["size"] < 0
+            or not isinstance(entry.get("crc32"), str)
+            or not _HEX8.match(entry["crc32"])
+        ):
             raise ManifestError(f"the entry of {name} has no size and CRC-32")
     return files
 

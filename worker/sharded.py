@@ -57,11 +57,20 @@ from worker.manifest import (
     read_manifest,
 )
 
-__all__ = ["NUMPY_NEEDED", "Loaded", "ShardedCheckpointer", "derived_rng", "holds_dtensors", "load_sharded_model",
-           "numpy_missing"]
+__all__ = [
+    "NUMPY_NEEDED",
+    "Loaded",
+    "ShardedCheckpointer",
+    "derived_rng",
+    "holds_dtensors",
+    "load_sharded_model",
+    "numpy_missing",
+]
 
-NUMPY_NEEDED = ("checkpoint_format dcp needs NumPy: torch.distributed's object collectives, which DCP plans with, "
-                "use it (pip install 'trainwarden[dcp]')")
+NUMPY_NEEDED = (
+    "checkpoint_format dcp needs NumPy: torch.distributed's object collectives, which DCP plans with, "
+    "use it (pip install 'trainwarden[dcp]')"
+)
 # DCP warns on every save and load in one process without a process group, which is what we mean there.
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 GROUP_TIMEOUT = timedelta(minutes=10)  # a peer that died mid-save fails the background collectives within this
@@ -85,6 +94,7 @@ def holds_dtensors(model: Any) -> bool:
 
 
 # -- files: no symlink followed, every file new, each checksummed while it is written --------------------------------
+
 
 class _HashingStream(io.RawIOBase):
     """A new file opened for writing, counted and CRC-32'd as DCP writes it (its offsets come from `tell`)."""
@@ -161,9 +171,16 @@ def _file_system(root: Path, on_write: Callable[[], None] | None = None) -> Any:
 # -- DCP's metadata pickle, unpickled with an allow-list ----------------------------------------------------------
 
 _DCP_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "ChunkStorageMetadata", "TensorStorageMetadata",
-                                              "BytesStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "ChunkStorageMetadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "Path"},
@@ -181,8 +198,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             return getattr(torch, name)
         if name in _DCP_METADATA_CLASSES.get(module, ()):
-            return getattr(sys.modules[module] if module in sys.modules else __import__(module, fromlist=[name]),
-                           name)
+            return getattr(sys.modules[module] if module in sys.modules else __import__(module, fromlist=[name]), name)
         raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not DCP's metadata")
 
 
@@ -237,6 +253,7 @@ def _load_planner(*, empty: bool = False, keys: set[str] | None = None) -> Any:
 
 # -- the checkpointer --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Save:
     """One save: where, which step, and (once the background write ends) how it went."""
@@ -263,8 +280,9 @@ class Loaded:
 class ShardedCheckpointer:
     """Save and load one rank's part of sharded checkpoints; at most one save in flight."""
 
-    def __init__(self, *, rank: int, world_size: int, root: Path, async_save: bool,
-                 on_write: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, *, rank: int, world_size: int, root: Path, async_save: bool, on_write: Callable[[int], None] | None = None
+    ) -> None:
         import torch.distributed as dist
 
         self.rank, self.world_size, self.root, self.async_save = rank, world_size, root, async_save
@@ -284,8 +302,16 @@ class ShardedCheckpointer:
         """The step of a save still being written, if any."""
         return None if self._inflight is None or self._inflight.done.is_set() else self._inflight.step
 
-    def save(self, directory: Path, step: int, model: Any, optimizer: Any, rank_state: dict[str, Any],
-             health: dict[str, Any], common: dict[str, Any]) -> float:
+    def save(
+        self,
+        directory: Path,
+        step: int,
+        model: Any,
+        optimizer: Any,
+        rank_state: dict[str, Any],
+        health: dict[str, Any],
+        common: dict[str, Any],
+    ) -> float:
         """Start saving step `step` into `directory` (the previous save finished first); returns the training
         thread's stall in seconds. Synchronous unless async_save: then it returns once the state is staged."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -352,8 +378,14 @@ class ShardedCheckpointer:
         """The save in flight if it has just ended (returned once), else None; raises what its write raised."""
         return self.wait() if self._inflight is not None and self._inflight.done.is_set() else None
 
-    def _write(self, save: _Save, state: dict[str, Any], rank_state: dict[str, Any], health: dict[str, Any],
-               common: dict[str, Any]) -> None:
+    def _write(
+        self,
+        save: _Save,
+        state: dict[str, Any],
+        rank_state: dict[str, Any],
+        health: dict[str, Any],
+        common: dict[str, Any],
+    ) -> None:
         try:
             self._write_all(save.directory, save.step, state, rank_state, health, common)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
@@ -362,16 +394,24 @@ class ShardedCheckpointer:
             save.duration_s = time.perf_counter() - save.started
             save.done.set()
 
-    def _write_all(self, directory: Path, step: int, state: dict[str, Any], rank_state: dict[str, Any],
-                   health: dict[str, Any], common: dict[str, Any]) -> None:
+    def _write_all(
+        self,
+        directory: Path,
+        step: int,
+        state: dict[str, Any],
+        rank_state: dict[str, Any],
+        health: dict[str, Any],
+        common: dict[str, Any],
+    ) -> None:
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         on_write = self._on_write
         fs = _file_system(self.root, (lambda: on_write(step)) if on_write else None)
-        writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1,
-                                      overwrite=True)
+        writer = dcp.FileSystemWriter(
+            directory, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
+        )
         writer.fs = fs
         dcp.save(state, storage_writer=writer, process_group=self._group, no_dist=not self._distributed)
         hashing = HashingWriter(None)
@@ -410,8 +450,13 @@ class ShardedCheckpointer:
         _read_metadata(directory)  # refused here, in our words, rather than wrapped in DCP's exception
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, storage_reader=_reader(directory, self.root), planner=_load_planner(),
-                 process_group=self._group, no_dist=not self._distributed)
+        dcp.load(
+            state,
+            storage_reader=_reader(directory, self.root),
+            planner=_load_planner(),
+            process_group=self._group,
+            no_dist=not self._distributed,
+        )
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return Loaded(_load_rank_state(directory / own), manifest, resharded)
 
@@ -453,6 +498,7 @@ def load_sharded_model(directory: Path, root: Path) -> dict[str, Any]:
     read_manifest(directory)  # the caller checked the files; this names a missing manifest
     warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=_reader(directory, root), planner=_load_planner(empty=True, keys={"model"}),
-                     no_dist=True)
+    _load_state_dict(
+        state, storage_reader=_reader(directory, root), planner=_load_planner(empty=True, keys={"model"}), no_dist=True
+    )
     return state.get("model", {})

@@ -104,8 +104,13 @@ class Warden:
         self._health_check = health_check  # the user's: a reason this rank's state is unhealthy at a step, or None
         self._tainted_at: int | None = None  # first applied step with a feature-value fault: later saves are suspect
         self._faults = _or_config_error(
-            lambda: FaultPlan.from_env(rank=self.rank, attempt=self.attempt, on_fire=self._fault_fired,
-                                       rank_dir=self.layout.rank_dir(self.rank)))
+            lambda: FaultPlan.from_env(
+                rank=self.rank,
+                attempt=self.attempt,
+                on_fire=self._fault_fired,
+                rank_dir=self.layout.rank_dir(self.rank),
+            )
+        )
         self._heartbeat = Heartbeat(
             self.layout.heartbeat(self.rank),
             root=self.layout.root,
@@ -126,8 +131,14 @@ class Warden:
         self._last_save = time.monotonic()  # the time-based cadence counts from here
         self._stopping = False  # a stop order was carried out and the loop asked about it: the loop ends
         self._loop_asks = False  # the loop reads `should_stop` (or runs `steps()`): a stop returns to it
-        self._guard = StepGuard(self.config, log=self.log, faults=self._faults, world_size=self.world_size,
-                                rank=self.rank, on_leave=self._leaving)
+        self._guard = StepGuard(
+            self.config,
+            log=self.log,
+            faults=self._faults,
+            world_size=self.world_size,
+            rank=self.rank,
+            on_leave=self._leaving,
+        )
         self._features = self._feature_value_check()
         self._heartbeat.anomalies = self._guard.anomalies  # one dict: the guard counts, the heartbeat reports
         self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
@@ -136,8 +147,11 @@ class Warden:
         self._compute_since = self._last_step_end  # a step's compute starts here: after the last step or phase
         self._compute_s: float | None = None  # this step's, from guard_step to step_done (None: no guard_step)
         self._stacks = _register_stack_dump(self.layout.stack_dump(self.rank, self.attempt), self.layout.root)
-        self._flight = None if self._stacks is None else FlightRecorderDumps(
-            self._stacks, self.layout.flight_dump(self.rank, self.attempt), self.layout.root)
+        self._flight = (
+            None
+            if self._stacks is None
+            else FlightRecorderDumps(self._stacks, self.layout.flight_dump(self.rank, self.attempt), self.layout.root)
+        )
         self._term_pending = False  # a SIGTERM arrived during a save; it takes effect when the save is done
         self._orders = StopOrders(self.layout.stop_order)
         self._obeyed: int | None = None  # id of the last stop order carried out
@@ -196,8 +210,12 @@ class Warden:
         saved_batch = state.get("global_batch_size")
         if saved_batch and self.global_batch_size and saved_batch != self.global_batch_size:
             # Gradient norms scale with the batch's noise: a history of the old size would misjudge the new one.
-            self.log.warning("anomaly_history_reset", step=step, saved_global_batch_size=saved_batch,
-                             global_batch_size=self.global_batch_size)
+            self.log.warning(
+                "anomaly_history_reset",
+                step=step,
+                saved_global_batch_size=saved_batch,
+                global_batch_size=self.global_batch_size,
+            )
         elif state.get("anomaly_history") is not None:  # checkpoints before these were kept have neither
             self._guard.detector.load_state_dict(state["anomaly_history"])
         if state.get("feature_history") is not None:
@@ -205,8 +223,15 @@ class Warden:
         self.step = step
         self.batches = self._resumed_position(state["data_position"], state.get("global_batch_size"))
         self.samples = self._resumed_samples(state)
-        self.log.info("resumed", step=step, data_position=self.batches, saved_data_position=state["data_position"],
-                      samples=self.samples, source=store.label, directory=str(store.root))
+        self.log.info(
+            "resumed",
+            step=step,
+            data_position=self.batches,
+            saved_data_position=state["data_position"],
+            samples=self.samples,
+            source=store.label,
+            directory=str(store.root),
+        )
         return step
 
     def _load_sharded(self, store: CheckpointStore, step: int) -> tuple[dict[str, Any], bool]:
@@ -221,28 +246,42 @@ class Warden:
             self.log.error("checkpoint_refused", step=step, path=str(directory), error=str(exc), source=store.label)
             leave(EXIT_CHECKPOINT_REFUSED)
         if loaded.resharded:
-            self.log.warning("world_size_changed", step=step, saved_world_size=loaded.manifest["world_size"],
-                             world_size=self.world_size, resumed="resharded; RNG streams derived, not bitwise")
+            self.log.warning(
+                "world_size_changed",
+                step=step,
+                saved_world_size=loaded.manifest["world_size"],
+                world_size=self.world_size,
+                resumed="resharded; RNG streams derived, not bitwise",
+            )
         return loaded.state, loaded.resharded
 
     def _sharded_checkpointer(self) -> Any:
         if self._sharded is None:
             from worker.sharded import ShardedCheckpointer
 
-            self._sharded = ShardedCheckpointer(rank=self.rank, world_size=self.world_size, root=self.layout.root,
-                                                async_save=self.config.async_save,
-                                                on_write=self._faults.in_background_write)
+            self._sharded = ShardedCheckpointer(
+                rank=self.rank,
+                world_size=self.world_size,
+                root=self.layout.root,
+                async_save=self.config.async_save,
+                on_write=self._faults.in_background_write,
+            )
         return self._sharded
 
     def _load(self, store: CheckpointStore, step: int) -> dict[str, Any]:
         """The checkpoint's contents; a refused file ends the rank with EXIT_CHECKPOINT_REFUSED (use an older one)."""
         if not self.config.weights_only:
             path = store.file(self.rank, step, self.config.prefix)
-            self.log.warning("unsafe_checkpoint_load", step=step, path=str(path),
-                             reason="worker.weights_only is false: a crafted checkpoint file can run any code here")
+            self.log.warning(
+                "unsafe_checkpoint_load",
+                step=step,
+                path=str(path),
+                reason="worker.weights_only is false: a crafted checkpoint file can run any code here",
+            )
         try:
-            return load_checkpoint(store, rank=self.rank, step=step, prefix=self.config.prefix,
-                                   weights_only=self.config.weights_only)
+            return load_checkpoint(
+                store, rank=self.rank, step=step, prefix=self.config.prefix, weights_only=self.config.weights_only
+            )
         except CheckpointRefused as exc:
             self.log.error("checkpoint_refused", step=step, path=str(exc.path), error=exc.reason, source=store.label)
             leave(EXIT_CHECKPOINT_REFUSED)
@@ -252,11 +291,18 @@ class Warden:
         torchrun; the supervisor refuses such a resume before launching)."""
         saved = state.get("world_size")
         if type(saved) is int and saved != self.world_size:
-            self.log.error("world_size_changed", step=step, saved_world_size=saved, world_size=self.world_size,
-                           directory=str(store.root))
-            print(f"trainwarden: checkpoint {step} in {store.root} was written by {saved} ranks, this job has "
-                  f"{self.world_size}: use a new run dir, or resume_training: false to start from scratch",
-                  file=sys.stderr)
+            self.log.error(
+                "world_size_changed",
+                step=step,
+                saved_world_size=saved,
+                world_size=self.world_size,
+                directory=str(store.root),
+            )
+            print(
+                f"trainwarden: checkpoint {step} in {store.root} was written by {saved} ranks, this job has "
+                f"{self.world_size}: use a new run dir, or resume_training: false to start from scratch",
+                file=sys.stderr,
+            )
             leave(EXIT_CONFIG)
 
     def _resumed_samples(self, state: dict[str, Any]) -> int:
@@ -297,10 +343,16 @@ class Warden:
         fault = self._features.verdict(step=step, batch=batch, loss_scale=self._loss_scale(scaler))
         held = self._orders.poll()
         verdict = self._guard.check(
-            self.model.parameters(), float(loss), step=step, batch=batch,
+            self.model.parameters(),
+            float(loss),
+            step=step,
+            batch=batch,
             max_norm=math.inf if max_norm is None else max_norm,
-            feature_fault=fault if self._features.aborts else None, order_id=held.id if held else 0,
-            save_due=self._save_clock_due(), amp_scaling=scaler is not None)
+            feature_fault=fault if self._features.aborts else None,
+            order_id=held.id if held else 0,
+            save_due=self._save_clock_due(),
+            amp_scaling=scaler is not None,
+        )
         self._heartbeat.skipped = self._guard.skipped
         if fault:
             self._guard.saw("feature_value")
@@ -330,8 +382,9 @@ class Warden:
         while self.step < total and not self.should_stop:
             yield self.step + 1
 
-    def step_done(self, *, loss: float | None, grad_norm: float | None = None, step: int | None = None,
-                  **fields: Any) -> bool:
+    def step_done(
+        self, *, loss: float | None, grad_norm: float | None = None, step: int | None = None, **fields: Any
+    ) -> bool:
         """Report that this batch is done: counts the step if it was applied, saves a checkpoint when due.
 
         Returns whether the step was applied (False: the batch was skipped and `step` did not move), so a loop's
@@ -364,8 +417,9 @@ class Warden:
             **fields,
         )
         self._phase = "train"
-        self._heartbeat.beat(self.step, "train", step_time_s=step_time_s, compute_s=compute_s,
-                             loss=None if loss is None else float(loss))
+        self._heartbeat.beat(
+            self.step, "train", step_time_s=step_time_s, compute_s=compute_s, loss=None if loss is None else float(loss)
+        )
         if not applied:
             return False
         self._faults.after_step(self.step)
@@ -396,8 +450,16 @@ class Warden:
 
     def _scaler(self) -> Any:
         """An enabled GradScaler in `extra_state`, or None: its overflows are not anomalies."""
-        return next((obj for obj in self.extra_state.values() if callable(getattr(obj, "unscale_", None))
-                     and callable(getattr(obj, "is_enabled", None)) and obj.is_enabled()), None)
+        return next(
+            (
+                obj
+                for obj in self.extra_state.values()
+                if callable(getattr(obj, "unscale_", None))
+                and callable(getattr(obj, "is_enabled", None))
+                and obj.is_enabled()
+            ),
+            None,
+        )
 
     def _loss_scale(self, scaler: Any) -> float | None:
         """The scale the feature values are judged under; read only when they are checked (on a GPU it syncs)."""
@@ -408,9 +470,12 @@ class Warden:
             return
         self.log.warning("checkpointing_off", reason="save_checkpoint_steps and save_checkpoint_interval_s are 0")
         if self.rank == 0:
-            print("trainwarden: WARNING: this run saves no checkpoints (worker.save_checkpoint_steps and "
-                  "worker.save_checkpoint_interval_s are 0): after a crash it starts again from step 0",
-                  file=sys.stderr, flush=True)
+            print(
+                "trainwarden: WARNING: this run saves no checkpoints (worker.save_checkpoint_steps and "
+                "worker.save_checkpoint_interval_s are 0): after a crash it starts again from step 0",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _obey_stop_order(self, saved: bool) -> None:
         """At the stop order's step: save (unless just saved), then exit or go on. Every rank acts at the same
@@ -441,8 +506,15 @@ class Warden:
         config, problems = with_env(self.config.feature_value_check, os.environ)
         for problem in problems:
             self.log.warning("feature_value_env_invalid", problem=problem)
-        return FeatureValueCheck(self.model, config, log=self.log, faults=self._faults, rank=self.rank,
-                                 attempted_step=lambda: self.step + 1, on_leave=self._leaving)
+        return FeatureValueCheck(
+            self.model,
+            config,
+            log=self.log,
+            faults=self._faults,
+            rank=self.rank,
+            attempted_step=lambda: self.step + 1,
+            on_leave=self._leaving,
+        )
 
     def _judge_unguarded(self) -> None:
         """Without guard_step a fault is seen after the optimizer step, still before this step's checkpoint."""
@@ -566,8 +638,15 @@ class Warden:
         its health, rank 0 the manifest (collective: every rank calls it for the same step)."""
         from worker.integrations.records import record_completion
 
-        duration_s = record_completion(directory, step=step, rank=self.rank, world_size=self.world_size,
-                                       health=self._health(), framework=self._framework_name, root=self.layout.root)
+        duration_s = record_completion(
+            directory,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            health=self._health(),
+            framework=self._framework_name,
+            root=self.layout.root,
+        )
         took = duration_s if started is None else time.perf_counter() - started
         self._saved(step, self.layout.checkpoints, directory, took, framework=self._framework_name)
         self._heartbeat.last_save_s = round(took, 6)
@@ -588,10 +667,15 @@ class Warden:
         """A sharded save: with async_save the loop goes on once the state is staged (one save in flight)."""
         self._note_background_save(wait=True)  # the previous one is done before this one starts
         directory = store.sharded_dir(step, self.config.prefix)
-        common = {"global_batch_size": self.global_batch_size, "data_position": self.batches,
-                  "samples": self.samples if self.global_batch_size else None, "sharding": self._sharding()}
-        stall_s = self._sharded_checkpointer().save(directory, step, self.model, self.optimizer, self._rank_state(),
-                                                    self._health(), common)
+        common = {
+            "global_batch_size": self.global_batch_size,
+            "data_position": self.batches,
+            "samples": self.samples if self.global_batch_size else None,
+            "sharding": self._sharding(),
+        }
+        stall_s = self._sharded_checkpointer().save(
+            directory, step, self.model, self.optimizer, self._rank_state(), self._health(), common
+        )
         self._heartbeat.last_save_s = round(stall_s, 6)
         self._heartbeat.save_s += self._heartbeat.last_save_s
         self._last_save = time.monotonic()  # the time-based cadence counts from the start of a save in flight
@@ -617,8 +701,9 @@ class Warden:
             return
         step, store, directory = self._background
         self._background = None
-        self._saved(step, store, directory, done.duration_s, stall_s=round(done.stall_s, 4),
-                    background=self.config.async_save)
+        self._saved(
+            step, store, directory, done.duration_s, stall_s=round(done.stall_s, 4), background=self.config.async_save
+        )
         self._faults.after_save(step)
 
     def _sharding(self) -> dict[str, Any]:
@@ -626,7 +711,6 @@ class Warden:
         from worker.sharded import holds_dtensors
 
         return {"dtensor_params": holds_dtensors(self.model), "world_size": self.world_size}
-
 
     def _choose_format(self) -> str:
         """`checkpoint_format`, `auto` decided by the model; a sharded one checks at once that it can work."""
@@ -716,8 +800,12 @@ class Warden:
             if name in saved:
                 obj.load_state_dict(saved[name])
             else:
-                self.log.warning("extra_state_missing", step=step, name=name,
-                                 reason="the checkpoint has no state for it (saved before it was registered)")
+                self.log.warning(
+                    "extra_state_missing",
+                    step=step,
+                    name=name,
+                    reason="the checkpoint has no state for it (saved before it was registered)",
+                )
         for name in saved.keys() - self.extra_state.keys():
             self.log.warning("extra_state_unused", step=step, name=name, reason="not in this Warden's extra_state")
 
@@ -737,8 +825,12 @@ class Warden:
     def _health(self) -> dict[str, Any]:
         if not self.config.use_checkpoint_health_monitor:
             return {"is_health": 0, "health_reasons": [], "health_monitored": False}
-        health = checkpoint_health(self.model, self.optimizer, threshold=self.config.embedding_local_norm_threshold,
-                                   embedding_param=self.config.embedding_param)
+        health = checkpoint_health(
+            self.model,
+            self.optimizer,
+            threshold=self.config.embedding_local_norm_threshold,
+            embedding_param=self.config.embedding_param,
+        )
         if health["embedding_local_norm"] is not None:
             self.log.info("embedding_local_norm", step=self.step, embedding_local_norm=health["embedding_local_norm"])
         reasons = [*health["health_reasons"], *self._more_health_reasons()]
@@ -813,10 +905,13 @@ def _due(step: int, every: int) -> bool:
 def _stateful(objects: dict[str, Any]) -> dict[str, Any]:
     """`extra_state` checked at once: a name for each object, and state_dict/load_state_dict on each."""
     for name, obj in objects.items():
-        if not isinstance(name, str) or not all(callable(getattr(obj, m, None))
-                                                for m in ("state_dict", "load_state_dict")):
-            raise TypeError(f"extra_state[{name!r}]: needs a string name and an object with state_dict() and "
-                            f"load_state_dict(), got {type(obj).__name__}")
+        if not isinstance(name, str) or not all(
+            callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")
+        ):
+            raise TypeError(
+                f"extra_state[{name!r}]: needs a string name and an object with state_dict() and "
+                f"load_state_dict(), got {type(obj).__name__}"
+            )
     return dict(objects)
 
 

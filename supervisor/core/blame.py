@@ -20,15 +20,26 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CLASSES", "GroupRecord", "Verdict", "blocked_behind", "name_culprit", "outside_collectives", "parse_flight",
-           "trim_flight"]
+__all__ = [
+    "CLASSES",
+    "GroupRecord",
+    "Verdict",
+    "blocked_behind",
+    "name_culprit",
+    "outside_collectives",
+    "parse_flight",
+    "trim_flight",
+]
 
 HOST_SIDE, IN_COLLECTIVE, DESYNC, SILENT = "host-side", "in-collective", "desync", "silent"
 CLASSES = (HOST_SIDE, IN_COLLECTIVE, DESYNC, SILENT)
 RECENT = 16  # newest collectives kept per process group: a desync shows within the last few
 MAX_FIELD_CHARS = 200
-FROZEN_STATES = {"stopped": "stopped (SIGSTOP)", "tracing-stop": "stopped by a tracer",
-                 "disk-sleep": "in uninterruptible sleep (D state: stuck I/O)"}
+FROZEN_STATES = {
+    "stopped": "stopped (SIGSTOP)",
+    "tracing-stop": "stopped by a tracer",
+    "disk-sleep": "in uninterruptible sleep (D state: stuck I/O)",
+}
 _DATA_LOADER_FRAMES = "torch/utils/data/"
 # Frames of a rank waiting for its peers: inside a collective, or in backward where DDP all-reduces.
 _COLLECTIVE_FRAMES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
@@ -72,10 +83,23 @@ def trim_flight(raw: Any) -> dict[str, Any]:
     kept: dict[str, list[dict[str, Any]]] = {}
     for entry in entries:
         kept.setdefault(str(entry.get("pg_id")), []).append(
-            {k: entry.get(k) for k in ("pg_id", "collective_seq_id", "profiling_name", "input_sizes", "state",
-                                        "retired", "time_discovered_completed_ns")})
-    return {"pg_status": raw.get("pg_status") if isinstance(raw.get("pg_status"), dict) else {},
-            "entries": [e for group in kept.values() for e in group[-RECENT:]]}
+            {
+                k: entry.get(k)
+                for k in (
+                    "pg_id",
+                    "collective_seq_id",
+                    "profiling_name",
+                    "input_sizes",
+                    "state",
+                    "retired",
+                    "time_discovered_completed_ns",
+                )
+            }
+        )
+    return {
+        "pg_status": raw.get("pg_status") if isinstance(raw.get("pg_status"), dict) else {},
+        "entries": [e for group in kept.values() for e in group[-RECENT:]],
+    }
 
 
 def parse_flight(raw: Any) -> dict[str, GroupRecord] | None:
@@ -101,9 +125,15 @@ def parse_flight(raw: Any) -> dict[str, GroupRecord] | None:
     return groups or None
 
 
-def name_culprit(ranks: Sequence[int], *, flights: Mapping[int, Mapping[str, GroupRecord] | None],
-                 expected: Sequence[int] = (), stacks: Mapping[int, str] | None = None,
-                 states: Mapping[int, str] | None = None, collective_failed: bool = False) -> Verdict | None:
+def name_culprit(
+    ranks: Sequence[int],
+    *,
+    flights: Mapping[int, Mapping[str, GroupRecord] | None],
+    expected: Sequence[int] = (),
+    stacks: Mapping[int, str] | None = None,
+    states: Mapping[int, str] | None = None,
+    collective_failed: bool = False,
+) -> Verdict | None:
     """The verdict on a hung attempt of `ranks`; None when no evidence names anyone (the heartbeats' guess stands).
 
     `flights`: each rank's parsed flight recorder (None: none came); `expected`: the ranks that should have
@@ -124,12 +154,16 @@ def _frozen(states: Mapping[int, str]) -> Verdict | None:
     frozen = {rank: FROZEN_STATES[s] for rank, s in states.items() if s in FROZEN_STATES}
     if len(frozen) != 1:
         return None
-    (rank, how), = frozen.items()
+    ((rank, how),) = frozen.items()
     return Verdict(rank, SILENT, "process_state", f"process {how}")
 
 
-def _from_flight(ranks: Sequence[int], flights: Mapping[int, Mapping[str, GroupRecord] | None],
-                 expected: Sequence[int], collective_failed: bool) -> Verdict | None:
+def _from_flight(
+    ranks: Sequence[int],
+    flights: Mapping[int, Mapping[str, GroupRecord] | None],
+    expected: Sequence[int],
+    collective_failed: bool,
+) -> Verdict | None:
     records = {rank: rec for rank in ranks if (rec := flights.get(rank))}
     if len(records) < 2:
         return None
@@ -137,19 +171,28 @@ def _from_flight(ranks: Sequence[int], flights: Mapping[int, Mapping[str, GroupR
     if (verdict := _per_group(records, _desync)) is not None:
         return verdict
     if collective_failed and len(missing) == 1:  # the rank that aborted on the mismatch took its record along
-        return Verdict(missing[0], DESYNC, "flight_recorder",
-                       f"ranks {_ranks(list(records))} agree on every collective they recorded; rank {missing[0]}, "
-                       f"gone without a record, issued the mismatched one")
+        return Verdict(
+            missing[0],
+            DESYNC,
+            "flight_recorder",
+            f"ranks {_ranks(list(records))} agree on every collective they recorded; rank {missing[0]}, "
+            f"gone without a record, issued the mismatched one",
+        )
     if (verdict := _per_group(records, _behind) or _per_group(records, _not_completed)) is not None:
         return verdict
     if len(missing) == 1 and not collective_failed:
-        return Verdict(missing[0], SILENT, "flight_recorder",
-                       "wrote no flight recorder while its peers did (frozen, dead or in uninterruptible sleep)")
+        return Verdict(
+            missing[0],
+            SILENT,
+            "flight_recorder",
+            "wrote no flight recorder while its peers did (frozen, dead or in uninterruptible sleep)",
+        )
     return None
 
 
-def _per_group(records: Mapping[int, Mapping[str, GroupRecord]],
-               find: Callable[[str, Mapping[int, GroupRecord]], Verdict | None]) -> Verdict | None:
+def _per_group(
+    records: Mapping[int, Mapping[str, GroupRecord]], find: Callable[[str, Mapping[int, GroupRecord]], Verdict | None]
+) -> Verdict | None:
     """The first verdict `find` reaches on a process group that two or more ranks recorded."""
     for pg in sorted({pg for rec in records.values() for pg in rec}, key=_pg_order):
         members = {rank: rec[pg] for rank, rec in records.items() if pg in rec}
@@ -170,12 +213,20 @@ def _desync(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
         odd = [rank for rank, c in issued.items() if (c.op, c.sizes) != common]
         others = sorted(set(issued) - set(odd))
         if len(odd) != 1 or count < 2 or (rest and rest[0][1] == count):
-            return Verdict(None, DESYNC, "flight_recorder", f"process group {pg} collective #{seq}: ranks disagree "
-                           f"({_versions(issued)})")
+            return Verdict(
+                None,
+                DESYNC,
+                "flight_recorder",
+                f"process group {pg} collective #{seq}: ranks disagree ({_versions(issued)})",
+            )
         mine, theirs = issued[odd[0]], issued[others[0]]
-        return Verdict(odd[0], DESYNC, "flight_recorder",
-                       f"process group {pg} collective #{seq}: rank {odd[0]} issued {_op(mine)}, ranks "
-                       f"{_ranks(others)} issued {_op(theirs)}")
+        return Verdict(
+            odd[0],
+            DESYNC,
+            "flight_recorder",
+            f"process group {pg} collective #{seq}: rank {odd[0]} issued {_op(mine)}, ranks "
+            f"{_ranks(others)} issued {_op(theirs)}",
+        )
     return None
 
 
@@ -187,19 +238,32 @@ def _behind(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
     if lowest == newest:
         return None
     if len(behind) != 1:
-        return Verdict(None, HOST_SIDE, "flight_recorder", f"process group {pg}: ranks {_ranks(behind)} stopped "
-                       f"issuing collectives at #{lowest}, their peers went on to #{newest}")
+        return Verdict(
+            None,
+            HOST_SIDE,
+            "flight_recorder",
+            f"process group {pg}: ranks {_ranks(behind)} stopped "
+            f"issuing collectives at #{lowest}, their peers went on to #{newest}",
+        )
     rank, record = behind[0], members[behind[0]]
     peers_done = max(g.completed for r, g in members.items() if r != rank)
     last = record.at(record.enqueued)
     name = f"#{record.enqueued}" + ("" if last is None else f" ({_op(last)})")
     if record.completed < record.enqueued <= peers_done:
-        return Verdict(rank, IN_COLLECTIVE, "flight_recorder",
-                       f"process group {pg} collective {name}: enqueued but never completed on rank {rank}, while "
-                       f"its peers completed it and wait in #{newest}")
-    return Verdict(rank, HOST_SIDE, "flight_recorder",
-                   f"process group {pg}: rank {rank} completed collective {name} and issued no more, while its "
-                   f"peers wait in #{newest}")
+        return Verdict(
+            rank,
+            IN_COLLECTIVE,
+            "flight_recorder",
+            f"process group {pg} collective {name}: enqueued but never completed on rank {rank}, while "
+            f"its peers completed it and wait in #{newest}",
+        )
+    return Verdict(
+        rank,
+        HOST_SIDE,
+        "flight_recorder",
+        f"process group {pg}: rank {rank} completed collective {name} and issued no more, while its "
+        f"peers wait in #{newest}",
+    )
 
 
 def _not_completed(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
@@ -215,8 +279,12 @@ def _not_completed(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | Non
     last = members[rank].at(newest)
     what = "never started" if max(progress.values()) == _STATE_ORDER["started"] else "never completed"
     name = f"#{newest}" + ("" if last is None else f" ({_op(last)})")
-    return Verdict(rank, IN_COLLECTIVE, "flight_recorder",
-                   f"process group {pg} collective {name}: {what} on rank {rank}, while its peers got further")
+    return Verdict(
+        rank,
+        IN_COLLECTIVE,
+        "flight_recorder",
+        f"process group {pg} collective {name}: {what} on rank {rank}, while its peers got further",
+    )
 
 
 def _progress(record: GroupRecord, seq: int) -> int:
@@ -242,15 +310,21 @@ def blocked_behind(stacks: Mapping[int, str], culprit: int | None) -> tuple[int,
     """With a culprit named, the other ranks whose stacks show them inside a collective (waiting for it)."""
     if culprit is None:
         return ()
-    return tuple(sorted(rank for rank, text in stacks.items()
-                        if rank != culprit and text and any(m in text for m in _COLLECTIVE_FRAMES)))
+    return tuple(
+        sorted(
+            rank
+            for rank, text in stacks.items()
+            if rank != culprit and text and any(m in text for m in _COLLECTIVE_FRAMES)
+        )
+    )
 
 
 def _with_stack_hint(verdict: Verdict, stacks: Mapping[int, str]) -> Verdict:
     """A host-side culprit's stacks may say where it waits: in a DataLoader, say so."""
     if verdict.rank is not None and verdict.cls == HOST_SIDE and _DATA_LOADER_FRAMES in stacks.get(verdict.rank, ""):
-        return Verdict(verdict.rank, verdict.cls, verdict.named_by, f"{verdict.evidence}; its stack waits in a "
-                       f"DataLoader")
+        return Verdict(
+            verdict.rank, verdict.cls, verdict.named_by, f"{verdict.evidence}; its stack waits in a DataLoader"
+        )
     return verdict
 
 
@@ -260,11 +334,18 @@ def _collective(entry: Any) -> Collective | None:
     seq = entry.get("collective_seq_id")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
         return None
-    done = entry.get("state") == "completed" or entry.get("retired") is True or bool(
-        entry.get("time_discovered_completed_ns"))
+    done = (
+        entry.get("state") == "completed"
+        or entry.get("retired") is True
+        or bool(entry.get("time_discovered_completed_ns"))
+    )
     state = "completed" if done else str(entry.get("state"))
-    return Collective(seq, str(entry.get("profiling_name"))[:MAX_FIELD_CHARS],
-                      json.dumps(entry.get("input_sizes"))[:MAX_FIELD_CHARS], state)
+    return Collective(
+        seq,
+        str(entry.get("profiling_name"))[:MAX_FIELD_CHARS],
+        json.dumps(entry.get("input_sizes"))[:MAX_FIELD_CHARS],
+        state,
+    )
 
 
 def _int(value: Any, default: int) -> int:

@@ -44,22 +44,44 @@ MAX_CAUSE_CHARS = 300  # one line in a terminal, a journal record and `status`
 MAX_MESSAGE_CHARS = 200  # of an exception message or a line the rank wrote
 TRACEBACK = "Traceback (most recent call last):"
 TRAILING_LINES = 10  # lines a dying interpreter may still print after its traceback (teardown warnings)
-CHAINED = ("During handling of the above exception, another exception occurred:",
-           "The above exception was the direct cause of the following exception:")
+CHAINED = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
 DISK_FULL_MARKS = ("No space left on device", "[Errno 28]")
 # A collective that failed: ranks disagreed on it (a desync), or a peer went away or timed out inside it.
-DESYNC_MARKS = ("Received data size doesn't match expected size", "collective mismatch",
-                "Detected mismatch between collectives")
-COLLECTIVE_MARKS = (*DESYNC_MARKS, "Connection reset by peer", "Connection closed by peer",
-                    "Watchdog caught collective operation timeout", "NCCL communicator was aborted", "ncclRemoteError")
-STATE_DICT_MARKS = ("Error(s) in loading state_dict", "size mismatch for", "Missing key(s) in state_dict",
-                    "Unexpected key(s) in state_dict")
+DESYNC_MARKS = (
+    "Received data size doesn't match expected size",
+    "collective mismatch",
+    "Detected mismatch between collectives",
+)
+COLLECTIVE_MARKS = (
+    *DESYNC_MARKS,
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Watchdog caught collective operation timeout",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+)
+STATE_DICT_MARKS = (
+    "Error(s) in loading state_dict",
+    "size mismatch for",
+    "Missing key(s) in state_dict",
+    "Unexpected key(s) in state_dict",
+)
 _RANK_PREFIX = re.compile(r"^\[rank\d{1,9}\]: ?")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+), in (?P<func>\S.*)$')
 # Frames that are not the user's code: the standard library, installed packages, trainwarden's worker library.
-LIBRARY_DIRS: tuple[str, ...] = tuple(dict.fromkeys(
-    str(Path(p)) for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
-                           Path(worker.contract.__file__).parent)))
+LIBRARY_DIRS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        str(Path(p))
+        for p in (
+            sysconfig.get_paths()["stdlib"],
+            sysconfig.get_paths()["platstdlib"],
+            Path(worker.contract.__file__).parent,
+        )
+    )
+)
 
 
 class CauseKind(Enum):
@@ -115,8 +137,9 @@ class Cause:
         return self.key or self.text
 
 
-def explain(stderr_tail: bytes, returncode: int, *, oom_killed: bool = False,
-            library_dirs: tuple[str, ...] = LIBRARY_DIRS) -> Cause:
+def explain(
+    stderr_tail: bytes, returncode: int, *, oom_killed: bool = False, library_dirs: tuple[str, ...] = LIBRARY_DIRS
+) -> Cause:
     """The cause of a rank's non-zero exit, from the tail of its stderr and its returncode (negative: a signal)."""
     lines = _clean_lines(stderr_tail)
     aborted_or_exited = returncode > 0 and returncode != EXIT_CONFIG or returncode == -signal.SIGABRT
@@ -154,7 +177,7 @@ def _collective_failure(lines: list[str], returncode: int) -> Cause | None:
         return None
     mark = next(mark for mark in COLLECTIVE_MARKS if mark in line)
     kind = "desync" if mark in DESYNC_MARKS else "collective failed"
-    line = line[line.index(mark):] if mark in DESYNC_MARKS else line  # gloo's enforce text before it says nothing
+    line = line[line.index(mark) :] if mark in DESYNC_MARKS else line  # gloo's enforce text before it says nothing
     how = _signal_cause(-returncode, False).text if returncode < 0 else f"exited with code {returncode}"
     return Cause(CauseKind.COLLECTIVE, _cap(f"{kind}: {_brief(line)} ({how})"), f"{kind} ({how})")
 
@@ -165,8 +188,9 @@ def _signal_cause(signum: int, oom_killed: bool) -> Cause:
     except ValueError:
         name = f"signal {signum}"
     if oom_killed and signum == signal.SIGKILL:
-        return Cause(CauseKind.OOM, f"killed by {name} (out of memory: the kernel's OOM killer struck during "
-                                    "the attempt)")
+        return Cause(
+            CauseKind.OOM, f"killed by {name} (out of memory: the kernel's OOM killer struck during the attempt)"
+        )
     return Cause(CauseKind.SIGNAL, f"killed by {name}")
 
 
@@ -211,15 +235,16 @@ def _message_end(lines: list[str], header: int) -> int:
 
 def _traceback_cause(chain: list[str], library_dirs: tuple[str, ...]) -> Cause:
     last = max(i for i, line in enumerate(chain) if line.rstrip().endswith(TRACEBACK))
-    message = _exception_line(chain[last + 1:])
+    message = _exception_line(chain[last + 1 :])
     frame = _user_frame(chain[last:], library_dirs) or _user_frame(chain, library_dirs)
     where = f" ({frame})" if frame else ""
     exc_type = message.partition(":")[0].strip()
     if full := next((line.strip() for line in chain if any(mark in line for mark in DISK_FULL_MARKS)), None):
         return Cause(CauseKind.DISK_FULL, _cap(f"disk full: {_brief(full)}{where}"), f"disk full{where}")
     if any(mark in line for line in chain for mark in STATE_DICT_MARKS):
-        return Cause(CauseKind.CHECKPOINT_INCOMPATIBLE,
-                     _cap(f"checkpoint incompatible with the model: {message}{where}"))
+        return Cause(
+            CauseKind.CHECKPOINT_INCOMPATIBLE, _cap(f"checkpoint incompatible with the model: {message}{where}")
+        )
     key = f"{exc_type}{where}" if frame else message  # the message may vary (sizes, names); type and line do not
     return Cause(CauseKind.EXCEPTION, _cap(f"{message}{where}"), key)
 
@@ -264,8 +289,8 @@ def _clean_lines(data: bytes) -> list[str]:
 def _brief(text: str) -> str:
     """One printable line of at most MAX_MESSAGE_CHARS."""
     text = "".join(c if c.isprintable() else " " for c in text).strip()
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 3] + "..."
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def _cap(text: str) -> str:
-    return text if len(text) <= MAX_CAUSE_CHARS else text[:MAX_CAUSE_CHARS - 3] + "..."
+    return text if len(text) <= MAX_CAUSE_CHARS else text[: MAX_CAUSE_CHARS - 3] + "..."

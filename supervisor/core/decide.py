@@ -121,17 +121,31 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
     if event.attempt != state.attempt or state.phase is not Phase.STARTING:
         return state, []
     ranks = tuple(RankState(rank, pid=pid) for rank, pid in enumerate(event.pids))
-    state = replace(state, phase=Phase.RUNNING, ranks=ranks, resume_step=event.resume_step, deadline=None,
-                    launched_at=now, resume_passed_over=event.passed_over, resume_source=event.resume_source,
-                    resume_named=event.resume_named)
-    record = _record("ranks_launched", attempt=event.attempt, pids=list(event.pids), resume_step=event.resume_step,
-                     resume_source=event.resume_source)
+    state = replace(
+        state,
+        phase=Phase.RUNNING,
+        ranks=ranks,
+        resume_step=event.resume_step,
+        deadline=None,
+        launched_at=now,
+        resume_passed_over=event.passed_over,
+        resume_source=event.resume_source,
+        resume_named=event.resume_named,
+    )
+    record = _record(
+        "ranks_launched",
+        attempt=event.attempt,
+        pids=list(event.pids),
+        resume_step=event.resume_step,
+        resume_source=event.resume_source,
+    )
     return state, [record]
 
 
 def _on_launch_failed(state: State, event: LaunchFailed, now: float) -> tuple[State, list[Action]]:
-    record = _record("launch_failed", level="error", attempt=event.attempt, error=event.error,
-                     retryable=event.retryable)
+    record = _record(
+        "launch_failed", level="error", attempt=event.attempt, error=event.error, retryable=event.retryable
+    )
     if event.exit_code is not None:
         return replace(_fail(state, f"not launched: {event.error}"), failure_code=event.exit_code), [record]
     if not event.retryable:
@@ -176,16 +190,22 @@ def _note_lost_save(state: State, event: ChildExited) -> State:
 
 
 def _on_clean_exit(state: State, event: ChildExited) -> tuple[State, list[Action]]:
-    actions: list[Action] = [_record("rank_finished", rank=event.rank, attempt=event.attempt,
-                                     stopped_at=event.stopped_at)]
+    actions: list[Action] = [
+        _record("rank_finished", rank=event.rank, attempt=event.attempt, stopped_at=event.stopped_at)
+    ]
     if not all(r.returncode == 0 for r in state.ranks):
         return state, actions
     if event.stopped_at is None:
         state = replace(state, phase=Phase.FINISHED, deadline=None, reason=None)
         return state, [*actions, _record("run_finished", attempt=state.attempt, restarts=state.restarts)]
     step = event.stopped_at
-    state = replace(state, phase=Phase.STOPPED, deadline=None, stopped_at=step,
-                    reason=f"stopped on request ({state.stop_source}) at step {step}, checkpoint {step} saved")
+    state = replace(
+        state,
+        phase=Phase.STOPPED,
+        deadline=None,
+        stopped_at=step,
+        reason=f"stopped on request ({state.stop_source}) at step {step}, checkpoint {step} saved",
+    )
     return state, [*actions, _record("run_stopped", attempt=state.attempt, step=step, source=state.stop_source)]
 
 
@@ -196,12 +216,24 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
     state = _note_failure(replace(state, last_failure=failure), event.rank, cause, event.step, node=event.node)
     on = {} if event.node is None else {"node": event.node}
     actions: list[Action] = [
-        _record("rank_crashed", level="error", rank=event.rank, attempt=event.attempt, returncode=event.returncode,
-                description=describe_exit(event.returncode), step=state.failures[-1].step, cause=cause.text, **on),
+        _record(
+            "rank_crashed",
+            level="error",
+            rank=event.rank,
+            attempt=event.attempt,
+            returncode=event.returncode,
+            description=describe_exit(event.returncode),
+            step=state.failures[-1].step,
+            cause=cause.text,
+            **on,
+        ),
     ]
     if not cause.retryable:  # a model that does not fit its checkpoint fails the same way on every relaunch
-        state = replace(state, failure_code=EXIT_CONFIG,
-                        give_up=f"not retryable: rank {event.rank} failed in attempt {event.attempt}: {cause.text}")
+        state = replace(
+            state,
+            failure_code=EXIT_CONFIG,
+            give_up=f"not retryable: rank {event.rank} failed in attempt {event.attempt}: {cause.text}",
+        )
         state, stop = _begin_stop(state, Then.FAIL, now)
         return state, [*actions, _record("not_retryable", level="error", rank=event.rank, cause=cause.text), *stop]
     then, verdict = Then.STOP, []  # a stop on request is carried out; the failure changes nothing
@@ -217,8 +249,9 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
 
 def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: float) -> tuple[State, list[Action]]:
     failure = _abort_failure(event, abort)
-    state = _note_failure(replace(state, last_failure=failure), event.rank, Cause(CauseKind.ANOMALY, failure),
-                          abort.abort_step)
+    state = _note_failure(
+        replace(state, last_failure=failure), event.rank, Cause(CauseKind.ANOMALY, failure), abort.abort_step
+    )
     state, then, actions = _rollback_or_fail(state, event, abort, failure)
     state, stop = _begin_stop(state, then, now)
     return state, [*actions, *stop]
@@ -227,41 +260,62 @@ def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: f
 def _abort_while_stopping(state: State, event: ChildExited, abort: AbortInfo, now: float) -> tuple[State, list[Action]]:
     """An abort seen only once the stop began (a peer died of it first, taken for a crash): roll back after all."""
     failure = _abort_failure(event, abort)
-    state = _revise_failure(replace(state, last_failure=failure), event.rank, Cause(CauseKind.ANOMALY, failure),
-                            abort.abort_step)
+    state = _revise_failure(
+        replace(state, last_failure=failure), event.rank, Cause(CauseKind.ANOMALY, failure), abort.abort_step
+    )
     state, then, actions = _rollback_or_fail(state, event, abort, failure)
     state, down = _after_rank_down(replace(state, then=then), event, now)
     return state, [*actions, *down]
 
 
 def _abort_failure(event: ChildExited, abort: AbortInfo) -> str:
-    what = "anomalies" if not abort.suspect_ranks else (
-        f"a feature-value fault seen by rank {', '.join(map(str, abort.suspect_ranks))} (suspect hardware)")
+    what = (
+        "anomalies"
+        if not abort.suspect_ranks
+        else (f"a feature-value fault seen by rank {', '.join(map(str, abort.suspect_ranks))} (suspect hardware)")
+    )
     how = "aborted" if event.returncode == EXIT_ANOMALY else f"{describe_exit(event.returncode)} after an abort"
-    return (f"rank {event.rank} {how} on {what} in steps {abort.first_step}-{abort.abort_step} "
-            f"(batches {abort.first_batch}-{abort.abort_batch}) in attempt {event.attempt}")
+    return (
+        f"rank {event.rank} {how} on {what} in steps {abort.first_step}-{abort.abort_step} "
+        f"(batches {abort.first_batch}-{abort.abort_batch}) in attempt {event.attempt}"
+    )
 
 
-def _rollback_or_fail(state: State, event: ChildExited, abort: AbortInfo,
-                      failure: str) -> tuple[State, Then, list[Action]]:
+def _rollback_or_fail(
+    state: State, event: ChildExited, abort: AbortInfo, failure: str
+) -> tuple[State, Then, list[Action]]:
     """Roll back past the abort's data on the next launch; fail if this region was rolled back too often
     (EXIT_ANOMALY) or no relaunch is left."""
-    record = _record("anomaly_abort", level="error", rank=event.rank, attempt=event.attempt,
-                     first_step=abort.first_step, abort_step=abort.abort_step, first_batch=abort.first_batch,
-                     abort_batch=abort.abort_batch, suspect_ranks=list(abort.suspect_ranks))
+    record = _record(
+        "anomaly_abort",
+        level="error",
+        rank=event.rank,
+        attempt=event.attempt,
+        first_step=abort.first_step,
+        abort_step=abort.abort_step,
+        first_batch=abort.first_batch,
+        abort_batch=abort.abort_batch,
+        suspect_ranks=list(abort.suspect_ranks),
+    )
     plan = plan_rollback(state.policy.anomaly, state.rollback, abort)
     if plan is None:
         tries = state.policy.anomaly.max_tries
         times = "once" if tries == 1 else f"{tries} times"
-        state = replace(state, give_up=f"{failure}; this region was already rolled back {times}",
-                        failure_code=EXIT_ANOMALY)
+        state = replace(
+            state, give_up=f"{failure}; this region was already rolled back {times}", failure_code=EXIT_ANOMALY
+        )
         return state, Then.FAIL, [record, _record("rollbacks_exhausted", level="error", tries=tries)]
     then = _failure_outcome(state)
     if then is Then.FAIL:  # no relaunch left to roll back with
         return state, then, [record, *_exhausted_records(state, then)]
     state = replace(state, rollback=plan, rollback_pending=True)
-    decision = _record("rollback_scheduled", resume_at_most=plan.resume_at_most, skip_to_batch=plan.skip_to_batch,
-                       tries=plan.tries, skip_after=plan.skip_after)
+    decision = _record(
+        "rollback_scheduled",
+        resume_at_most=plan.resume_at_most,
+        skip_to_batch=plan.skip_to_batch,
+        tries=plan.tries,
+        skip_after=plan.skip_after,
+    )
     return state, then, [record, decision]
 
 
@@ -274,19 +328,24 @@ def _revise_failure(state: State, rank: int, cause: Cause, step: int | None) -> 
 
 
 def _on_config_error(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
-    failure = (f"rank {event.rank} exited with code {EXIT_CONFIG} (its configuration is invalid) "
-               f"in attempt {event.attempt}")
+    failure = (
+        f"rank {event.rank} exited with code {EXIT_CONFIG} (its configuration is invalid) in attempt {event.attempt}"
+    )
     cause = event.cause or explain_exit(EXIT_CONFIG)
-    state = replace(state, last_failure=failure, give_up=f"{failure}; relaunching cannot help",
-                    failure_code=EXIT_CONFIG)
+    state = replace(
+        state, last_failure=failure, give_up=f"{failure}; relaunching cannot help", failure_code=EXIT_CONFIG
+    )
     state = _note_failure(state, event.rank, cause, event.step)
     state, stop = _begin_stop(state, Then.FAIL, now)
-    return state, [_record("rank_config_error", level="error", rank=event.rank, attempt=event.attempt,
-                           cause=cause.text), *stop]
+    return state, [
+        _record("rank_config_error", level="error", rank=event.rank, attempt=event.attempt, cause=cause.text),
+        *stop,
+    ]
 
 
-def _on_checkpoint_refused(state: State, event: ChildExited, refusal: CheckpointRefusal,
-                           now: float) -> tuple[State, list[Action]]:
+def _on_checkpoint_refused(
+    state: State, event: ChildExited, refusal: CheckpointRefusal, now: float
+) -> tuple[State, list[Action]]:
     """Relaunch like after a crash, but never again from the refused step (an attacker may have crafted it)."""
     failure = f"rank {event.rank} refused checkpoint {refusal.step} in attempt {event.attempt}: {refusal.error}"
     state = _note_failure(state, event.rank, Cause(CauseKind.CHECKPOINT_REFUSED, failure), event.step)
@@ -299,8 +358,9 @@ def _on_checkpoint_refused(state: State, event: ChildExited, refusal: Checkpoint
     return state, [*actions, *_exhausted_records(state, then), *stop]
 
 
-def _refused_while_stopping(state: State, event: ChildExited, refusal: CheckpointRefusal,
-                            now: float) -> tuple[State, list[Action]]:
+def _refused_while_stopping(
+    state: State, event: ChildExited, refusal: CheckpointRefusal, now: float
+) -> tuple[State, list[Action]]:
     """A refusal seen only once the stop began: the relaunch still passes the step over (or, named, fails)."""
     state, noted = _note_refusal(state, event, refusal)
     if state.resume_named and state.then is Then.RELAUNCH:
@@ -315,10 +375,20 @@ def _note_refusal(state: State, event: ChildExited, refusal: CheckpointRefusal) 
     if all(step != refusal.step for step, _ in state.refused_steps):
         state = replace(state, refused_steps=(*state.refused_steps, (refusal.step, reason)))
     if state.resume_named:
-        state = replace(state, failure_code=EXIT_CONFIG,
-                        give_up=f"the checkpoint named by worker.resume_training (step {refusal.step}) was {reason}")
-    record = _record("checkpoint_refused", level="error", rank=event.rank, attempt=event.attempt, step=refusal.step,
-                     path=refusal.path, error=refusal.error)
+        state = replace(
+            state,
+            failure_code=EXIT_CONFIG,
+            give_up=f"the checkpoint named by worker.resume_training (step {refusal.step}) was {reason}",
+        )
+    record = _record(
+        "checkpoint_refused",
+        level="error",
+        rank=event.rank,
+        attempt=event.attempt,
+        step=refusal.step,
+        path=refusal.path,
+        error=refusal.error,
+    )
     return state, [record]
 
 
@@ -358,23 +428,39 @@ def _order_stop(state: State, request: StopRequest, earliest: int, now: float) -
     actions: list[Action] = []
     step = earliest if request.step is None else request.step
     if step < earliest:
-        actions.append(_record("stop_step_too_early", level="warning", requested=step, step=earliest,
-                               source=request.source, reason="passed, or too close for every rank to act together"))
+        actions.append(
+            _record(
+                "stop_step_too_early",
+                level="warning",
+                requested=step,
+                step=earliest,
+                source=request.source,
+                reason="passed, or too close for every rank to act together",
+            )
+        )
         step = earliest
     order = StopOrder(id=state.orders + 1, step=step, exit=request.exit)
     graceful = request.exit and request.step is None  # "now": bounded by the stop timeout
-    state = replace(state, stop_order=order, stop_source=request.source, orders=order.id,
-                    deadline=now + state.policy.stop_timeout_s if graceful else state.deadline)
-    actions += [_record("stop_ordered", order=order.id, step=step, exit=order.exit, source=request.source),
-                PublishStopOrder(order)]
+    state = replace(
+        state,
+        stop_order=order,
+        stop_source=request.source,
+        orders=order.id,
+        deadline=now + state.policy.stop_timeout_s if graceful else state.deadline,
+    )
+    actions += [
+        _record("stop_ordered", order=order.id, step=step, exit=order.exit, source=request.source),
+        PublishStopOrder(order),
+    ]
     return state, actions
 
 
 def _exhausted_records(state: State, then: Then) -> list[Action]:
     if then is not Then.FAIL:
         return []
-    return [_record("restarts_exhausted", level="error", restarts=state.restarts,
-                    max_restarts=state.policy.max_restarts)]
+    return [
+        _record("restarts_exhausted", level="error", restarts=state.restarts, max_restarts=state.policy.max_restarts)
+    ]
 
 
 def _failure_outcome(state: State) -> Then:
@@ -385,10 +471,14 @@ def _note_failure(state: State, rank: int, cause: Cause, step: int | None = None
     """Add this attempt's failure to the history: did any rank get past the step the attempt resumed from?"""
     step = state.ranks[rank].step if step is None else step
     reached = max((s for s in (step, *(r.step for r in state.ranks)) if s is not None), default=None)
-    reports_steps = (state.heartbeats_seen or state.policy.hang.heartbeat == "required"
-                     or any(f.step is not None for f in state.failures))  # the script uses the worker library
-    progressed = None if reached is None and not reports_steps else (
-        reached is not None and reached > (state.resume_step or 0))
+    reports_steps = (
+        state.heartbeats_seen
+        or state.policy.hang.heartbeat == "required"
+        or any(f.step is not None for f in state.failures)
+    )  # the script uses the worker library
+    progressed = (
+        None if reached is None and not reports_steps else (reached is not None and reached > (state.resume_step or 0))
+    )
     failure = Failure(state.attempt, rank, step, state.resume_step, cause, progressed, node)
     return replace(state, failures=(*state.failures, failure)[-FAILURES_KEPT:])
 
@@ -420,15 +510,21 @@ def _after_failure(state: State) -> tuple[State, Then, list[Action]]:
     """After an attempt's first failure: fail on a crash loop (EXIT_CRASH_LOOP) or exhausted restarts, or relaunch."""
     loop = crash_loop(state)
     if loop is not None:
-        attempts = [f.attempt for f in state.failures[-state.policy.crash_loop_attempts:]]
+        attempts = [f.attempt for f in state.failures[-state.policy.crash_loop_attempts :]]
         state = replace(state, give_up=loop, failure_code=EXIT_CRASH_LOOP)
         return state, Then.FAIL, [_record("crash_loop", level="error", attempts=attempts, reason=loop)]
     then = _failure_outcome(state)
     return state, then, _exhausted_records(state, then)
 
 
-def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = False,
-                blocked: tuple[str, Collection[int]] | None = None) -> tuple[State, list[Action]]:
+def _begin_stop(
+    state: State,
+    then: Then,
+    now: float,
+    *,
+    stacks_first: bool = False,
+    blocked: tuple[str, Collection[int]] | None = None,
+) -> tuple[State, list[Action]]:
     state = replace(state, phase=Phase.STOPPING, then=then)
     if not any(r.running for r in state.ranks):
         return _all_down(state, now)
@@ -436,13 +532,15 @@ def _begin_stop(state: State, then: Then, now: float, *, stacks_first: bool = Fa
         running = tuple(r.rank for r in state.ranks if r.running)
         with_handler = tuple(r.rank for r in state.ranks if r.running and r.heartbeat_seq is not None)
         state = replace(state, stop_stage=StopStage.STACKS, deadline=now + state.policy.hang.stacks_timeout_s)
-        return state, [DumpStacks(state.attempt, running, with_handler, collective_failed=not _hang_of_this_attempt(
-            state))]
+        return state, [
+            DumpStacks(state.attempt, running, with_handler, collective_failed=not _hang_of_this_attempt(state))
+        ]
     return _terminate(state, now, blocked)
 
 
-def _terminate(state: State, now: float, blocked: tuple[str, Collection[int]] | None = None
-               ) -> tuple[State, list[Action]]:
+def _terminate(
+    state: State, now: float, blocked: tuple[str, Collection[int]] | None = None
+) -> tuple[State, list[Action]]:
     """SIGTERM every rank; SIGKILL follows after the grace, or once a rank's save in flight had its save timeout.
 
     `blocked` (why, ranks): ranks known to wait inside a collective for a peer that will never come (it was lost,
@@ -458,8 +556,10 @@ def _terminate(state: State, now: float, blocked: tuple[str, Collection[int]] | 
     actions: list[Action] = []
     if doomed:
         assert blocked is not None
-        actions += [_record("ranks_killed_at_once", ranks=list(doomed), attempt=state.attempt, why=blocked[0]),
-                    SignalRanks(state.attempt, signal.SIGKILL, doomed)]
+        actions += [
+            _record("ranks_killed_at_once", ranks=list(doomed), attempt=state.attempt, why=blocked[0]),
+            SignalRanks(state.attempt, signal.SIGKILL, doomed),
+        ]
     if termed:
         actions.append(SignalRanks(state.attempt, signal.SIGTERM, termed if doomed else None))
     if state.deadline > grace_end:
@@ -480,8 +580,9 @@ def _kill(state: State, now: float) -> tuple[State, list[Action]]:
 
 
 def _after_rank_down(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:
-    actions: list[Action] = [_record("rank_stopped", rank=event.rank, attempt=event.attempt,
-                                     description=describe_exit(event.returncode))]
+    actions: list[Action] = [
+        _record("rank_stopped", rank=event.rank, attempt=event.attempt, description=describe_exit(event.returncode))
+    ]
     if any(r.running for r in state.ranks) or state.stop_stage is StopStage.STACKS:  # the evidence comes first
         return state, actions
     state, more = _all_down(state, now)
@@ -512,13 +613,22 @@ def _all_down(state: State, now: float) -> tuple[State, list[Action]]:
 def _stopped_losing_saves(state: State, actions: list[Action]) -> tuple[State, list[Action]]:
     """Stopped, but a rank went down inside a save: exit EXIT_SAVE_LOST, never the 0 of a clean stop."""
     lost = ", ".join(f"rank {rank}" + ("" if step is None else f" (step {step})") for rank, step in state.saves_lost)
-    reason = (f"stopped on request, but the checkpoint save in flight was lost: {lost} went down inside it; "
-              "the newest complete checkpoint is older")
+    reason = (
+        f"stopped on request, but the checkpoint save in flight was lost: {lost} went down inside it; "
+        "the newest complete checkpoint is older"
+    )
     state = replace(state, phase=Phase.STOPPED, deadline=None, reason=reason)
-    return state, [*actions, _record("save_lost", level="error", attempt=state.attempt,
-                                     ranks=[rank for rank, _ in state.saves_lost],
-                                     steps=[step for _, step in state.saves_lost]),
-                   _record("run_stopped", attempt=state.attempt, exit_code=EXIT_SAVE_LOST)]
+    return state, [
+        *actions,
+        _record(
+            "save_lost",
+            level="error",
+            attempt=state.attempt,
+            ranks=[rank for rank, _ in state.saves_lost],
+            steps=[step for _, step in state.saves_lost],
+        ),
+        _record("run_stopped", attempt=state.attempt, exit_code=EXIT_SAVE_LOST),
+    ]
 
 
 def _relaunch(state: State) -> tuple[State, list[Action]]:
@@ -559,14 +669,19 @@ def _on_heartbeats(state: State, event: Heartbeats, now: float) -> tuple[State, 
         written = now - beat.age_s
         if before.heartbeat_phase == TRAIN_PHASE == beat.phase and before.heartbeat_monotonic is not None:
             gaps.append(written - before.heartbeat_monotonic)
-        ranks[beat.rank] = replace(before, step=beat.step, heartbeat_seq=beat.seq, heartbeat_monotonic=written,
-                                   heartbeat_phase=beat.phase, step_time_s=beat.step_time_s or before.step_time_s)
+        ranks[beat.rank] = replace(
+            before,
+            step=beat.step,
+            heartbeat_seq=beat.seq,
+            heartbeat_monotonic=written,
+            heartbeat_phase=beat.phase,
+            step_time_s=beat.step_time_s or before.step_time_s,
+        )
         changed, saving = True, saving or beat.phase == SAVE_PHASE
     if not changed:
         return state, []
     window = state.policy.hang.calibration.window
-    state = replace(state, ranks=tuple(ranks), step_gaps=with_gaps(state.step_gaps, gaps, window),
-                    heartbeats_seen=True)
+    state = replace(state, ranks=tuple(ranks), step_gaps=with_gaps(state.step_gaps, gaps, window), heartbeats_seen=True)
     if state.stop_stage is StopStage.TERM and saving and state.deadline is not None:
         state = replace(state, deadline=max(state.deadline, saves_end(state, now)))  # a save seen late
     return _continue_order_done(state)
@@ -580,15 +695,24 @@ def _continue_order_done(state: State) -> tuple[State, list[Action]]:
     if not all(r.step is not None and r.step > order.step for r in state.ranks if r.running):
         return state, []
     state = replace(state, stop_order=None)
-    return state, [_record("stop_order_done", order=order.id, step=order.step, source=state.stop_source),
-                   PublishStopOrder(None)]
+    return state, [
+        _record("stop_order_done", order=order.id, step=order.step, source=state.stop_source),
+        PublishStopOrder(None),
+    ]
 
 
 def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tuple[State, list[Action]]:
     if event.attempt != state.attempt or state.stop_stage is not StopStage.STACKS:
         return state, []
-    records = [_record("stacks_collected", attempt=event.attempt, paths=list(event.paths), culprit=event.culprit,
-                       last_steps=dict(event.last_steps))]
+    records = [
+        _record(
+            "stacks_collected",
+            attempt=event.attempt,
+            paths=list(event.paths),
+            culprit=event.culprit,
+            last_steps=dict(event.last_steps),
+        )
+    ]
     if _hang_of_this_attempt(state):
         assert state.hang is not None
         hang = _refine_hang(state, state.hang, event)
@@ -616,33 +740,70 @@ def _refine_hang(state: State, hang: Hang, event: StacksCollected) -> Hang:
         return replace(hang, stacks=event.paths, step=steps.get(hang.rank, hang.step))
     culprit = state.ranks[event.culprit]
     phase = culprit.heartbeat_phase or "launch"
-    timeout = state.policy.hang.first_heartbeat_s if phase == "launch" else phase_timeout(
-        state.policy.hang, phase, state.step_gaps)
-    return replace(hang, stacks=event.paths, rank=culprit.rank, phase=phase, timeout_s=timeout, node=event.node,
-                   step=steps.get(culprit.rank, culprit.step), named_by=hang.named_by if verdict else "stacks")
+    timeout = (
+        state.policy.hang.first_heartbeat_s
+        if phase == "launch"
+        else phase_timeout(state.policy.hang, phase, state.step_gaps)
+    )
+    return replace(
+        hang,
+        stacks=event.paths,
+        rank=culprit.rank,
+        phase=phase,
+        timeout_s=timeout,
+        node=event.node,
+        step=steps.get(culprit.rank, culprit.step),
+        named_by=hang.named_by if verdict else "stacks",
+    )
 
 
 def _hang_record(hang: Hang) -> Record:
     """The hang's final verdict, for the journal: once the evidence is in, or its time ran out."""
-    return _record("hang_detected", level="error", rank=hang.rank, node=hang.node, attempt=hang.attempt,
-                   phase=hang.phase, step=hang.step, silent_s=round(hang.silent_s, 3), timeout_s=hang.timeout_s,
-                   named_by=hang.named_by, evidence=hang.evidence, cause=_hang_cause(hang).text,
-                   **{"class": hang.cls})
+    return _record(
+        "hang_detected",
+        level="error",
+        rank=hang.rank,
+        node=hang.node,
+        attempt=hang.attempt,
+        phase=hang.phase,
+        step=hang.step,
+        silent_s=round(hang.silent_s, 3),
+        timeout_s=hang.timeout_s,
+        named_by=hang.named_by,
+        evidence=hang.evidence,
+        cause=_hang_cause(hang).text,
+        **{"class": hang.cls},
+    )
 
 
 def _blame_crash(state: State, verdict: Verdict, node: str | None) -> tuple[State, Record]:
     """A collective failed: the failure is the culprit's, as its flight recorder names it, not the first to exit."""
     first = state.failures[-1]
     where = "" if node is None else f" on {node}"
-    cause = Cause(CauseKind.COLLECTIVE, f"{verdict.cls}: rank {verdict.rank}{where}: {verdict.evidence} "
-                                        f"(first seen as rank {first.rank}: {first.cause.text})"[:MAX_CAUSE_CHARS],
-                  first.cause.same_as)
-    state = replace(state, failures=(*state.failures[:-1], replace(first, rank=verdict.rank, cause=cause, node=node)),
-                    last_failure=f"rank {verdict.rank}{where} ({verdict.cls}) failed a collective in attempt "
-                                 f"{first.attempt}: {verdict.evidence}")
-    return state, _record("culprit_named", level="error", rank=verdict.rank, node=node, attempt=first.attempt,
-                          named_by=verdict.named_by, evidence=verdict.evidence, first_failed=first.rank,
-                          cause=cause.text, **{"class": verdict.cls})
+    cause = Cause(
+        CauseKind.COLLECTIVE,
+        f"{verdict.cls}: rank {verdict.rank}{where}: {verdict.evidence} "
+        f"(first seen as rank {first.rank}: {first.cause.text})"[:MAX_CAUSE_CHARS],
+        first.cause.same_as,
+    )
+    state = replace(
+        state,
+        failures=(*state.failures[:-1], replace(first, rank=verdict.rank, cause=cause, node=node)),
+        last_failure=f"rank {verdict.rank}{where} ({verdict.cls}) failed a collective in attempt "
+        f"{first.attempt}: {verdict.evidence}",
+    )
+    return state, _record(
+        "culprit_named",
+        level="error",
+        rank=verdict.rank,
+        node=node,
+        attempt=first.attempt,
+        named_by=verdict.named_by,
+        evidence=verdict.evidence,
+        first_failed=first.rank,
+        cause=cause.text,
+        **{"class": verdict.cls},
+    )
 
 
 def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, list[Action]]:
@@ -681,9 +842,16 @@ def _at_once(state: State, now: float) -> tuple[State, list[Action]]:
         return state, []
     savers = saving(state)
     if state.interrupts == 2 and savers:
-        return state, [_record("save_in_flight", level="warning", ranks=[r.rank for r in savers],
-                               steps=[r.step for r in savers], wait_s=round(saves_end(state, now) - now, 3),
-                               message="saving, press Ctrl-C again to abandon the save")]
+        return state, [
+            _record(
+                "save_in_flight",
+                level="warning",
+                ranks=[r.rank for r in savers],
+                steps=[r.step for r in savers],
+                wait_s=round(saves_end(state, now) - now, 3),
+                message="saving, press Ctrl-C again to abandon the save",
+            )
+        ]
     return _kill(state, now)
 
 
@@ -706,8 +874,10 @@ def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]
         return state, [_record("stacks_timed_out", level="warning", ranks=alive), *verdict, *actions]
     if state.stop_stage is StopStage.TERM:
         state, actions = _kill(state, now)
-        return state, [_record("stop_grace_expired", level="warning", ranks=alive,
-                               grace_s=state.policy.kill_grace_s), *actions]
+        return state, [
+            _record("stop_grace_expired", level="warning", ranks=alive, grace_s=state.policy.kill_grace_s),
+            *actions,
+        ]
     stuck = [f"rank {r.rank} (pid {r.pid})" for r in state.ranks if r.running]
     reason = f"{', '.join(stuck)} survived SIGKILL for {state.policy.sigkill_wait_s:g} s; not relaunching over it"
     return _fail(state, reason), [KillLeftovers(state.attempt)]  # KillLeftovers logs each survivor's state
@@ -725,8 +895,16 @@ def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:
     state = _note_failure(replace(state, hang=hang, last_failure=_hang_failure(hang)), rank.rank, cause, hang.step)
     state, then, verdict = _after_failure(state)
     # The verdict waits for the evidence (StacksCollected): `hang_detected` then names the culprit.
-    record = _record("hang_suspected", level="warning", rank=rank.rank, attempt=state.attempt, phase=hang.phase,
-                     step=hang.step, silent_s=round(hang.silent_s, 3), timeout_s=hang.timeout_s)
+    record = _record(
+        "hang_suspected",
+        level="warning",
+        rank=rank.rank,
+        attempt=state.attempt,
+        phase=hang.phase,
+        step=hang.step,
+        silent_s=round(hang.silent_s, 3),
+        timeout_s=hang.timeout_s,
+    )
     state, stop = _begin_stop(state, then, now, stacks_first=True)
     return state, [record, *verdict, *stop]
 
@@ -741,8 +919,10 @@ def _hang_failure(hang: Hang) -> str:
     """The hang as `last_failure` says it; the same words before and after the stacks name the culprit."""
     where = "before its first heartbeat" if hang.phase == "launch" else f"in phase {hang.phase}"
     after = "" if hang.step is None else f" (last heartbeat at step {hang.step})"
-    return (f"rank {hang.rank} hung {where}{after}: no heartbeat for {hang.silent_s:.1f} s "
-            f"(timeout {hang.timeout_s:g} s) in attempt {hang.attempt}")
+    return (
+        f"rank {hang.rank} hung {where}{after}: no heartbeat for {hang.silent_s:.1f} s "
+        f"(timeout {hang.timeout_s:g} s) in attempt {hang.attempt}"
+    )
 
 
 def _hang_cause(hang: Hang) -> Cause:
@@ -750,8 +930,11 @@ def _hang_cause(hang: Hang) -> Cause:
     after = "" if hang.step is None else f" after step {hang.step}"
     on = "" if hang.node is None else f" on {hang.node}"
     named = f" ({hang.cls}: {hang.evidence})" if hang.cls and hang.named_by != "heartbeat" else ""
-    return Cause(CauseKind.HANG, f"hang: rank {hang.rank}{on}{named} silent {where}{after} "
-                                 f"for {hang.silent_s:.1f} s (timeout {hang.timeout_s:g} s)"[:MAX_CAUSE_CHARS])
+    return Cause(
+        CauseKind.HANG,
+        f"hang: rank {hang.rank}{on}{named} silent {where}{after} "
+        f"for {hang.silent_s:.1f} s (timeout {hang.timeout_s:g} s)"[:MAX_CAUSE_CHARS],
+    )
 
 
 def _revise_hang_failure(state: State, hang: Hang) -> State:

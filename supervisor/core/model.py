@@ -218,9 +218,18 @@ class Tick:
     """Time passed; deadlines are checked."""
 
 
-Event = (Started | RanksLaunched | LaunchFailed | ChildExited | HeartbeatSeen | Heartbeats | StacksCollected
-         | SignalReceived
-         | StopRequested | Tick)
+Event = (
+    Started
+    | RanksLaunched
+    | LaunchFailed
+    | ChildExited
+    | HeartbeatSeen
+    | Heartbeats
+    | StacksCollected
+    | SignalReceived
+    | StopRequested
+    | Tick
+)
 
 # ---- actions: imperatives ------------------------------------------------------------------
 
@@ -428,8 +437,9 @@ def initial_state(policy: Policy, step_gaps: tuple[float, ...] = (), history: Hi
     state = State(policy=policy, ranks=tuple(RankState(r) for r in range(policy.nproc)), step_gaps=step_gaps)
     if history is None:
         return state
-    return replace(state, attempt=history.attempt + 1, restarts=history.restarts,
-                   failures=history.failures[-FAILURES_KEPT:])
+    return replace(
+        state, attempt=history.attempt + 1, restarts=history.restarts, failures=history.failures[-FAILURES_KEPT:]
+    )
 
 
 def rank_deadline(state: State, rank: RankState) -> float | None:
@@ -465,10 +475,21 @@ def hang_deadline(state: State) -> float | None:
             newest[phase] = max(newest.get(phase, -math.inf), beat)
     hang = state.policy.hang
     expect_beat = hang.heartbeat == "required" or state.heartbeats_seen
-    deadlines = [d for phase, beat in newest.items()
-                 if (d := beat_deadline(hang, phase=phase, last_beat=None if phase is None else beat,
-                                        launched_at=state.launched_at, expect_beat=expect_beat,
-                                        gaps=state.step_gaps)) is not None]
+    deadlines = [
+        d
+        for phase, beat in newest.items()
+        if (
+            d := beat_deadline(
+                hang,
+                phase=phase,
+                last_beat=None if phase is None else beat,
+                launched_at=state.launched_at,
+                expect_beat=expect_beat,
+                gaps=state.step_gaps,
+            )
+        )
+        is not None
+    ]
     return max(deadlines) if deadlines else None
 
 

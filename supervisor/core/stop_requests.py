@@ -53,8 +53,10 @@ def parse_stop_file(data: bytes, source: str) -> StopRequest:
         return StopRequest(None, True, source)
     if not _STEP.fullmatch(text) or int(text) == 0:
         shown = text if len(text) <= 40 else text[:40] + "..."
-        raise StopFileUnparsable(f"got {shown!r}; expected nothing (save now and exit), a step N (save at N and "
-                                 "exit) or -N (save at N and continue)")
+        raise StopFileUnparsable(
+            f"got {shown!r}; expected nothing (save now and exit), a step N (save at N and "
+            "exit) or -N (save at N and continue)"
+        )
     step = int(text)
     return StopRequest(abs(step), step > 0, source)
 

@@ -73,9 +73,16 @@ class Agent:
         for signum in FORWARDED_SIGNALS:  # Slurm signals every process of the step: the supervisor decides
             signal.signal(signum, lambda s, _f: self._inbox.put(("signal", s)))
         self._peer.serve(lambda m: self._inbox.put(("message", m)), lambda why: self._inbox.put(("end", why)))
-        self._send("hello", token=self._token, node=self._host, attempt=self._attempt, pid=os.getpid(),
-                   port=free_port("0.0.0.0"), slurm_node_id=os.environ.get("SLURM_NODEID"),
-                   gpu_problems=gpu_problems())
+        self._send(
+            "hello",
+            token=self._token,
+            node=self._host,
+            attempt=self._attempt,
+            pid=os.getpid(),
+            port=free_port("0.0.0.0"),
+            slurm_node_id=os.environ.get("SLURM_NODEID"),
+            gpu_problems=gpu_problems(),
+        )
         fenced: str | None = None
         try:
             fenced = self._loop()
@@ -99,14 +106,23 @@ class Agent:
         if lease is None:
             self.journal("successor_declined", "info", why=why, generation=succession.generation)
             return
-        self.journal("successor_claimed", "warning", generation=lease.generation,
-                     previous_generation=succession.generation)
+        self.journal(
+            "successor_claimed", "warning", generation=lease.generation, previous_generation=succession.generation
+        )
         become_successor(self._layout, succession, lease)
 
     def journal(self, event: str, level: str, **fields: Any) -> None:
         try:
-            append_event(self._layout.journal, root=self._layout.root, event=event, level=level, node=self._host,
-                         attempt=self._attempt, agent_pid=os.getpid(), **fields)
+            append_event(
+                self._layout.journal,
+                root=self._layout.root,
+                event=event,
+                level=level,
+                node=self._host,
+                attempt=self._attempt,
+                agent_pid=os.getpid(),
+                **fields,
+            )
         except OSError as exc:
             print(f"trainwarden agent: cannot write the journal: {exc}", file=sys.stderr)
 
@@ -153,8 +169,9 @@ class Agent:
             sent = [r for r, p in self._ranks.procs.items() if r in ranks and signal_group(p.pid, message["signum"])]
             self._send("signalled", ranks=sent)
         elif kind == "dump_stacks" and self._ranks is not None:
-            threading.Thread(target=self._dump_stacks, args=(message["ranks"], message["faulthandler"]),
-                             daemon=True).start()
+            threading.Thread(
+                target=self._dump_stacks, args=(message["ranks"], message["faulthandler"]), daemon=True
+            ).start()
         elif kind == "succession":
             self._succession = Succession.from_json(message["succession"])
         elif kind == "order":
@@ -166,8 +183,13 @@ class Agent:
             return
         envs = {int(rank): local_env(env) for rank, env in message["envs"].items()}
         try:
-            self._ranks = spawn_ranks(message["argv"], envs, self._layout, self._attempt,
-                                      lambda _a, rank, code: self._inbox.put(("exited", (rank, code))))
+            self._ranks = spawn_ranks(
+                message["argv"],
+                envs,
+                self._layout,
+                self._attempt,
+                lambda _a, rank, code: self._inbox.put(("exited", (rank, code))),
+            )
         except OSError as exc:
             self._send("spawn_failed", error=f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
             return
@@ -181,13 +203,26 @@ class Agent:
     def _dump_stacks(self, ranks: list[int], faulthandler: list[int]) -> None:
         assert self._ranks is not None
         pids = {r: self._ranks.procs[r].pid for r in ranks if r in self._ranks.procs}
-        dumps = collect_stacks(self._layout, self._attempt, pids, tuple(r for r in faulthandler if r in pids),
-                               ranks=tuple(self._ranks.procs))
-        self._inbox.put(("stacks", {"paths": list(dumps.paths), "last_steps": [list(p) for p in dumps.last_steps],
-                                    "stacks": {str(r): t[-MAX_STACK_CHARS:] for r, t in dumps.by_rank.items()},
-                                    "flights": {str(r): f for r, f in dumps.flights.items()},
-                                    "states": {str(r): s for r, s in dumps.states.items()},
-                                    "expected": list(dumps.expected)}))
+        dumps = collect_stacks(
+            self._layout,
+            self._attempt,
+            pids,
+            tuple(r for r in faulthandler if r in pids),
+            ranks=tuple(self._ranks.procs),
+        )
+        self._inbox.put(
+            (
+                "stacks",
+                {
+                    "paths": list(dumps.paths),
+                    "last_steps": [list(p) for p in dumps.last_steps],
+                    "stacks": {str(r): t[-MAX_STACK_CHARS:] for r, t in dumps.by_rank.items()},
+                    "flights": {str(r): f for r, f in dumps.flights.items()},
+                    "states": {str(r): s for r, s in dumps.states.items()},
+                    "expected": list(dumps.expected),
+                },
+            )
+        )
 
     def _forward_heartbeats(self, only: list[int] | None = None, *, now: bool = False) -> None:
         """Every BEAT_S (or `now`), one message with the newest record of each rank that beat since the last one,
@@ -259,4 +294,3 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         agent.journal("agent_died", "error", error=repr(exc)[:300])  # its ranks died with it (parent-death signal)
         raise
-

@@ -17,8 +17,13 @@ from typing import Any
 
 __all__ = ["RECOVERY_ACTIONS", "gpu_problems"]
 
-RECOVERY_ACTIONS = {0: None, 1: "a GPU reset", 2: "a node reboot", 3: "draining its peer-to-peer traffic",
-                    4: "draining and a reset"}
+RECOVERY_ACTIONS = {
+    0: None,
+    1: "a GPU reset",
+    2: "a node reboot",
+    3: "draining its peer-to-peer traffic",
+    4: "draining and a reset",
+}
 FIELD_RECOVERY_ACTION = 274  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, for an nvidia-ml-py too old to name it
 
 
@@ -34,8 +39,11 @@ def gpu_problems(nvml: Any = None) -> list[str] | None:
     except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...: no GPUs to judge
         return None
     try:
-        return [f"GPU {index}: {problem}" for index in range(nvml.nvmlDeviceGetCount())
-                for problem in _device_problems(nvml, nvml.nvmlDeviceGetHandleByIndex(index))]
+        return [
+            f"GPU {index}: {problem}"
+            for index in range(nvml.nvmlDeviceGetCount())
+            for problem in _device_problems(nvml, nvml.nvmlDeviceGetHandleByIndex(index))
+        ]
     finally:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()

@@ -72,8 +72,14 @@ class Launcher(Protocol):
     def signal(self, attempt: int, signum: int, ranks: Collection[int]) -> list[int]:
         """Signal the process group of each of `ranks`; returns those reached."""
 
-    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...], *,
-                    collective_failed: bool = False) -> None:
+    def dump_stacks(
+        self,
+        attempt: int,
+        ranks: tuple[int, ...],
+        faulthandler_ranks: tuple[int, ...],
+        *,
+        collective_failed: bool = False,
+    ) -> None:
         """Collect the ranks' stacks and flight recorders; posts StacksCollected with the verdict."""
 
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
@@ -164,8 +170,12 @@ class LocalLauncher:
 
         if problems := gpu_problems():  # relaunching on a GPU that needs a reset fails again: another machine
             self._log.error("gpu_unhealthy", attempt=attempt.number, problems=problems)
-            return LaunchFailed(attempt.number, f"unhealthy GPU on this machine: {'; '.join(problems)}",
-                                retryable=False, exit_code=EXIT_REQUEUE)
+            return LaunchFailed(
+                attempt.number,
+                f"unhealthy GPU on this machine: {'; '.join(problems)}",
+                retryable=False,
+                exit_code=EXIT_REQUEUE,
+            )
         warm = self._take_standbys()
         try:
             self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit, warm)
@@ -190,14 +200,27 @@ class LocalLauncher:
             return []
         return self._ranks.signal(signum, only=ranks.__contains__)
 
-    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...], *,
-                    collective_failed: bool = False) -> None:
+    def dump_stacks(
+        self,
+        attempt: int,
+        ranks: tuple[int, ...],
+        faulthandler_ranks: tuple[int, ...],
+        *,
+        collective_failed: bool = False,
+    ) -> None:
         if self._ranks is None or self._ranks.attempt != attempt:
             self._post(StacksCollected(attempt, ()))
             return
         pids = {rank: self._ranks.procs[rank].pid for rank in ranks}
-        start_stack_collection(self._layout, attempt, pids, faulthandler_ranks, self._post,
-                               ranks=tuple(self._ranks.procs), collective_failed=collective_failed)
+        start_stack_collection(
+            self._layout,
+            attempt,
+            pids,
+            faulthandler_ranks,
+            self._post,
+            ranks=tuple(self._ranks.procs),
+            collective_failed=collective_failed,
+        )
 
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
         """SIGKILL every descendant that is not a rank leader or a standby; report (from a thread) any that survives."""

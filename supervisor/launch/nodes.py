@@ -111,14 +111,28 @@ class Ledger:
                 ledger = ledger.charged(NodeFault(node, now, f"{entries[-1].reason}; Slurm marked it {state}", "down"))
         return ledger
 
-    def excluded(self, now: float, *, max_failures: int, window_s: float, cooldown_s: float,
-                 slurm_states: Mapping[str, str] | None = None) -> dict[str, str]:
+    def excluded(
+        self,
+        now: float,
+        *,
+        max_failures: int,
+        window_s: float,
+        cooldown_s: float,
+        slurm_states: Mapping[str, str] | None = None,
+    ) -> dict[str, str]:
         """Node -> why (one line), for every node that must not be used now."""
         verdicts = self._verdicts(now, max_failures, window_s, cooldown_s, slurm_states or {})
         return {node: why for node, (status, why) in verdicts.items() if status != USABLE}
 
-    def rows(self, now: float, *, max_failures: int, window_s: float, cooldown_s: float,
-             slurm_states: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    def rows(
+        self,
+        now: float,
+        *,
+        max_failures: int,
+        window_s: float,
+        cooldown_s: float,
+        slurm_states: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
         """One row per node in the ledger, the worst status first, then by name: node, status, reason, faults
         (failures and losses since its last forgiveness), last_fault_at (wall clock or None), slurm_state."""
         states = slurm_states or {}
@@ -127,8 +141,16 @@ class Ledger:
         for node, entries in self._since_forgiven().items():
             counted = [f for f in entries if f.kind in ("failed", "lost")]
             status, why = verdicts[node]
-            rows.append({"node": node, "status": status, "reason": why, "faults": len(counted),
-                         "last_fault_at": counted[-1].at if counted else None, "slurm_state": states.get(node)})
+            rows.append(
+                {
+                    "node": node,
+                    "status": status,
+                    "reason": why,
+                    "faults": len(counted),
+                    "last_fault_at": counted[-1].at if counted else None,
+                    "slurm_state": states.get(node),
+                }
+            )
         return sorted(rows, key=lambda row: (_STATUS_ORDER.index(row["status"]), row["node"]))
 
     def _since_forgiven(self) -> dict[str, list[NodeFault]]:
@@ -138,10 +160,13 @@ class Ledger:
             out[fault.node] = [fault] if fault.kind == "forgiven" else [*out.get(fault.node, []), fault]
         return out
 
-    def _verdicts(self, now: float, max_failures: int, window_s: float, cooldown_s: float,
-                  states: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-        return {node: _verdict(entries, now, max_failures, window_s, cooldown_s, states.get(node))
-                for node, entries in self._since_forgiven().items()}
+    def _verdicts(
+        self, now: float, max_failures: int, window_s: float, cooldown_s: float, states: Mapping[str, str]
+    ) -> dict[str, tuple[str, str]]:
+        return {
+            node: _verdict(entries, now, max_failures, window_s, cooldown_s, states.get(node))
+            for node, entries in self._since_forgiven().items()
+        }
 
     @classmethod
     def load(cls, layout: RunLayout) -> Ledger:
@@ -158,8 +183,9 @@ class Ledger:
         atomic_write_json(layout.node_ledger, {"faults": [asdict(f) for f in self.faults]}, root=layout.root)
 
 
-def _verdict(entries: Sequence[NodeFault], now: float, max_failures: int, window_s: float, cooldown_s: float,
-             state: str | None) -> tuple[str, str]:
+def _verdict(
+    entries: Sequence[NodeFault], now: float, max_failures: int, window_s: float, cooldown_s: float, state: str | None
+) -> tuple[str, str]:
     """(status, why) of one node from its entries since its last forgiveness."""
     down = [f for f in entries if f.kind == "down"]
     if down:
@@ -186,8 +212,7 @@ def _fault(entry: object) -> NodeFault:
     return NodeFault(node, float(at), reason[:MAX_REASON], kind)
 
 
-def update_ledger(layout: RunLayout, change: Callable[[Ledger], Ledger], *,
-                  lock_wait_s: float = LOCK_WAIT_S) -> Ledger:
+def update_ledger(layout: RunLayout, change: Callable[[Ledger], Ledger], *, lock_wait_s: float = LOCK_WAIT_S) -> Ledger:
     """Load, `change` and save the run dir's ledger under an exclusive lock (the supervisor and an operator's
     `--forget` write it at once); saved only when changed. ValueError/OSError for a ledger that cannot be
     read, which is left as it is: the caller decides whether to start afresh."""
@@ -255,8 +280,9 @@ class TooFewNodes(Exception):
         return f"--exclude={','.join(sorted(self.excluded))}"
 
 
-def plan_nodes(allocation: Sequence[str], excluded: Mapping[str, str], needed: int,
-               minimum: int | None = None) -> tuple[list[str], list[str]]:
+def plan_nodes(
+    allocation: Sequence[str], excluded: Mapping[str, str], needed: int, minimum: int | None = None
+) -> tuple[list[str], list[str]]:
     """(the nodes to run on, in group-rank order; the spares), in the allocation's order less the excluded: `needed`
     of them, or with fewer usable every one, down to `minimum` (default: `needed`; TooFewNodes below)."""
     usable = [node for node in allocation if node not in excluded]

@@ -28,8 +28,19 @@ from worker.contract import (
 )
 from worker.files import open_append
 
-__all__ = ["Attempt", "Placement", "Ranks", "contract_env", "free_port", "launch_ranks", "local_env", "rank_argv",
-           "rank_envs", "signal_group", "spawn_ranks"]
+__all__ = [
+    "Attempt",
+    "Placement",
+    "Ranks",
+    "contract_env",
+    "free_port",
+    "launch_ranks",
+    "local_env",
+    "rank_argv",
+    "rank_envs",
+    "signal_group",
+    "spawn_ranks",
+]
 
 # Never handed to ranks: a rank must not talk to systemd as if it were the service.
 _WITHHELD_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -97,23 +108,30 @@ def rank_argv(config: JobConfig) -> list[str]:
     return [*config.command, *config.args]
 
 
-def contract_env(config: JobConfig, layout: RunLayout, place: Placement, attempt: Attempt, *,
-                 master_addr: str, port: int) -> dict[str, str]:
+def contract_env(
+    config: JobConfig, layout: RunLayout, place: Placement, attempt: Attempt, *, master_addr: str, port: int
+) -> dict[str, str]:
     """The variables torchrun would set for this rank, trainwarden's contract variables, the config's `env:`, and
     the collective settings (`collective_env`)."""
     return {
         **collective_env(config, layout, place.rank, attempt.number),
         **config.env,
-        "RANK": str(place.rank), "LOCAL_RANK": str(place.local_rank), "GROUP_RANK": str(place.group_rank),
-        "ROLE_RANK": str(place.rank), "WORLD_SIZE": str(place.world_size),
-        "LOCAL_WORLD_SIZE": str(place.local_world_size), "ROLE_WORLD_SIZE": str(place.world_size),
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
+        "RANK": str(place.rank),
+        "LOCAL_RANK": str(place.local_rank),
+        "GROUP_RANK": str(place.group_rank),
+        "ROLE_RANK": str(place.rank),
+        "WORLD_SIZE": str(place.world_size),
+        "LOCAL_WORLD_SIZE": str(place.local_world_size),
+        "ROLE_WORLD_SIZE": str(place.world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
         "TORCHELASTIC_RESTART_COUNT": str(attempt.number),
         "TORCHELASTIC_MAX_RESTARTS": str(config.restart.max_restarts),
         # torchrun's too: frameworks take it as "launched for us" (Lightning then reads the ranks from these variables,
         # not from SLURM_PROCID, and leaves Slurm's signals and requeueing to the supervisor).
         "TORCHELASTIC_RUN_ID": f"trainwarden-{layout.root.name}",
-        ENV_RUN_DIR: str(layout.root), ENV_ATTEMPT: str(attempt.number),
+        ENV_RUN_DIR: str(layout.root),
+        ENV_ATTEMPT: str(attempt.number),
         ENV_RESUME_STEP: "" if attempt.resume_step is None else str(attempt.resume_step),
         ENV_RESUME_DIR: "" if attempt.resume_dir is None else str(attempt.resume_dir),
         ENV_WORKER_CONFIG: config.worker.to_env(),
@@ -146,12 +164,23 @@ def local_env(contract: dict[str, str]) -> dict[str, str]:
 def rank_envs(config: JobConfig, layout: RunLayout, attempt: Attempt, port: int) -> dict[int, dict[str, str]]:
     """Every rank's environment on this machine, by rank."""
     n = config.nproc_per_node
-    return {rank: local_env(contract_env(config, layout, Placement(rank, rank, 0, n, n), attempt,
-                                         master_addr=config.master_addr, port=port)) for rank in range(n)}
+    return {
+        rank: local_env(
+            contract_env(
+                config, layout, Placement(rank, rank, 0, n, n), attempt, master_addr=config.master_addr, port=port
+            )
+        )
+        for rank in range(n)
+    }
 
 
-def launch_ranks(config: JobConfig, layout: RunLayout, attempt: Attempt, on_exit: Callable[[int, int, int], None],
-                 standbys: Mapping[int, Standby] | None = None) -> Ranks:
+def launch_ranks(
+    config: JobConfig,
+    layout: RunLayout,
+    attempt: Attempt,
+    on_exit: Callable[[int, int, int], None],
+    standbys: Mapping[int, Standby] | None = None,
+) -> Ranks:
     """Start every rank on this machine in its own session (in `standbys`' processes where given); a waiter thread
     per rank reports `on_exit(attempt, rank, code)`. If any rank fails to start, the ones started are killed and the
     error raised."""
@@ -159,8 +188,14 @@ def launch_ranks(config: JobConfig, layout: RunLayout, attempt: Attempt, on_exit
     return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit, standbys)
 
 
-def spawn_ranks(argv: list[str], envs: dict[int, dict[str, str]], layout: RunLayout, attempt: int,
-                on_exit: Callable[[int, int, int], None], standbys: Mapping[int, Standby] | None = None) -> Ranks:
+def spawn_ranks(
+    argv: list[str],
+    envs: dict[int, dict[str, str]],
+    layout: RunLayout,
+    attempt: int,
+    on_exit: Callable[[int, int, int], None],
+    standbys: Mapping[int, Standby] | None = None,
+) -> Ranks:
     """Start one process per rank (`envs`: global rank -> its environment), then a waiter thread for each."""
     ranks = Ranks(attempt, {})
     try:
@@ -172,22 +207,35 @@ def spawn_ranks(argv: list[str], envs: dict[int, dict[str, str]], layout: RunLay
             proc.wait(timeout=10)
         raise
     for rank, proc in ranks.procs.items():
-        threading.Thread(target=_wait, args=(proc, attempt, rank, on_exit), daemon=True,
-                         name=f"wait-a{attempt}-r{rank}").start()
+        threading.Thread(
+            target=_wait, args=(proc, attempt, rank, on_exit), daemon=True, name=f"wait-a{attempt}-r{rank}"
+        ).start()
     return ranks
 
 
-def _spawn(argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int, rank: int,
-           standby: Standby | None) -> subprocess.Popen:
+def _spawn(
+    argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int, rank: int, standby: Standby | None
+) -> subprocess.Popen:
     with contextlib.ExitStack() as logs:
-        out, err = (logs.enter_context(os.fdopen(open_append(layout.attempt_log(attempt, rank, stream),
-                                                             root=layout.root), "ab")) for stream in ("out", "err"))
+        out, err = (
+            logs.enter_context(
+                os.fdopen(open_append(layout.attempt_log(attempt, rank, stream), root=layout.root), "ab")
+            )
+            for stream in ("out", "err")
+        )
         if standby is not None and standby.activate(env, out.fileno(), err.fileno()):
             return standby.proc
         # start_new_session: the rank leads its own process group, so killpg reaches its whole tree;
         # die_with_parent: a SIGKILLed supervisor (or node agent) takes its ranks along.
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                start_new_session=True, preexec_fn=die_with_parent)
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
 
 def _wait(proc: subprocess.Popen, attempt: int, rank: int, on_exit: Callable[[int, int, int], None]) -> None:

@@ -99,8 +99,9 @@ class _Node:
 
     def shown_state(self) -> str:
         """For `status`: a node whose ranks all exited runs nothing, whatever its agent last said."""
-        if self.state == "done" or (self.state in ("starting", "running") and self.pids
-                                    and set(self.ranks) <= self.exited):
+        if self.state == "done" or (
+            self.state in ("starting", "running") and self.pids and set(self.ranks) <= self.exited
+        ):
             return "ended"
         return self.state
 
@@ -160,8 +161,16 @@ class _LinkChecked:
 class SlurmLauncher:
     """Node agents in one Slurm job step per attempt, reporting over TCP."""
 
-    def __init__(self, config: JobConfig, layout: RunLayout, post: Callable[[object], None], log: Any,
-                 *, lease: Lease | None = None, args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        layout: RunLayout,
+        post: Callable[[object], None],
+        log: Any,
+        *,
+        lease: Lease | None = None,
+        args: Sequence[str] = (),
+    ) -> None:
         self._config = config
         self._layout = layout
         self._post = post
@@ -198,8 +207,9 @@ class SlurmLauncher:
         try:
             return Ledger.load(self._layout)
         except (OSError, ValueError) as exc:
-            self._log.error("node_ledger_unreadable", path=str(self._layout.node_ledger), error=str(exc),
-                            action="starting empty")
+            self._log.error(
+                "node_ledger_unreadable", path=str(self._layout.node_ledger), error=str(exc), action="starting empty"
+            )
             return Ledger()
 
     # ---- lifecycle ----
@@ -207,8 +217,13 @@ class SlurmLauncher:
     def start(self) -> None:
         threading.Thread(target=self._accept, daemon=True, name="agents").start()
         self._charge_predecessor()
-        self._log.info("slurm_allocation", job=slurmctl.job_id(), host=self._host, excluded=self._excluded() or None,
-                       listening=self._advertised())
+        self._log.info(
+            "slurm_allocation",
+            job=slurmctl.job_id(),
+            host=self._host,
+            excluded=self._excluded() or None,
+            listening=self._advertised(),
+        )
 
     def _charge_predecessor(self) -> None:
         """Taking over within the job: the last supervisor's host went silent or cut itself off, so it is charged
@@ -216,10 +231,20 @@ class SlurmLauncher:
         before = None if self._lease is None else read_lease(self._layout, self._lease.generation - 1)
         if before is None or before.state == RELEASED or before.host == self._host or before.job != self._lease.job:
             return
-        self._log.warning("supervision_taken_over", previous_host=before.host, previous_generation=before.generation,
-                          previous_pid=before.pid, lease=before.state, generation=self._lease.generation)
-        self._charge(before.host, f"lost: the supervisor's host (lease generation {before.generation} "
-                                  f"{'abdicated' if before.state == ABDICATED else 'lapsed'})", "lost")
+        self._log.warning(
+            "supervision_taken_over",
+            previous_host=before.host,
+            previous_generation=before.generation,
+            previous_pid=before.pid,
+            lease=before.state,
+            generation=self._lease.generation,
+        )
+        self._charge(
+            before.host,
+            f"lost: the supervisor's host (lease generation {before.generation} "
+            f"{'abdicated' if before.state == ABDICATED else 'lapsed'})",
+            "lost",
+        )
 
     def close(self) -> None:
         for node in self._nodes.values():
@@ -256,8 +281,9 @@ class SlurmLauncher:
         self._kill_steps()  # a step stuck on a lost node is not waited for
         self._attempt, self._pending, self._nodes = None, attempt, {}
         self._hello_deadline, self._ended_early = None, {}
-        threading.Thread(target=self._plan, args=(attempt.number, sorted(self._ledger_nodes())), daemon=True,
-                         name="slurm-plan").start()
+        threading.Thread(
+            target=self._plan, args=(attempt.number, sorted(self._ledger_nodes())), daemon=True, name="slurm-plan"
+        ).start()
         return None
 
     def _ledger_nodes(self) -> set[str]:
@@ -286,11 +312,16 @@ class SlurmLauncher:
             nodes, spares = plan_nodes(self._allocation, self._excluded(), self._config.nodes, self._config.min_nodes)
         except TooFewNodes as exc:
             self._log.error("too_few_nodes", error=str(exc), resubmit_with=exc.exclude_option)
-            return [LaunchFailed(planned.attempt, f"{exc}; requeue with {exc.exclude_option}",
-                                 exit_code=EXIT_REQUEUE)]
+            return [LaunchFailed(planned.attempt, f"{exc}; requeue with {exc.exclude_option}", exit_code=EXIT_REQUEUE)]
         if len(nodes) < self._config.nodes:  # no spare left, and slurm.min_nodes allows it
-            self._log.warning("run_shrunk", attempt=planned.attempt, nodes=len(nodes), of_nodes=self._config.nodes,
-                              world_size=len(nodes) * self._config.nproc_per_node, excluded=sorted(self._excluded()))
+            self._log.warning(
+                "run_shrunk",
+                attempt=planned.attempt,
+                nodes=len(nodes),
+                of_nodes=self._config.nodes,
+                world_size=len(nodes) * self._config.nproc_per_node,
+                excluded=sorted(self._excluded()),
+            )
         failed = self._start_step(self._pending, nodes, spares)
         return [] if failed is None else [failed]
 
@@ -303,15 +334,22 @@ class SlurmLauncher:
         try:
             log = open_append(self._srun_log(attempt.number), root=self._layout.root)  # agents' stderr, labelled
             try:
-                proc = subprocess.Popen(self._srun_argv(attempt.number, nodes), env=env, stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=log, start_new_session=True)
+                proc = subprocess.Popen(
+                    self._srun_argv(attempt.number, nodes),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                )
             finally:
                 os.close(log)
         except OSError as exc:
             return LaunchFailed(attempt.number, f"cannot start srun: {exc.strerror or exc}")
         self._srun.append(proc)
-        threading.Thread(target=lambda: self._post(_SrunExited(proc.pid, proc.wait())), daemon=True,
-                         name=f"srun-a{attempt.number}").start()
+        threading.Thread(
+            target=lambda: self._post(_SrunExited(proc.pid, proc.wait())), daemon=True, name=f"srun-a{attempt.number}"
+        ).start()
         self._hello_deadline = time.monotonic() + HELLO_TIMEOUT_S
         self._log.info("agents_starting", attempt=attempt.number, nodes=nodes, spares=spares)
         return None
@@ -325,14 +363,33 @@ class SlurmLauncher:
         # srun does not inherit the job's CPUs per task (Slurm 21.08+): the agent, parent of every rank of its
         # node, asks for what the job got on this node, or Slurm would confine the node's ranks to one CPU.
         cpus = os.environ.get("SLURM_CPUS_ON_NODE", "")
-        return [srun, "--overlap", "--no-kill", "--kill-on-bad-exit=0", "--unbuffered", "--label",
-                *([f"--cpus-per-task={cpus}"] if cpus.isdigit() else []),
-                # --ntasks too: srun otherwise takes the job's SLURM_NTASKS (sbatch --ntasks-per-node=1 -N3: 3)
-                f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-                f"--nodelist={','.join(nodes)}",
-                f"--job-name=trainwarden-attempt-{attempt}", *self._config.slurm.srun_args,
-                sys.executable, "-m", "supervisor.agent", "--connect", self._advertised(),
-                "--run-dir", str(self._layout.root), "--attempt", str(attempt), "--fence-s", f"{fence_s:g}"]
+        return [
+            srun,
+            "--overlap",
+            "--no-kill",
+            "--kill-on-bad-exit=0",
+            "--unbuffered",
+            "--label",
+            *([f"--cpus-per-task={cpus}"] if cpus.isdigit() else []),
+            # --ntasks too: srun otherwise takes the job's SLURM_NTASKS (sbatch --ntasks-per-node=1 -N3: 3)
+            f"--nodes={len(nodes)}",
+            f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1",
+            f"--nodelist={','.join(nodes)}",
+            f"--job-name=trainwarden-attempt-{attempt}",
+            *self._config.slurm.srun_args,
+            sys.executable,
+            "-m",
+            "supervisor.agent",
+            "--connect",
+            self._advertised(),
+            "--run-dir",
+            str(self._layout.root),
+            "--attempt",
+            str(attempt),
+            "--fence-s",
+            f"{fence_s:g}",
+        ]
 
     def _fence_s(self) -> float:
         return max(1.0, self._config.slurm.node_timeout_s / 2)  # fenced well before it is declared lost
@@ -341,7 +398,8 @@ class SlurmLauncher:
         """host:port the agents dial: TRAINWARDEN_SUPERVISOR_ADDR, else our address on the route to the nodes."""
         port = self._server.getsockname()[1]
         host = os.environ.get("TRAINWARDEN_SUPERVISOR_ADDR") or _route_address(
-            next(iter(self._allocation), None) or os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1")
+            next(iter(self._allocation), None) or os.environ.get("SLURM_LAUNCH_NODE_IPADDR") or "127.0.0.1"
+        )
         return f"{host}:{port}"
 
     def _place(self) -> None:
@@ -354,23 +412,37 @@ class SlurmLauncher:
         argv = rank_argv(self._config)
         succession = self._succession()
         for node in self._nodes.values():
-            envs = {str(rank): contract_env(self._config, self._layout,
-                                            Placement(rank, rank - node.ranks[0], node.group_rank, world, n), attempt,
-                                            master_addr=master, port=port) for rank in node.ranks}
+            envs = {
+                str(rank): contract_env(
+                    self._config,
+                    self._layout,
+                    Placement(rank, rank - node.ranks[0], node.group_rank, world, n),
+                    attempt,
+                    master_addr=master,
+                    port=port,
+                )
+                for rank in node.ranks
+            }
             assert node.peer is not None
             if succession is not None:
                 node.peer.send({"type": "succession", "succession": succession.to_json()})
             node.peer.send({"type": "launch", "argv": argv, "envs": envs})
-        self._log.info("ranks_placed", attempt=attempt.number, master_addr=master, master_port=port,
-                       nodes={node.name: list(node.ranks) for node in self._nodes.values()})
+        self._log.info(
+            "ranks_placed",
+            attempt=attempt.number,
+            master_addr=master,
+            master_port=port,
+            nodes={node.name: list(node.ranks) for node in self._nodes.values()},
+        )
 
     def _succession(self) -> Succession | None:
         """How an agent takes our place: the other nodes of the attempt, in group-rank order, may."""
         if self._lease is None:
             return None
         lease = self._lease
-        order = tuple(node.name for node in sorted(self._nodes.values(), key=lambda n: n.group_rank)
-                      if node.name != self._host)
+        order = tuple(
+            node.name for node in sorted(self._nodes.values(), key=lambda n: n.group_rank) if node.name != self._host
+        )
         return Succession(lease.generation, lease.ttl_s, order, self._args, os.getcwd(), dict(os.environ))
 
     # ---- the agents' stream ----
@@ -393,8 +465,9 @@ class SlurmLauncher:
             hello = None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))  # then wait as long as it takes
         token = hello.get("token") if hello else None
-        if not (hello and hello["type"] == "hello" and isinstance(token, str)
-                and hmac.compare_digest(token, self._token)):
+        if not (
+            hello and hello["type"] == "hello" and isinstance(token, str) and hmac.compare_digest(token, self._token)
+        ):
             peer.close()
             return
         self._post(_AgentArrived(peer, hello))
@@ -449,10 +522,14 @@ class SlurmLauncher:
         port = hello.get("port")
         node.peer, node.address, node.heard = peer, peer.address, time.monotonic()
         node.port = port if type(port) is int and 0 < port < 65536 else None
-        self._hub.add(peer, lambda m, n=node, a=attempt: self._heard(n, a, m),
-                      lambda why, n=node.name, a=attempt: self._post(_AgentGone(a, n, why)))
-        self._log.info("agent_connected", attempt=attempt, node=node.name, address=node.address,
-                       agent_pid=hello.get("pid"))
+        self._hub.add(
+            peer,
+            lambda m, n=node, a=attempt: self._heard(n, a, m),
+            lambda why, n=node.name, a=attempt: self._post(_AgentGone(a, n, why)),
+        )
+        self._log.info(
+            "agent_connected", attempt=attempt, node=node.name, address=node.address, agent_pid=hello.get("pid")
+        )
         if all(n.peer is not None for n in self._nodes.values()):
             self._hello_deadline = None
             self._place()
@@ -466,8 +543,11 @@ class SlurmLauncher:
             self._post(_AgentSaid(attempt, node.name, message))
             return
         records = message.get("beats")
-        beats = [beat for record in records if (beat := self._beat(node, record)) is not None] \
-            if isinstance(records, list) and attempt == self._attempt else []
+        beats = (
+            [beat for record in records if (beat := self._beat(node, record)) is not None]
+            if isinstance(records, list) and attempt == self._attempt
+            else []
+        )
         if not beats:
             return
         with self._beats_lock:
@@ -482,8 +562,11 @@ class SlurmLauncher:
             node.pids = {int(rank): int(pid) for rank, pid in message["pids"].items() if int(rank) in node.ranks}
             node.state = "running"
             if all(n.state == "running" for n in self._nodes.values()):
-                pids = tuple(pid for n in sorted(self._nodes.values(), key=lambda n: n.group_rank)
-                             for _, pid in sorted(n.pids.items()))
+                pids = tuple(
+                    pid
+                    for n in sorted(self._nodes.values(), key=lambda n: n.group_rank)
+                    for _, pid in sorted(n.pids.items())
+                )
                 return [Spawned(self._attempt or 0, pids)]
             return []
         if kind == "spawn_failed":
@@ -497,8 +580,9 @@ class SlurmLauncher:
         if kind == "signal":
             return self._forwarded_signal(int(message["signum"]))
         if kind == "unreadable":
-            self._log.warning("heartbeat_unreadable", rank=int(message["rank"]), node=node.name,
-                              error=str(message["error"])[:300])
+            self._log.warning(
+                "heartbeat_unreadable", rank=int(message["rank"]), node=node.name, error=str(message["error"])[:300]
+            )
         elif kind == "done":
             node.state = "done"
         return []
@@ -510,9 +594,13 @@ class SlurmLauncher:
         age = record.get("age_s")  # bounded: an agent's clock error must not date a beat before the attempt
         age = min(float(age), self._config.slurm.node_timeout_s) if type(age) in (int, float) and age > 0 else 0.0
         beat = HeartbeatSeen(**{k: record.get(k) for k in fields}, **progress_fields(record), age_s=age)
-        ok = beat.rank in node.ranks and beat.attempt == self._attempt and all(
-            type(v) is int and v >= 0 for v in (beat.seq, beat.step)) and isinstance(beat.phase, str) and (
-            beat.step_time_s is None or (type(beat.step_time_s) in (int, float) and beat.step_time_s > 0))
+        ok = (
+            beat.rank in node.ranks
+            and beat.attempt == self._attempt
+            and all(type(v) is int and v >= 0 for v in (beat.seq, beat.step))
+            and isinstance(beat.phase, str)
+            and (beat.step_time_s is None or (type(beat.step_time_s) in (int, float) and beat.step_time_s > 0))
+        )
         return beat if ok else None
 
     def _exited(self, node: _Node, rank: int, code: int) -> list[Event]:
@@ -543,8 +631,14 @@ class SlurmLauncher:
             node.peer.close()
         if self._failed_on is None:
             self._failed_on = node.name
-        self._log.error("node_lost", node=node.name, attempt=self._attempt, why=why, ranks=list(node.ranks),
-                        slurm_state=self._states.get(node.name))
+        self._log.error(
+            "node_lost",
+            node=node.name,
+            attempt=self._attempt,
+            why=why,
+            ranks=list(node.ranks),
+            slurm_state=self._states.get(node.name),
+        )
         self._charge(node.name, f"lost: {why}", "lost")
         if any(n.state == "starting" for n in self._nodes.values()):  # no rank runs yet: start over without it
             return self._launch_again()
@@ -553,8 +647,11 @@ class SlurmLauncher:
         for rank in node.ranks:
             if rank not in node.exited:
                 node.exited.add(rank)
-                events.append(ChildExited(self._attempt or 0, rank, -signal.SIGKILL, cause=cause, node=node.name,
-                                          lost_with=node.ranks))
+                events.append(
+                    ChildExited(
+                        self._attempt or 0, rank, -signal.SIGKILL, cause=cause, node=node.name, lost_with=node.ranks
+                    )
+                )
         if node.stacks is None and self._stacks_deadline is not None:
             node.stacks = {"paths": [], "stacks": {}, "last_steps": []}
             events += self._stacks_if_all_in()
@@ -570,8 +667,11 @@ class SlurmLauncher:
         """Is it us? `scontrol ping` in a thread; `_LinkChecked` goes on."""
         self._checking_link = True
         attempt = self._attempt if self._attempt is not None else self._pending.number
-        threading.Thread(target=lambda: self._post(_LinkChecked(attempt, slurmctl.controller_reachable(), suspects,
-                                                                why)), daemon=True, name="link-check").start()
+        threading.Thread(
+            target=lambda: self._post(_LinkChecked(attempt, slurmctl.controller_reachable(), suspects, why)),
+            daemon=True,
+            name="link-check",
+        ).start()
 
     def _link_checked(self, checked: _LinkChecked) -> list[Event | Isolated]:
         self._checking_link = False
@@ -636,18 +736,31 @@ class SlurmLauncher:
         self._signalled = True
         return self._send(ranks, lambda mine: {"type": "signal", "signum": signum, "ranks": mine})
 
-    def dump_stacks(self, attempt: int, ranks: tuple[int, ...], faulthandler_ranks: tuple[int, ...], *,
-                    collective_failed: bool = False) -> None:
+    def dump_stacks(
+        self,
+        attempt: int,
+        ranks: tuple[int, ...],
+        faulthandler_ranks: tuple[int, ...],
+        *,
+        collective_failed: bool = False,
+    ) -> None:
         self._collective_failed = collective_failed
         if attempt != self._attempt:
             self._post(StacksCollected(attempt, ()))
             return
         for node in self._nodes.values():
             node.stacks = None if node.state == "running" and set(node.ranks) & set(ranks) else {}
-        self._stacks_deadline = time.monotonic() + PYSPY_TIMEOUT_S * self._config.nproc_per_node + \
-            FAULTHANDLER_WAIT_S + STACKS_GRACE_S
-        asked = self._send(ranks, lambda mine: {"type": "dump_stacks", "ranks": mine,
-                                                "faulthandler": [r for r in mine if r in faulthandler_ranks]})
+        self._stacks_deadline = (
+            time.monotonic() + PYSPY_TIMEOUT_S * self._config.nproc_per_node + FAULTHANDLER_WAIT_S + STACKS_GRACE_S
+        )
+        asked = self._send(
+            ranks,
+            lambda mine: {
+                "type": "dump_stacks",
+                "ranks": mine,
+                "faulthandler": [r for r in mine if r in faulthandler_ranks],
+            },
+        )
         if not asked:
             self._post(StacksCollected(attempt, ()))
             self._stacks_deadline = None
@@ -659,15 +772,26 @@ class SlurmLauncher:
         merged = StackDumps((), {}, ())
         for node in self._nodes.values():
             merged = _merge(merged, node.stacks or {}, set(node.ranks))
-        verdict, blocked = judge(tuple(sorted(r for n in self._nodes.values() for r in n.ranks)), merged,
-                                 collective_failed=self._collective_failed)
+        verdict, blocked = judge(
+            tuple(sorted(r for n in self._nodes.values() for r in n.ranks)),
+            merged,
+            collective_failed=self._collective_failed,
+        )
         suspect = None if verdict is None else next((n for n in self._nodes.values() if verdict.rank in n.ranks), None)
         if suspect is not None and verdict is not None and verdict.cls in CHARGED_CLASSES:
             what = "collective failed" if self._collective_failed else "hang"
             self._charge(suspect.name, f"{what}: rank {verdict.rank} {verdict.cls}: {verdict.evidence}", "failed")
-        return [StacksCollected(self._attempt or 0, merged.paths, culprit=None if verdict is None else verdict.rank,
-                                last_steps=merged.last_steps, blocked=blocked, verdict=verdict,
-                                node=None if suspect is None else suspect.name)]
+        return [
+            StacksCollected(
+                self._attempt or 0,
+                merged.paths,
+                culprit=None if verdict is None else verdict.rank,
+                last_steps=merged.last_steps,
+                blocked=blocked,
+                verdict=verdict,
+                node=None if suspect is None else suspect.name,
+            )
+        ]
 
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
         """Each agent kills its ranks' grandchildren itself before it reports done."""
@@ -727,8 +851,11 @@ class SlurmLauncher:
         remote = {n.name for n in self._nodes.values() if n.active and n.name != self._host}
         suspects = tuple(n.name for n in silent)
         # A node heard within the timeout (one that finished included) shows our own link works.
-        heard = any(n.name != self._host and n.peer is not None and now - n.heard <= timeout
-                    for n in self._nodes.values() if n.name not in suspects)
+        heard = any(
+            n.name != self._host and n.peer is not None and now - n.heard <= timeout
+            for n in self._nodes.values()
+            if n.name not in suspects
+        )
         if remote and remote <= set(suspects) and not heard:
             self._check_link(suspects, f"every other node went silent ({', '.join(sorted(remote))})")
             return []
@@ -754,19 +881,37 @@ class SlurmLauncher:
     def details(self) -> dict[str, Any]:
         now = time.monotonic()
         excluded = self._excluded()
-        nodes = [{"node": n.name, "group_rank": n.group_rank, "state": n.shown_state(), "ranks": list(n.ranks),
-                  "heartbeat_age_s": None if n.peer is None else round(now - n.heard, 3)}
-                 for n in sorted(self._nodes.values(), key=lambda n: n.group_rank)]
+        nodes = [
+            {
+                "node": n.name,
+                "group_rank": n.group_rank,
+                "state": n.shown_state(),
+                "ranks": list(n.ranks),
+                "heartbeat_age_s": None if n.peer is None else round(now - n.heard, 3),
+            }
+            for n in sorted(self._nodes.values(), key=lambda n: n.group_rank)
+        ]
         spares = [name for name in self._allocation if name not in self._nodes and name not in excluded]
         nodes += [{"node": name, "state": "spare"} for name in spares]  # a cooled-down node is one again
-        nodes += [{"node": name, "state": "excluded", "why": why} for name, why in excluded.items()
-                  if name in self._seen]
-        policy = {**self._config.slurm.ledger_rules, "nodes": self._config.nodes, "min_nodes": self._config.min_nodes,
-                  "spare_nodes": self._config.spare_nodes}  # for `trainwarden nodes`, which has only the run dir
+        nodes += [
+            {"node": name, "state": "excluded", "why": why} for name, why in excluded.items() if name in self._seen
+        ]
+        policy = {
+            **self._config.slurm.ledger_rules,
+            "nodes": self._config.nodes,
+            "min_nodes": self._config.min_nodes,
+            "spare_nodes": self._config.spare_nodes,
+        }  # for `trainwarden nodes`, which has only the run dir
         world = len(self._nodes) * self._config.nproc_per_node or self._config.world_size
-        return {"nodes": nodes, "failed_on": self._failed_on, "slurm_job": slurmctl.job_id(),
-                "excluded_nodes": sorted(excluded), "node_policy": policy, "world_size": world,
-                "full_world_size": self._config.world_size}
+        return {
+            "nodes": nodes,
+            "failed_on": self._failed_on,
+            "slurm_job": slurmctl.job_id(),
+            "excluded_nodes": sorted(excluded),
+            "node_policy": policy,
+            "world_size": world,
+            "full_world_size": self._config.world_size,
+        }
 
     def _kill_steps(self) -> None:
         """Kill the srun clients of earlier attempts; their agents fence themselves when the stream ends."""
@@ -788,17 +933,23 @@ def _nodelist_at_start() -> list[str]:
 
 def _merge(dumps: StackDumps, got: dict[str, Any], ranks: set[int]) -> StackDumps:
     """`dumps` with one node agent's stacks message added (only what it says of its own ranks)."""
+
     def mine(key: str) -> dict[int, Any]:
         found = got.get(key)
-        return {int(r): v for r, v in found.items() if str(r).isdigit() and int(r) in ranks} \
-            if isinstance(found, dict) else {}
+        return (
+            {int(r): v for r, v in found.items() if str(r).isdigit() and int(r) in ranks}
+            if isinstance(found, dict)
+            else {}
+        )
+
     return StackDumps(
         tuple(sorted({*dumps.paths, *(str(p) for p in got.get("paths", []))})),
         {**dumps.by_rank, **{r: str(t) for r, t in mine("stacks").items()}},
         (*dumps.last_steps, *((int(r), int(s)) for r, s in got.get("last_steps", []) if int(r) in ranks)),
         {**dumps.flights, **{r: f for r, f in mine("flights").items() if isinstance(f, dict)}},
         {**dumps.states, **{r: str(s) for r, s in mine("states").items()}},
-        tuple(sorted({*dumps.expected, *(int(r) for r in got.get("expected", []) if int(r) in ranks)})))
+        tuple(sorted({*dumps.expected, *(int(r) for r in got.get("expected", []) if int(r) in ranks)})),
+    )
 
 
 def _route_address(node: str) -> str:

@@ -45,9 +45,16 @@ def find_pyspy() -> str | None:
     return shutil.which("py-spy", path=search)
 
 
-def start_stack_collection(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler_ranks: tuple[int, ...],
-                           post: Callable[[object], None], *, ranks: tuple[int, ...] = (),
-                           collective_failed: bool = False) -> None:
+def start_stack_collection(
+    layout: RunLayout,
+    attempt: int,
+    pids: dict[int, int],
+    faulthandler_ranks: tuple[int, ...],
+    post: Callable[[object], None],
+    *,
+    ranks: tuple[int, ...] = (),
+    collective_failed: bool = False,
+) -> None:
     """Collect the evidence of `pids` (rank -> leader pid) in a thread; posts StacksCollected with the verdict.
 
     `ranks`: every rank of the attempt on this machine (an exited one may have left its flight recorder)."""
@@ -55,15 +62,30 @@ def start_stack_collection(layout: RunLayout, attempt: int, pids: dict[int, int]
     threading.Thread(target=_collect, args=args, daemon=True, name=f"stacks-a{attempt}").start()
 
 
-def _collect(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler_ranks: tuple[int, ...],
-             post: Callable[[object], None], ranks: tuple[int, ...], collective_failed: bool) -> None:
+def _collect(
+    layout: RunLayout,
+    attempt: int,
+    pids: dict[int, int],
+    faulthandler_ranks: tuple[int, ...],
+    post: Callable[[object], None],
+    ranks: tuple[int, ...],
+    collective_failed: bool,
+) -> None:
     dumps = StackDumps((), {}, ())
     try:
         dumps = collect_stacks(layout, attempt, pids, faulthandler_ranks, ranks=ranks)
     finally:
         verdict, blocked = judge(tuple(sorted({*pids, *ranks})), dumps, collective_failed=collective_failed)
-        post(StacksCollected(attempt, dumps.paths, culprit=None if verdict is None else verdict.rank,
-                             last_steps=dumps.last_steps, blocked=blocked, verdict=verdict))
+        post(
+            StacksCollected(
+                attempt,
+                dumps.paths,
+                culprit=None if verdict is None else verdict.rank,
+                last_steps=dumps.last_steps,
+                blocked=blocked,
+                verdict=verdict,
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -80,18 +102,30 @@ class StackDumps:
     expected: tuple[int, ...] = ()
 
 
-def judge(ranks: tuple[int, ...], dumps: StackDumps, *, collective_failed: bool = False
-          ) -> tuple[Verdict | None, tuple[int, ...]]:
+def judge(
+    ranks: tuple[int, ...], dumps: StackDumps, *, collective_failed: bool = False
+) -> tuple[Verdict | None, tuple[int, ...]]:
     """The verdict on a hung attempt's `ranks` (or one where a collective failed) from what was collected, and the
     ranks blocked behind its culprit."""
-    verdict = name_culprit(ranks, flights={r: parse_flight(f) for r, f in dumps.flights.items()},
-                           expected=ranks if collective_failed else dumps.expected, stacks=dumps.by_rank,
-                           states=dumps.states, collective_failed=collective_failed)
+    verdict = name_culprit(
+        ranks,
+        flights={r: parse_flight(f) for r, f in dumps.flights.items()},
+        expected=ranks if collective_failed else dumps.expected,
+        stacks=dumps.by_rank,
+        states=dumps.states,
+        collective_failed=collective_failed,
+    )
     return verdict, blocked_behind(dumps.by_rank, None if verdict is None else verdict.rank)
 
 
-def collect_stacks(layout: RunLayout, attempt: int, pids: dict[int, int], faulthandler_ranks: tuple[int, ...], *,
-                   ranks: tuple[int, ...] = ()) -> StackDumps:
+def collect_stacks(
+    layout: RunLayout,
+    attempt: int,
+    pids: dict[int, int],
+    faulthandler_ranks: tuple[int, ...],
+    *,
+    ranks: tuple[int, ...] = (),
+) -> StackDumps:
     """Dump the stacks of `pids` (rank -> leader pid, on this machine): faulthandler, then py-spy if installed; and
     read the flight recorders of `ranks` and `pids`: the ones faulthandler ranks write now, and older ones."""
     states = {rank: _state(pid) for rank, pid in pids.items()}  # before any signal wakes a frozen one
@@ -102,25 +136,35 @@ def collect_stacks(layout: RunLayout, attempt: int, pids: dict[int, int], faulth
     pyspy = find_pyspy()
     if pyspy is not None:  # one py-spy per rank at once: each takes a while to attach
         with ThreadPoolExecutor(max_workers=min(8, len(pids) or 1)) as pool:
-            texts = pool.map(lambda item: (item[0], _pyspy_dump(pyspy, item[1], layout.pyspy_dump(item[0], attempt),
-                                                                layout.root)), pids.items())
+            texts = pool.map(
+                lambda item: (item[0], _pyspy_dump(pyspy, item[1], layout.pyspy_dump(item[0], attempt), layout.root)),
+                pids.items(),
+            )
             dumps.update({str(layout.pyspy_dump(rank, attempt)): text for rank, text in texts if text})
     deadline = time.monotonic() + FAULTHANDLER_WAIT_S
     for rank, size in before.items():
         path, flight = layout.stack_dump(rank, attempt), layout.flight_dump(rank, attempt)
         # One collection per attempt: a record there already was written as its rank raised (it is on its way out).
-        while (_size(path) <= size or _mtime(flight) is None) and time.monotonic() < deadline \
-                and _state(pids[rank]) not in ("zombie", "gone"):  # a rank that exited will write nothing more
+        while (
+            (_size(path) <= size or _mtime(flight) is None)
+            and time.monotonic() < deadline
+            and _state(pids[rank]) not in ("zombie", "gone")
+        ):  # a rank that exited will write nothing more
             time.sleep(0.05)
         if _size(path) > size:
             dumps[str(path)] = _read_from(path, size)
     by_rank = {rank: "".join(t for p, t in dumps.items() if Path(p).parent.name == f"rank_{rank}") for rank in pids}
     last_steps = tuple((rank, step) for rank in pids if (step := last_step(layout, rank, attempt)) is not None)
-    flights = {rank: flight for rank in sorted({*pids, *ranks})
-               if (flight := _read_flight(layout.flight_dump(rank, attempt))) is not None}
+    flights = {
+        rank: flight
+        for rank in sorted({*pids, *ranks})
+        if (flight := _read_flight(layout.flight_dump(rank, attempt))) is not None
+    }
     # Uninterruptible sleep counts only if it lasted the whole collection: a rank writing a file passes through it.
-    states = {rank: state if state != "disk-sleep" or _state(pids[rank]) == state else "was-disk-sleep"
-              for rank, state in states.items()}
+    states = {
+        rank: state if state != "disk-sleep" or _state(pids[rank]) == state else "was-disk-sleep"
+        for rank, state in states.items()
+    }
     return StackDumps(tuple(sorted(dumps)), by_rank, last_steps, flights, states, tuple(sorted(faulthandler_ranks)))
 
 
@@ -151,8 +195,9 @@ def _request_dump(pid: int) -> None:
 def _pyspy_dump(pyspy: str, pid: int, path: Path, root: Path) -> str | None:
     """Write `py-spy dump` of `pid` to `path` (its error, if it fails); the dump when it worked."""
     try:
-        result = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                                timeout=PYSPY_TIMEOUT_S)
+        result = subprocess.run(
+            [pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=PYSPY_TIMEOUT_S
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         _write(path, f"py-spy dump of pid {pid} failed: {exc}\n", root)
         return None

@@ -28,8 +28,14 @@ from worker.standby import ENV_PREWARM, ENV_SCRIPT, ENV_STANDBY_FD, READY, activ
 __all__ = ["PER_ATTEMPT", "Standby", "Standbys"]
 
 # Set only when an attempt starts: a standby waits without them and must not read them at import time.
-PER_ATTEMPT = ("MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", ENV_ATTEMPT, ENV_RESUME_STEP, ENV_RESUME_DIR,
-               ENV_SKIP_TO_BATCH)
+PER_ATTEMPT = (
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    ENV_ATTEMPT,
+    ENV_RESUME_STEP,
+    ENV_RESUME_DIR,
+    ENV_SKIP_TO_BATCH,
+)
 FILL_AFTER_S = 30.0  # without training heartbeats to go by, refill this long after a launch
 _ORDER = b"A"
 
@@ -129,12 +135,23 @@ class Standbys:
     def _spawn(self, rank: int) -> Standby:
         ours, theirs = socket.socketpair()
         log = open_append(self._layout.root / "logs" / f"standby_rank_{rank}.log", root=self._layout.root)
-        env = {**self._envs[rank], ENV_STANDBY_FD: str(theirs.fileno()), ENV_SCRIPT: self._argv[0],
-               ENV_PREWARM: self._prewarm}
+        env = {
+            **self._envs[rank],
+            ENV_STANDBY_FD: str(theirs.fileno()),
+            ENV_SCRIPT: self._argv[0],
+            ENV_PREWARM: self._prewarm,
+        }
         try:
-            proc = subprocess.Popen([sys.executable, "-u", "-m", "worker.standby"], env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log, pass_fds=(theirs.fileno(),), start_new_session=True,
-                                    preexec_fn=die_with_parent)
+            proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "worker.standby"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         except BaseException:
             ours.close()
             raise
@@ -154,8 +171,10 @@ class Standbys:
     def _check_exit(self, standby: Standby) -> None:
         code = standby.proc.poll()
         if code is not None:
-            self._fail(f"the standby of rank {standby.rank} exited with {code} before it was used "
-                       f"(see {self._layout.root / 'logs' / f'standby_rank_{standby.rank}.log'})")
+            self._fail(
+                f"the standby of rank {standby.rank} exited with {code} before it was used "
+                f"(see {self._layout.root / 'logs' / f'standby_rank_{standby.rank}.log'})"
+            )
 
     def _fail(self, reason: str) -> None:
         if not self.failed:

@@ -63,15 +63,27 @@ class Succession:
     env: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"generation": self.generation, "ttl_s": self.ttl_s, "order": list(self.order),
-                "args": list(self.args), "cwd": self.cwd, "env": self.env}
+        return {
+            "generation": self.generation,
+            "ttl_s": self.ttl_s,
+            "order": list(self.order),
+            "args": list(self.args),
+            "cwd": self.cwd,
+            "env": self.env,
+        }
 
     @classmethod
     def from_json(cls, raw: Any) -> Succession:
         """KeyError, TypeError or ValueError for anything but a whole succession message."""
         env = {str(k): str(v) for k, v in dict(raw["env"]).items()}
-        return cls(int(raw["generation"]), float(raw["ttl_s"]), tuple(map(str, raw["order"])),
-                   tuple(map(str, raw["args"])), str(raw["cwd"]), env)
+        return cls(
+            int(raw["generation"]),
+            float(raw["ttl_s"]),
+            tuple(map(str, raw["order"])),
+            tuple(map(str, raw["args"])),
+            str(raw["cwd"]),
+            env,
+        )
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "supervisor", *self.args, "--successor"]
@@ -98,15 +110,22 @@ def take_lease(layout: RunLayout, *, ttl_s: float, batch: bool, locked_here: boo
     why = claimable(top, time.time(), here=here, pid_alive=alive, job_running=slurmctl.job_running, job=job)
     if why is None:
         assert top is not None
-        return (f"{layout.root} is already supervised by pid {top.pid} on {top.host} (lease generation "
-                f"{top.generation}, renewed {top.age(time.time()):.1f} s ago)")
+        return (
+            f"{layout.root} is already supervised by pid {top.pid} on {top.host} (lease generation "
+            f"{top.generation}, renewed {top.age(time.time()):.1f} s ago)"
+        )
     lease = Lease((top.generation if top else 0) + 1, here, os.getpid(), time.time(), ttl_s, HELD, job, batch)
     taken = claim(layout, lease)
     return taken if taken is not None else f"{layout.root}: another supervisor claimed it at the same moment"
 
 
-def wait_after_handover(layout: RunLayout, lease: Lease, *, say: Callable[[str], None],
-                        reachable: Callable[[], bool] = slurmctl.controller_reachable) -> Lease | int:
+def wait_after_handover(
+    layout: RunLayout,
+    lease: Lease,
+    *,
+    say: Callable[[str], None],
+    reachable: Callable[[], bool] = slurmctl.controller_reachable,
+) -> Lease | int:
     """After this supervisor handed over: a new lease when the run is ours again (nobody took over and our link is
     back), or the exit code to end with: the successor's, once it released the lease (the batch process, which
     waits as the job's keeper meanwhile and passes Slurm's signals on to the successor), or 0 at once for a
@@ -120,16 +139,22 @@ def wait_after_handover(layout: RunLayout, lease: Lease, *, say: Callable[[str],
             signal.signal(sig, handler)
 
 
-def _wait(layout: RunLayout, lease: Lease, say: Callable[[str], None], reachable: Callable[[], bool],
-          caught: list[int]) -> Lease | int:
+def _wait(
+    layout: RunLayout, lease: Lease, say: Callable[[str], None], reachable: Callable[[], bool], caught: list[int]
+) -> Lease | int:
     announced = False
     while True:
         top = newest(layout)
         if top is not None and top.generation > lease.generation and top.state == RELEASED:
             return top.exit_code if lease.batch and top.exit_code is not None else 0
         now = time.time()
-        free = top is None or top.generation == lease.generation or claimable(
-            top, now, here=lease.host, pid_alive=pid_alive, job_running=slurmctl.job_running, job=lease.job)
+        free = (
+            top is None
+            or top.generation == lease.generation
+            or claimable(
+                top, now, here=lease.host, pid_alive=pid_alive, job_running=slurmctl.job_running, job=lease.job
+            )
+        )
         if free and caught:  # asked to stop while nobody supervises the run: nothing to save, stop now
             say(f"{signal.Signals(caught[0]).name} while no supervisor holds the run: stopping")
             return EXIT_REQUEUE if caught[0] == signal.SIGUSR1 else 0
@@ -141,8 +166,10 @@ def _wait(layout: RunLayout, lease: Lease, say: Callable[[str], None], reachable
             if not lease.batch:
                 return 0
             if not announced:
-                say(f"supervision handed over to {top.host} (lease generation {top.generation}); "
-                    "waiting for it to end the run")
+                say(
+                    f"supervision handed over to {top.host} (lease generation {top.generation}); "
+                    "waiting for it to end the run"
+                )
                 announced = True
             with contextlib.suppress(OSError, ValueError):
                 write_keeper(layout, top.generation, now)
@@ -153,8 +180,9 @@ def _wait(layout: RunLayout, lease: Lease, say: Callable[[str], None], reachable
         time.sleep(1.0)
 
 
-def end_job(layout: RunLayout, code: int, *, exclude: Iterable[str], nodes: tuple[int, int],
-            say: Callable[[str], None]) -> None:
+def end_job(
+    layout: RunLayout, code: int, *, exclude: Iterable[str], nodes: tuple[int, int], say: Callable[[str], None]
+) -> None:
     """A successor's last act, where no batch script is left to end the job: `scancel` it, or requeue it away from
     `exclude` for 75. A live keeper (the batch process) is given KEEPER_GRACE_S to end it as its script says."""
     job = slurmctl.job_id()
@@ -179,8 +207,14 @@ def end_job(layout: RunLayout, code: int, *, exclude: Iterable[str], nodes: tupl
 # ---- an agent standing for successor ----
 
 
-def stand_for_successor(layout: RunLayout, succession: Succession, *, here: str, deadline: float,
-                        reachable: Callable[[], bool] = slurmctl.controller_reachable) -> tuple[Lease | None, str]:
+def stand_for_successor(
+    layout: RunLayout,
+    succession: Succession,
+    *,
+    here: str,
+    deadline: float,
+    reachable: Callable[[], bool] = slurmctl.controller_reachable,
+) -> tuple[Lease | None, str]:
     """Wait (until `deadline`, monotonic) for the supervisor's lease to lapse, then claim the next generation if
     it is our turn and we can reach the controller: (the lease claimed, or None; why, in a few words)."""
     if here not in succession.order:
@@ -194,8 +228,16 @@ def stand_for_successor(layout: RunLayout, succession: Succession, *, here: str,
         lapsed_at = _lapsed_at(top, time.time())
         if lapsed_at is not None and time.time() >= lapsed_at + turn:
             if reachable():
-                lease = Lease(top.generation + 1, here, os.getpid(), time.time(), succession.ttl_s, HELD,
-                              slurmctl.job_id(), batch=False)
+                lease = Lease(
+                    top.generation + 1,
+                    here,
+                    os.getpid(),
+                    time.time(),
+                    succession.ttl_s,
+                    HELD,
+                    slurmctl.job_id(),
+                    batch=False,
+                )
                 claimed = claim(layout, lease)
                 return claimed, "claimed" if claimed else "another claimed it first"
             unreachable = True  # cut off ourselves, maybe: ask again while there is time, others may win

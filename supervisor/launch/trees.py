@@ -88,8 +88,9 @@ def record_pids(layout: RunLayout, procs: Iterable[psutil.Process]) -> None:
             records.append({"pid": proc.pid, "create_time": proc.create_time(), "name": proc.name()})
         except psutil.Error:
             continue
-    atomic_write_json(layout.pids_file, {"supervisor_pid": os.getpid(), "processes": records}, root=layout.root,
-                      durable=False)
+    atomic_write_json(
+        layout.pids_file, {"supervisor_pid": os.getpid(), "processes": records}, root=layout.root, durable=False
+    )
 
 
 def kill_predecessor_leftovers(layout: RunLayout) -> list[dict[str, Any]]:

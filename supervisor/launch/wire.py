@@ -129,8 +129,9 @@ class Hub:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="wire-hub")
         self._thread.start()
 
-    def add(self, peer: Peer, on_message: Callable[[dict[str, Any]], None],
-            on_end: Callable[[str | None], None]) -> None:
+    def add(
+        self, peer: Peer, on_message: Callable[[dict[str, Any]], None], on_end: Callable[[str | None], None]
+    ) -> None:
         with self._lock:
             self._joining.append((peer, on_message, on_end))
         self._wake()

@@ -115,8 +115,10 @@ class Goodput:
         ratio = totals["productive_s"] / totals["wall_s"] if totals["wall_s"] > 0 else None
         goodput = {name: round(value, 3) for name, value in totals.items()}
         shrunk = {"shrunk_s": round(self._shrunk, 3)} if self._shrunk else {}
-        return {"goodput": {**goodput, "ratio": None if ratio is None else round(ratio, 4), **shrunk},
-                "goodput_kept": [[step, round(kept, 3)] for step, kept in _saved_points(self._kept)]}
+        return {
+            "goodput": {**goodput, "ratio": None if ratio is None else round(ratio, 4), **shrunk},
+            "goodput_kept": [[step, round(kept, 3)] for step, kept in _saved_points(self._kept)],
+        }
 
     # ---- events ----
 
@@ -129,8 +131,18 @@ class Goodput:
         lost = self._roll_back(self._top)
         if lost <= 0:
             return []
-        return [("info", "work_lost", {"attempt": event.attempt, "resume_step": event.resume_step,
-                                       "last_step": before, "lost_s": round(lost, 3)})]
+        return [
+            (
+                "info",
+                "work_lost",
+                {
+                    "attempt": event.attempt,
+                    "resume_step": event.resume_step,
+                    "last_step": before,
+                    "lost_s": round(lost, 3),
+                },
+            )
+        ]
 
     def _beat(self, event: HeartbeatSeen) -> None:
         self._heard = True
@@ -172,7 +184,7 @@ class Goodput:
         i = bisect.bisect_right(kept, (step, math.inf)) - 1  # kept[0] is step 0: i >= 0 for any step >= 0
         (s0, c0), (s1, c1) = kept[i], kept[i + 1]
         at = min(c0 + (c1 - c0) * (step - s0) / (s1 - s0), self._totals["productive_s"])
-        del kept[i + 1:]
+        del kept[i + 1 :]
         if step > s0:
             kept.append((step, at))
         lost = self._take("productive_s", self._totals["productive_s"] - at)
@@ -287,7 +299,8 @@ def _gap(previous: Mapping[str, Any], wall_now: float) -> tuple[float, str | Non
         return 0.0, None
     died = ("starting", "running", "stopping", "backoff")  # its successor restarts the run
     category = {"stopped": "stopped_s", "failed": "stopped_s", **dict.fromkeys(died, "restart_s")}.get(
-        previous.get("state"))
+        previous.get("state")
+    )
     if category == "stopped_s" and previous.get("exit_code") == EXIT_REQUEUE:
         category = "restart_s"
     return max(0.0, wall_now - updated_at), category
@@ -304,7 +317,13 @@ def describe(goodput: Any) -> str | None:
         return None
     ratio = goodput.get("ratio")
     share = f"{100 * ratio:.1f} %" if _seconds(ratio) else "n/a"
-    parts = [("productive", "productive_s"), ("lost", "lost_s"), ("restarts", "restart_s"), ("saves", "save_s"),
-             ("hangs", "hang_s"), ("stopped", "stopped_s")]
+    parts = [
+        ("productive", "productive_s"),
+        ("lost", "lost_s"),
+        ("restarts", "restart_s"),
+        ("saves", "save_s"),
+        ("hangs", "hang_s"),
+        ("stopped", "stopped_s"),
+    ]
     shrunk = f"; {duration(goodput['shrunk_s'])} of it on fewer ranks" if _seconds(goodput.get("shrunk_s")) else ""
     return f"goodput {share} (" + ", ".join(f"{word} {duration(goodput[key])}" for word, key in parts) + f"){shrunk}"

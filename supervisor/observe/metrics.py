@@ -92,15 +92,28 @@ def families(status: Mapping[str, Any], restarts: Mapping[str, int], *, now: flo
     """The metric families of one status dict; `now` (wall clock) ages what the status says was true when written."""
     out = _Families()
     state = status.get("state")
-    out.labelled("trainwarden_run_state", "1 for the run's current state (supervisord's words), 0 for the others",
-                 "state", {phase: int(phase == state) for phase in PHASES})
-    out.gauge("trainwarden_attempt", "The current attempt: 0 at the first launch, one more at each relaunch",
-              status.get("attempt"))
+    out.labelled(
+        "trainwarden_run_state",
+        "1 for the run's current state (supervisord's words), 0 for the others",
+        "state",
+        {phase: int(phase == state) for phase in PHASES},
+    )
+    out.gauge(
+        "trainwarden_attempt",
+        "The current attempt: 0 at the first launch, one more at each relaunch",
+        status.get("attempt"),
+    )
     out.counter("trainwarden_restarts", "Relaunches, by the kind of failure that caused them", "cause", restarts)
-    out.gauge("trainwarden_max_restarts", "Relaunches allowed before the run fails (restart.max_restarts)",
-              status.get("max_restarts"))
-    out.gauge("trainwarden_world_size", "Ranks of the current attempt on Slurm (fewer than configured while shrunk)",
-              status.get("world_size"))
+    out.gauge(
+        "trainwarden_max_restarts",
+        "Relaunches allowed before the run fails (restart.max_restarts)",
+        status.get("max_restarts"),
+    )
+    out.gauge(
+        "trainwarden_world_size",
+        "Ranks of the current attempt on Slurm (fewer than configured while shrunk)",
+        status.get("world_size"),
+    )
     _progress(status, out)
     written = _number(status.get("updated_at"))
     _ranks(status, 0.0 if written is None else max(0.0, now - written), out)
@@ -152,18 +165,29 @@ def _progress(status: Mapping[str, Any], out: _Families) -> None:
     """Training progress (the `progress` block) and goodput (the `goodput` block), where the status has them."""
     progress = _mapping(status.get("progress"))
     out.gauge("trainwarden_step", "The newest step any rank reached", progress.get("step"))
-    out.gauge("trainwarden_total_steps", "The steps the script said it will run (warden.steps(total))",
-              progress.get("total_steps"))
-    out.gauge("trainwarden_steps_per_second", "Training steps per second over about the last 30 s",
-              progress.get("steps_per_s"))
+    out.gauge(
+        "trainwarden_total_steps",
+        "The steps the script said it will run (warden.steps(total))",
+        progress.get("total_steps"),
+    )
+    out.gauge(
+        "trainwarden_steps_per_second",
+        "Training steps per second over about the last 30 s",
+        progress.get("steps_per_s"),
+    )
     out.gauge("trainwarden_loss", "The loss of the newest step", progress.get("loss"))
-    out.gauge("trainwarden_eta_seconds", "Estimated seconds until total_steps at the current rate",
-              progress.get("eta_s"))
+    out.gauge(
+        "trainwarden_eta_seconds", "Estimated seconds until total_steps at the current rate", progress.get("eta_s")
+    )
     goodput = _mapping(status.get("goodput"))
     out.gauge("trainwarden_goodput_ratio", "Productive training time over wall time (0 to 1)", goodput.get("ratio"))
     out.gauge("trainwarden_wall_seconds", "Wall time the goodput accounting covers", goodput.get("wall_s"))
-    out.labelled("trainwarden_goodput_seconds", "Wall time by what it went to (lost work is moved out of productive)",
-                 "category", {category: goodput.get(f"{category}_s") for category in GOODPUT_CATEGORIES})
+    out.labelled(
+        "trainwarden_goodput_seconds",
+        "Wall time by what it went to (lost work is moved out of productive)",
+        "category",
+        {category: goodput.get(f"{category}_s") for category in GOODPUT_CATEGORIES},
+    )
 
 
 def _ranks(status: Mapping[str, Any], since: float, out: _Families) -> None:
@@ -175,40 +199,70 @@ def _ranks(status: Mapping[str, Any], since: float, out: _Families) -> None:
         age = _number(rank.get("heartbeat_age_s"))
         ages[label] = None if age is None else round(age + since, 3)
     out.labelled("trainwarden_heartbeat_age_seconds", "Seconds since each rank's newest heartbeat", "rank", ages)
-    out.labelled("trainwarden_rank_step", "The newest step each rank reported", "rank",
-                 {label: rank.get("step") for label, rank in ranks.items()})
+    out.labelled(
+        "trainwarden_rank_step",
+        "The newest step each rank reported",
+        "rank",
+        {label: rank.get("step") for label, rank in ranks.items()},
+    )
     compute = _mapping(status.get("rank_compute_s"))  # the stragglers observer's figures, by rank
-    out.labelled("trainwarden_rank_compute_seconds", "Each rank's smoothed compute time per step, without waiting "
-                 "for its peers", "rank", {label: compute.get(label, rank.get("compute_s"))
-                                           for label, rank in ranks.items()})
+    out.labelled(
+        "trainwarden_rank_compute_seconds",
+        "Each rank's smoothed compute time per step, without waiting for its peers",
+        "rank",
+        {label: compute.get(label, rank.get("compute_s")) for label, rank in ranks.items()},
+    )
     if isinstance(status.get("stragglers"), list):  # only where stragglers are looked for
         flagged = {entry.get("rank") for entry in _dicts(status["stragglers"])}
-        out.labelled("trainwarden_straggler", "1 for a rank flagged as consistently slower than its peers", "rank",
-                     {label: int(rank["rank"] in flagged) for label, rank in ranks.items()})
+        out.labelled(
+            "trainwarden_straggler",
+            "1 for a rank flagged as consistently slower than its peers",
+            "rank",
+            {label: int(rank["rank"] in flagged) for label, rank in ranks.items()},
+        )
 
 
 def _anomalies(status: Mapping[str, Any], out: _Families) -> None:
     """Skipped batches and anomalies by kind (each rank's own sightings), counted since the supervisor started."""
     if _number(status.get("skipped_steps")) is not None:
-        out.total("trainwarden_skipped_steps", "Batches skipped (anomalies and AMP overflows), since the supervisor "
-                  "started", status["skipped_steps"])
-    out.counter("trainwarden_anomalies", "Anomalies ranks saw, by kind (a rank's own sightings: non_finite, "
-                "global_norm_spike, amp_overflow, feature_value, ...), since the supervisor started", "kind",
-                _mapping(status.get("anomalies")))
+        out.total(
+            "trainwarden_skipped_steps",
+            "Batches skipped (anomalies and AMP overflows), since the supervisor started",
+            status["skipped_steps"],
+        )
+    out.counter(
+        "trainwarden_anomalies",
+        "Anomalies ranks saw, by kind (a rank's own sightings: non_finite, "
+        "global_norm_spike, amp_overflow, feature_value, ...), since the supervisor started",
+        "kind",
+        _mapping(status.get("anomalies")),
+    )
 
 
 def _checkpoint(status: Mapping[str, Any], now: float, out: _Families) -> None:
     """The newest complete checkpoint: its step, when it was completed and how long ago; the newest save's time."""
-    out.gauge("trainwarden_last_save_duration_seconds", "How long the newest checkpoint save took (the slowest rank)",
-              status.get("last_save_s"))
-    out.gauge("trainwarden_last_checkpoint_step", "The step of the newest complete checkpoint",
-              _mapping(status.get("last_checkpoint")).get("step"))
+    out.gauge(
+        "trainwarden_last_save_duration_seconds",
+        "How long the newest checkpoint save took (the slowest rank)",
+        status.get("last_save_s"),
+    )
+    out.gauge(
+        "trainwarden_last_checkpoint_step",
+        "The step of the newest complete checkpoint",
+        _mapping(status.get("last_checkpoint")).get("step"),
+    )
     completed = _number(status.get("last_checkpoint_at"))
     if completed is not None:
-        out.gauge("trainwarden_last_checkpoint_timestamp_seconds", "When the newest complete checkpoint was "
-                  "completed (Unix time)", completed)
-        out.gauge("trainwarden_checkpoint_age_seconds", "Seconds since the newest complete checkpoint was completed",
-                  round(max(0.0, now - completed), 3))
+        out.gauge(
+            "trainwarden_last_checkpoint_timestamp_seconds",
+            "When the newest complete checkpoint was completed (Unix time)",
+            completed,
+        )
+        out.gauge(
+            "trainwarden_checkpoint_age_seconds",
+            "Seconds since the newest complete checkpoint was completed",
+            round(max(0.0, now - completed), 3),
+        )
 
 
 def _number(value: Any) -> float | None:
@@ -269,12 +323,17 @@ class MetricsExporter:
         try:
             self._server, self._thread = start_http_server(self.config.port, self.config.address, self._registry)
         except OSError as exc:  # taken, or an address not of this machine: metrics must not stop supervision
-            self.log.error("metrics_unavailable", address=self.config.address, port=self.config.port,
-                           error=exc.strerror or str(exc))
+            self.log.error(
+                "metrics_unavailable",
+                address=self.config.address,
+                port=self.config.port,
+                error=exc.strerror or str(exc),
+            )
             return
         host = f"[{self.config.address}]" if ":" in self.config.address else self.config.address
-        self.log.info("metrics_serving", address=self.config.address, port=self.port,
-                      url=f"http://{host}:{self.port}/metrics")
+        self.log.info(
+            "metrics_serving", address=self.config.address, port=self.port, url=f"http://{host}:{self.port}/metrics"
+        )
 
     def publish(self, status: Mapping[str, Any]) -> None:
         """The status the runner just wrote: what the endpoint serves from now on; the textfile is rewritten."""

@@ -30,8 +30,15 @@ SEND_TIMEOUT_S = 1.0  # a full socket queue (PID 1 busy) may delay the loop this
 class Notifier:
     """Sends sd_notify messages to `address` (None: do nothing)."""
 
-    def __init__(self, address: str | None, *, watchdog_usec: str | None = None, watchdog_pid: str | None = None,
-                 pid: int | None = None, log: Any = None) -> None:
+    def __init__(
+        self,
+        address: str | None,
+        *,
+        watchdog_usec: str | None = None,
+        watchdog_pid: str | None = None,
+        pid: int | None = None,
+        log: Any = None,
+    ) -> None:
         self.address = _socket_address(address)
         self._watchdog_interval_s = _watchdog_interval(watchdog_usec, watchdog_pid, os.getpid() if pid is None else pid)
         self._log = log
@@ -44,8 +51,12 @@ class Notifier:
     def from_environ(cls, environ: Mapping[str, str] | None = None, *, log: Any = None) -> Notifier:
         """A notifier for the socket and watchdog systemd gave this process (none when run by hand)."""
         env = os.environ if environ is None else environ
-        return cls(env.get("NOTIFY_SOCKET") or None, watchdog_usec=env.get("WATCHDOG_USEC"),
-                   watchdog_pid=env.get("WATCHDOG_PID"), log=log)
+        return cls(
+            env.get("NOTIFY_SOCKET") or None,
+            watchdog_usec=env.get("WATCHDOG_USEC"),
+            watchdog_pid=env.get("WATCHDOG_PID"),
+            log=log,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -179,8 +190,11 @@ class ServiceReporter:
 
 def _final_stop(state: State) -> bool:
     """The supervisor is on its way out: stopping without a relaunch to follow, or already done."""
-    return (state.phase.terminal or (state.phase is Phase.STOPPING and state.then is not Then.RELAUNCH)
-            or stopping_on_request(state))
+    return (
+        state.phase.terminal
+        or (state.phase is Phase.STOPPING and state.then is not Then.RELAUNCH)
+        or stopping_on_request(state)
+    )
 
 
 def stop_extension_s(state: State, now: float) -> float | None:
@@ -226,8 +240,11 @@ def _saving(state: State) -> str:
 
 
 def _stopping(state: State) -> str:
-    why = {Then.STOP: "on request", Then.FAIL: f"to give up after {state.last_failure}",
-           Then.RELAUNCH: f"to relaunch after {state.last_failure}"}
+    why = {
+        Then.STOP: "on request",
+        Then.FAIL: f"to give up after {state.last_failure}",
+        Then.RELAUNCH: f"to relaunch after {state.last_failure}",
+    }
     stages = {StopStage.STACKS: "collecting stacks", StopStage.KILL: "SIGKILL sent"}
     parts = ["stopping" + _attempt(state) + (f" {why[state.then]}" if state.then else "")]
     if state.stop_stage in stages:

@@ -54,9 +54,17 @@ NEEDS_MATPLOTLIB = "plot needs matplotlib: pip install 'trainwarden[plot]'"
 # Event lanes, top to bottom, and the journal events drawn in each.
 KINDS = ("crash", "hang", "rollback", "skipped", "checkpoint", "stop", "launch", "straggler")
 _JOURNAL_KINDS = {
-    "rank_crashed": "crash", "node_lost": "crash", "hang_detected": "hang", "rollback_scheduled": "rollback",
-    "stop_ordered": "stop", "run_stopped": "stop", "restarts_exhausted": "stop", "crash_loop": "stop",
-    "rollbacks_exhausted": "stop", "not_retryable": "stop", "ranks_launched": "launch",
+    "rank_crashed": "crash",
+    "node_lost": "crash",
+    "hang_detected": "hang",
+    "rollback_scheduled": "rollback",
+    "stop_ordered": "stop",
+    "run_stopped": "stop",
+    "restarts_exhausted": "stop",
+    "crash_loop": "stop",
+    "rollbacks_exhausted": "stop",
+    "not_retryable": "stop",
+    "ranks_launched": "launch",
     "straggler_flagged": "straggler",
 }
 
@@ -144,8 +152,12 @@ def read_timeline(layout: RunLayout) -> Timeline:
     """The run's series and events, read from its journal, rank event logs and state file, downsampled."""
     notes: list[str] = []
     reader = _Reader(layout.root, notes)
-    journal = [(t, e) for path in journal_files(layout.journal) for t, e in reader.events(path)
-               if isinstance(e.get("event"), str)]
+    journal = [
+        (t, e)
+        for path in journal_files(layout.journal)
+        for t, e in reader.events(path)
+        if isinstance(e.get("event"), str)
+    ]
     launches = sorted(t for t, e in journal if e["event"] == "ranks_launched")
     ranks = reader.ranks()
     raw: dict[str, list[tuple[float, dict[str, Any]]]] = {kind: [] for kind in KINDS}
@@ -164,8 +176,15 @@ def read_timeline(layout: RunLayout) -> Timeline:
     return _assemble(start, raw, logs, first, status, notes, reader.skipped)
 
 
-def _assemble(start: float | None, raw: dict[str, list[tuple[float, dict[str, Any]]]], logs: dict[int, _RankLog],
-              first: int | None, status: dict[str, Any], notes: list[str], skipped: int) -> Timeline:
+def _assemble(
+    start: float | None,
+    raw: dict[str, list[tuple[float, dict[str, Any]]]],
+    logs: dict[int, _RankLog],
+    first: int | None,
+    status: dict[str, Any],
+    notes: list[str],
+    skipped: int,
+) -> Timeline:
     origin = start or 0.0
     marks: list[Mark] = []
     for kind in KINDS:
@@ -180,8 +199,10 @@ def _assemble(start: float | None, raw: dict[str, list[tuple[float, dict[str, An
         loss=downsample([x for x, _ in applied], [y for _, y in applied]),
         steps_per_s=steps_per_s([t - origin for t, _ in lead.applied]),
         redone=tuple((a - origin, b - origin) for a, b in _redone(lead.applied, raw["launch"])),
-        step_time={rank: downsample([t - origin for t, _ in log.step_times], [s for _, s in log.step_times],
-                                    center="median") for rank, log in logs.items()},
+        step_time={
+            rank: downsample([t - origin for t, _ in log.step_times], [s for _, s in log.step_times], center="median")
+            for rank, log in logs.items()
+        },
         marks=tuple(marks),
         counts={kind: len(raw[kind]) for kind in KINDS},
         steps=lead.steps,
@@ -191,8 +212,9 @@ def _assemble(start: float | None, raw: dict[str, list[tuple[float, dict[str, An
     )
 
 
-def _redone(applied: list[tuple[float, int]],
-            launches: list[tuple[float, dict[str, Any]]]) -> Iterator[tuple[float, float]]:
+def _redone(
+    applied: list[tuple[float, int]], launches: list[tuple[float, dict[str, Any]]]
+) -> Iterator[tuple[float, float]]:
     """For each relaunch from step R, the span of the attempt before it that trained past R: work done again."""
     applied = sorted(applied)
     times = [t for t, _ in applied]
@@ -440,8 +462,7 @@ class _RankLog:
 # ---- downsampling ---------------------------------------------------------------------------------------------
 
 
-def downsample(xs: Sequence[float], ys: Sequence[float], max_points: int = MAX_POINTS,
-               center: str = "mean") -> Series:
+def downsample(xs: Sequence[float], ys: Sequence[float], max_points: int = MAX_POINTS, center: str = "mean") -> Series:
     """At most `max_points` points: the points themselves (sorted by x) where there are few, else one per non-empty
     equal-width x bin: its mean or median, with the bin's min and max (so the extremes survive)."""
     points = sorted(zip(xs, ys, strict=True))
@@ -487,16 +508,23 @@ def cluster(marks: Sequence[Mark], max_marks: int = MAX_MARKS) -> list[Mark]:
     bins: dict[int, list[Mark]] = {}
     for mark in marks:
         bins.setdefault(min(int((mark.t - lo) / width), max_marks - 1), []).append(mark)
-    return [Mark(group[0].kind, group[0].t, label=f"x{len(group)}", count=len(group), t_end=group[-1].t)
-            for group in bins.values()]
+    return [
+        Mark(group[0].kind, group[0].t, label=f"x{len(group)}", count=len(group), t_end=group[-1].t)
+        for group in bins.values()
+    ]
 
 
 # ---- drawing --------------------------------------------------------------------------------------------------
 
 _STYLE = {  # kind: (marker, colour)
-    "crash": ("X", "tab:red"), "hang": ("D", "tab:orange"), "rollback": ("<", "tab:purple"),
-    "skipped": ("v", "goldenrod"), "checkpoint": ("|", "tab:green"), "stop": ("s", "black"),
-    "launch": ("^", "tab:blue"), "straggler": ("o", "tab:brown"),
+    "crash": ("X", "tab:red"),
+    "hang": ("D", "tab:orange"),
+    "rollback": ("<", "tab:purple"),
+    "skipped": ("v", "goldenrod"),
+    "checkpoint": ("|", "tab:green"),
+    "stop": ("s", "black"),
+    "launch": ("^", "tab:blue"),
+    "straggler": ("o", "tab:brown"),
 }
 _LINED = ("crash", "hang", "rollback", "stop", "launch")  # also drawn as a faint line through every panel
 _LABELLED = ("crash", "hang", "rollback", "skipped", "stop", "launch", "straggler")
@@ -530,8 +558,14 @@ def render(timeline: Timeline, path: Path, *, title: str = "run", dpi: int = 100
         ax.grid(True, alpha=0.3)
     for ax in (loss_ax, rate_ax):
         for i, (begin, end) in enumerate(timeline.redone):
-            ax.axvspan(begin / scale, end / scale, color="tab:red", alpha=0.1, linewidth=0,
-                       label="lost work: done again after a failure" if i == 0 and ax is loss_ax else None)
+            ax.axvspan(
+                begin / scale,
+                end / scale,
+                color="tab:red",
+                alpha=0.1,
+                linewidth=0,
+                label="lost work: done again after a failure" if i == 0 and ax is loss_ax else None,
+            )
     if timeline.redone:
         loss_ax.legend(loc="upper right", fontsize=8)
     fig.suptitle(_title(timeline, title), fontsize=11)
@@ -577,8 +611,16 @@ def _breaks(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list
     return out_x, out_y
 
 
-def _draw_series(ax: Any, series: Series, scale: float, colour: str, *, steps: bool = False,
-                 label: str | None = None, width: float = 1.2) -> None:
+def _draw_series(
+    ax: Any,
+    series: Series,
+    scale: float,
+    colour: str,
+    *,
+    steps: bool = False,
+    label: str | None = None,
+    width: float = 1.2,
+) -> None:
     xs = [x / scale for x in series.x]
     if steps:
         ax.plot(xs, series.y, color=colour, drawstyle="steps-mid", linewidth=width, label=label)
@@ -606,12 +648,19 @@ def _draw_events(ax: Any, timeline: Timeline, scale: float) -> None:
         marker, colour = _STYLE[kind]
         if marks:
             sizes = [36 * (1 + math.log2(m.count)) for m in marks]
-            ax.scatter([m.t / scale for m in marks], [lanes[kind]] * len(marks), s=sizes, marker=marker,
-                       color=colour, zorder=3)
+            ax.scatter(
+                [m.t / scale for m in marks], [lanes[kind]] * len(marks), s=sizes, marker=marker, color=colour, zorder=3
+            )
         if kind in _LABELLED and 0 < len(marks) <= 12:
             for m in marks:
-                ax.annotate(m.label, (m.t / scale, lanes[kind]), xytext=(4, 5), textcoords="offset points",
-                            fontsize=7, color=colour)
+                ax.annotate(
+                    m.label,
+                    (m.t / scale, lanes[kind]),
+                    xytext=(4, 5),
+                    textcoords="offset points",
+                    fontsize=7,
+                    color=colour,
+                )
     ax.set_yticks(list(lanes.values()), [f"{kind} ({timeline.counts[kind]})" for kind in KINDS], fontsize=8)
     ax.set_ylim(-0.7, len(KINDS) - 0.3)
     ax.grid(True, axis="x", alpha=0.3)
@@ -622,8 +671,13 @@ def _draw_lines(ax: Any, marks: Sequence[Mark], scale: float) -> None:
     if len(lined) > 50:  # a line per event would hide the curves
         return
     for m in lined:
-        ax.axvline(m.t / scale, color=_STYLE[m.kind][1], alpha=0.35, linewidth=0.8,
-                   linestyle=":" if m.kind == "launch" else "--")
+        ax.axvline(
+            m.t / scale,
+            color=_STYLE[m.kind][1],
+            alpha=0.35,
+            linewidth=0.8,
+            linestyle=":" if m.kind == "launch" else "--",
+        )
 
 
 def _draw_step_times(ax: Any, timeline: Timeline, scale: float) -> None:
@@ -631,14 +685,25 @@ def _draw_step_times(ax: Any, timeline: Timeline, scale: float) -> None:
     palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:cyan", "tab:pink", "tab:olive"]
     for i, rank in enumerate(shown):
         flagged = rank in timeline.flagged
-        _draw_series(ax, timeline.step_time[rank], scale, "tab:brown" if flagged else palette[i % len(palette)],
-                     label=f"rank {rank}" + (" (straggler)" if flagged else ""), width=2.0 if flagged else 1.0)
+        _draw_series(
+            ax,
+            timeline.step_time[rank],
+            scale,
+            "tab:brown" if flagged else palette[i % len(palette)],
+            label=f"rank {rank}" + (" (straggler)" if flagged else ""),
+            width=2.0 if flagged else 1.0,
+        )
     ax.set_ylabel("step time (s)")
     ax.set_ylim(bottom=0)
     if shown:
         hidden = len(timeline.step_time) - len(shown)
-        ax.legend(loc="upper right", fontsize=7, ncols=min(4, len(shown)),
-                  title=f"{hidden} more ranks not drawn" if hidden else None, title_fontsize=7)
+        ax.legend(
+            loc="upper right",
+            fontsize=7,
+            ncols=min(4, len(shown)),
+            title=f"{hidden} more ranks not drawn" if hidden else None,
+            title_fontsize=7,
+        )
 
 
 def _ranks_shown(timeline: Timeline) -> list[int]:

@@ -68,10 +68,16 @@ class Progress:
         rate = self.steps_per_s
         left = None if self._total is None or self._step is None else max(0, self._total - self._step)
         eta = None if left is None or not rate else left / rate
-        return {"progress": {"step": self._step, "total_steps": self._total, "loss": self._loss,
-                             "steps_per_s": None if rate is None else round(rate, 3),
-                             "eta_s": None if eta is None or not math.isfinite(eta) else round(eta, 1),
-                             "attempt": self._attempt}}
+        return {
+            "progress": {
+                "step": self._step,
+                "total_steps": self._total,
+                "loss": self._loss,
+                "steps_per_s": None if rate is None else round(rate, 3),
+                "eta_s": None if eta is None or not math.isfinite(eta) else round(eta, 1),
+                "attempt": self._attempt,
+            }
+        }
 
 
 class Counts:
@@ -107,8 +113,11 @@ class Counts:
         for counts in self._anomalies.values():
             for kind, count in counts:
                 kinds[kind] = kinds.get(kind, 0) + count
-        return {"skipped_steps": self._carried_skipped + sum(self._skipped.values()),
-                "anomalies": dict(sorted(kinds.items())), "last_save_s": max(self._last_save.values(), default=None)}
+        return {
+            "skipped_steps": self._carried_skipped + sum(self._skipped.values()),
+            "anomalies": dict(sorted(kinds.items())),
+            "last_save_s": max(self._last_save.values(), default=None),
+        }
 
 
 def _carried_counts(previous: dict[str, Any]) -> tuple[int, dict[str, int]]:

@@ -42,9 +42,16 @@ def _hang(hang: Hang) -> dict[str, Any]:
 
 def _failure(failure: Failure) -> dict[str, Any]:
     node = {} if failure.node is None else {"node": failure.node}
-    return {"attempt": failure.attempt, "rank": failure.rank, "step": failure.step,
-            "resume_step": failure.resume_step, "progressed": failure.progressed, "kind": failure.cause.kind.value,
-            "cause": failure.cause.text, **node}
+    return {
+        "attempt": failure.attempt,
+        "rank": failure.rank,
+        "step": failure.step,
+        "resume_step": failure.resume_step,
+        "progressed": failure.progressed,
+        "kind": failure.cause.kind.value,
+        "cause": failure.cause.text,
+        **node,
+    }
 
 
 def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, Any]:
@@ -52,8 +59,16 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
     ranks = []
     for r in state.ranks:
         age = None if r.heartbeat_monotonic is None else round(now - r.heartbeat_monotonic, 3)
-        ranks.append({"rank": r.rank, "pid": r.pid, "step": r.step, "heartbeat_age_s": age,
-                      "heartbeat_phase": r.heartbeat_phase, "returncode": r.returncode})
+        ranks.append(
+            {
+                "rank": r.rank,
+                "pid": r.pid,
+                "step": r.step,
+                "heartbeat_age_s": age,
+                "heartbeat_phase": r.heartbeat_phase,
+                "returncode": r.returncode,
+            }
+        )
     return {
         "state": state.phase.value,
         "attempt": state.attempt,
@@ -76,8 +91,11 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         },
         "last_failure": state.last_failure,
         "cause": state.cause,
-        "history": {"attempt": state.attempt, "restarts": state.restarts,
-                    "failures": [{**_failure(f), "key": f.cause.key} for f in state.failures[-FAILURES_KEPT:]]},
+        "history": {
+            "attempt": state.attempt,
+            "restarts": state.restarts,
+            "failures": [{**_failure(f), "key": f.cause.key} for f in state.failures[-FAILURES_KEPT:]],
+        },
         "failures": [_failure(f) for f in state.failures[-FAILURES_SHOWN:]],
         "reason": state.reason,
         "exit_code": state.exit_code,
@@ -106,12 +124,24 @@ def _read_failure(record: dict[str, Any]) -> Failure:
     text, key, node = record["cause"], record.get("key", ""), record.get("node")
     if not (isinstance(text, str) and isinstance(key, str) and len(text) <= MAX_CAUSE_CHARS >= len(key)):
         raise ValueError("not a cause")
-    if not (_count(record["attempt"]) and _count(record["rank"]) and _count_or_none(record["step"])
-            and _count_or_none(record["resume_step"]) and record["progressed"] in (True, False, None)
-            and (node is None or (isinstance(node, str) and len(node) <= 255))):
+    if not (
+        _count(record["attempt"])
+        and _count(record["rank"])
+        and _count_or_none(record["step"])
+        and _count_or_none(record["resume_step"])
+        and record["progressed"] in (True, False, None)
+        and (node is None or (isinstance(node, str) and len(node) <= 255))
+    ):
         raise ValueError("not a failure")
-    return Failure(record["attempt"], record["rank"], record["step"], record["resume_step"],
-                   Cause(CauseKind(record["kind"]), text, key), record["progressed"], node)
+    return Failure(
+        record["attempt"],
+        record["rank"],
+        record["step"],
+        record["resume_step"],
+        Cause(CauseKind(record["kind"]), text, key),
+        record["progressed"],
+        node,
+    )
 
 
 def _count(value: object) -> bool:
@@ -167,18 +197,28 @@ def _supervisor(layout: RunLayout, status: dict[str, Any]) -> dict[str, Any]:
         alive = type(pid) is int and pid_alive(pid)
     else:
         alive = heard is not None and heard <= ttl
-    return {"alive": alive, "host": host, "pid": pid, "heard_s_ago": heard, "lease": state,
-            "generation": None if lease is None else lease.generation}
+    return {
+        "alive": alive,
+        "host": host,
+        "pid": pid,
+        "heard_s_ago": heard,
+        "lease": state,
+        "generation": None if lease is None else lease.generation,
+    }
 
 
 def render(status: dict[str, Any]) -> str:
     """A short human summary of a status dict."""
-    lines = [f"run {status.get('run_dir')}: {status['state']}, attempt {status['attempt']}, "
-             f"restarts {status['restarts']}/{status.get('max_restarts')}"]
+    lines = [
+        f"run {status.get('run_dir')}: {status['state']}, attempt {status['attempt']}, "
+        f"restarts {status['restarts']}/{status.get('max_restarts')}"
+    ]
     lines += _supervisor_lines(status)
     ckpt = status.get("last_checkpoint")
-    lines.append(f"  last checkpoint: {'step ' + str(ckpt['step']) if ckpt else 'none'}"
-                 + (f"; resumed from step {status['resumed_from']['step']}" if status.get("resumed_from") else ""))
+    lines.append(
+        f"  last checkpoint: {'step ' + str(ckpt['step']) if ckpt else 'none'}"
+        + (f"; resumed from step {status['resumed_from']['step']}" if status.get("resumed_from") else "")
+    )
     for skipped in status.get("passed_over") or []:
         lines.append(f"  passed over step {skipped['step']}: {skipped['reason']}")
     if goodput := describe_goodput(status.get("goodput")):  # None for a missing or tampered block
@@ -187,24 +227,31 @@ def render(status: dict[str, Any]) -> str:
     lines += _node_lines(status)
     lines += _rank_lines(status["ranks"], status.get("rank_compute_s"))
     slow = status.get("stragglers") or []
-    lines += [f"  slow rank {r['rank']}: {r['compute_s']:.3g} s of compute per step, {r['slower_by']:.0%} "
-              f"above the other ranks' median ({r['median_s']:.3g} s)" for r in slow[:SHOWN_IN_SUMMARY]]
+    lines += [
+        f"  slow rank {r['rank']}: {r['compute_s']:.3g} s of compute per step, {r['slower_by']:.0%} "
+        f"above the other ranks' median ({r['median_s']:.3g} s)"
+        for r in slow[:SHOWN_IN_SUMMARY]
+    ]
     if len(slow) > SHOWN_IN_SUMMARY:
         lines.append(f"  ... and {len(slow) - SHOWN_IN_SUMMARY} more slow ranks (status --json lists them)")
     if hang := status.get("hang"):
         stacks = ", ".join(hang["stacks"]) or "none collected"
         on = f" on {hang['node']}" if hang.get("node") else ""
-        lines.append(f"  hang in attempt {hang['attempt']}: rank {hang['rank']}{on} in phase {hang['phase']} "
-                     f"after step {hang['step']}; the job was silent {hang['silent_s']:.1f} s "
-                     f"(timeout {hang['timeout_s']:g} s)")
+        lines.append(
+            f"  hang in attempt {hang['attempt']}: rank {hang['rank']}{on} in phase {hang['phase']} "
+            f"after step {hang['step']}; the job was silent {hang['silent_s']:.1f} s "
+            f"(timeout {hang['timeout_s']:g} s)"
+        )
         if hang.get("class"):
             lines.append(f"  culprit: {hang['class']}, named by {hang.get('named_by')}: {hang.get('evidence')}")
         lines.append(f"  stacks: {stacks}")
     if rollback := status.get("rollback"):
         abort = rollback["abort"]
-        lines.append(f"  rollback {rollback['tries']} of this region: anomalies in steps {abort['first_step']}-"
-                     f"{abort['abort_step']}; resumed at or before step {rollback['resume_at_most']}, "
-                     f"skipping data up to batch {rollback['skip_to_batch']}")
+        lines.append(
+            f"  rollback {rollback['tries']} of this region: anomalies in steps {abort['first_step']}-"
+            f"{abort['abort_step']}; resumed at or before step {rollback['resume_at_most']}, "
+            f"skipping data up to batch {rollback['skip_to_batch']}"
+        )
     if order := status.get("stop_order"):
         then = "exit" if order["exit"] else "continue"
         lines.append(f"  stop order ({order['source']}): checkpoint at step {order['step']}, then {then}")
@@ -226,13 +273,18 @@ def _rank_lines(ranks: list[dict[str, Any]], compute: Any) -> list[str]:
     failed = [r for r in ranks if r.get("returncode") not in (None, 0)]
     steps = [r["step"] for r in running if type(r.get("step")) is int]
     ages = sorted(r["heartbeat_age_s"] for r in running if isinstance(r.get("heartbeat_age_s"), (int, float)))
-    lines = [f"  ranks: {len(ranks)}, {len(running)} running, {len(failed)} failed"
-             + (f"; steps {min(steps)}-{max(steps)}" if steps else "")
-             + (f"; heartbeat ages: median {ages[len(ages) // 2]:.1f} s, oldest {ages[-1]:.1f} s" if ages else "")]
+    lines = [
+        f"  ranks: {len(ranks)}, {len(running)} running, {len(failed)} failed"
+        + (f"; steps {min(steps)}-{max(steps)}" if steps else "")
+        + (f"; heartbeat ages: median {ages[len(ages) // 2]:.1f} s, oldest {ages[-1]:.1f} s" if ages else "")
+    ]
     worst = failed + sorted((r for r in running if r not in failed), key=_quietness)
     lines += [_rank_line(rank) for rank in worst[:SHOWN_IN_SUMMARY]]
-    figures = [(value, rank) for rank, value in compute.items() if isinstance(value, (int, float))] \
-        if isinstance(compute, dict) else []
+    figures = (
+        [(value, rank) for rank, value in compute.items() if isinstance(value, (int, float))]
+        if isinstance(compute, dict)
+        else []
+    )
     if figures:
         slowest = sorted(figures, reverse=True)[:SHOWN_IN_SUMMARY]
         lines.append("  most compute per step: " + ", ".join(f"rank {rank} {value:.3g} s" for value, rank in slowest))
@@ -260,11 +312,16 @@ def _supervisor_lines(status: dict[str, Any]) -> list[str]:
     where = f"pid {sup.get('pid', status.get('supervisor_pid'))}" + (f" on {sup['host']}" if sup.get("host") else "")
     heard = sup.get("heard_s_ago")
     if status.get("supervisor_alive") or ended:
-        return [f"  supervisor: {where}, heard {heard:.1f} s ago"] if status.get("nodes") and not ended and \
-            heard is not None else []
+        return (
+            [f"  supervisor: {where}, heard {heard:.1f} s ago"]
+            if status.get("nodes") and not ended and heard is not None
+            else []
+        )
     if sup.get("lease") == "abdicated":
-        return [f"  supervisor ({where}) lost its link and handed over; no successor has taken the run yet; "
-                "this state is stale"]
+        return [
+            f"  supervisor ({where}) lost its link and handed over; no successor has taken the run yet; "
+            "this state is stale"
+        ]
     ago = "" if heard is None else f", last heard {heard:.0f} s ago"
     return [f"  supervisor ({where}) is gone{ago}; this state is stale"]
 

@@ -47,14 +47,17 @@ class Stragglers:
         return records
 
     def status(self) -> dict[str, Any]:
-        return {"stragglers": [self._flagged[rank] for rank in sorted(self._flagged)],
-                "rank_compute_s": {str(rank): round(value, 6) for rank, value in sorted(self._compute.items())}}
+        return {
+            "stragglers": [self._flagged[rank] for rank in sorted(self._flagged)],
+            "rank_compute_s": {str(rank): round(value, 6) for rank, value in sorted(self._compute.items())},
+        }
 
     def _relaunched(self, attempt: int) -> list[JournalRecord]:
         """A new attempt: its ranks are new processes (maybe on other nodes); the old flags no longer hold."""
         records: list[JournalRecord] = [
             ("info", "straggler_cleared", {"rank": rank, "attempt": self._attempt, "reason": "relaunched"})
-            for rank in sorted(self._flagged)]
+            for rank in sorted(self._flagged)
+        ]
         self._start(attempt=attempt)
         return records
 
@@ -85,8 +88,12 @@ class Stragglers:
         if median_s is None:
             return []
         slow = compute_s > median_s * (1 + self._config.margin)
-        figures = {"rank": rank, "compute_s": round(compute_s, 6), "median_s": round(median_s, 6),
-                   "slower_by": round(min(compute_s / median_s - 1, MAX_SLOWER_BY), 3)}
+        figures = {
+            "rank": rank,
+            "compute_s": round(compute_s, 6),
+            "median_s": round(median_s, 6),
+            "slower_by": round(min(compute_s / median_s - 1, MAX_SLOWER_BY), 3),
+        }
         if rank in self._flagged:
             self._flagged[rank] = figures
         if slow == (rank in self._flagged):  # as flagged (or not): nothing pending

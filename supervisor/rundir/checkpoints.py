@@ -62,14 +62,23 @@ def choose_explicit(store: CheckpointStore, world_size: int, prefix: str, step: 
     return Choice(step, (), store) if problem is None else Choice(None, ((step, problem),))
 
 
-def choose_resume(stores: list[CheckpointStore], world_size: int, prefix: str, *, at_most: int | None = None,
-                  require_healthy: bool = True, refused: Mapping[int, str] | None = None) -> Choice:
+def choose_resume(
+    stores: list[CheckpointStore],
+    world_size: int,
+    prefix: str,
+    *,
+    at_most: int | None = None,
+    require_healthy: bool = True,
+    refused: Mapping[int, str] | None = None,
+) -> Choice:
     """Check candidates of every store newest first (regular checkpoints first on equal steps); the first
     with no problem wins. `refused` steps (a rank would not load them) are passed over with their reason.
     Reasons for candidates outside the first store name their store."""
     refused = refused or {}
-    candidates = sorted(((step, i) for i, store in enumerate(stores) for step in _any_steps(store, world_size, prefix)),
-                        key=lambda candidate: (-candidate[0], candidate[1]))
+    candidates = sorted(
+        ((step, i) for i, store in enumerate(stores) for step in _any_steps(store, world_size, prefix)),
+        key=lambda candidate: (-candidate[0], candidate[1]),
+    )
     passed = []
     for step, i in candidates:
         store = stores[i]
@@ -138,8 +147,9 @@ def completed_at(store: CheckpointStore, world_size: int, prefix: str, step: int
     try:
         if store.is_sharded(step, prefix):
             return os.stat(store.sharded_dir(step, prefix) / MANIFEST, follow_symlinks=False).st_mtime
-        return max(os.stat(store.record(rank, step, prefix), follow_symlinks=False).st_mtime
-                   for rank in range(world_size))
+        return max(
+            os.stat(store.record(rank, step, prefix), follow_symlinks=False).st_mtime for rank in range(world_size)
+        )
     except (OSError, ValueError):  # ValueError: world_size 0 (no ranks, no time)
         return None
 
@@ -186,10 +196,12 @@ class WorldSizeMismatch:
     world_size: int
 
     def message(self) -> str:
-        return (f"the checkpoints in {self.store.root} were written by {self.written_by} ranks (newest: step "
-                f"{self.step}), but this job runs {self.world_size} (nproc_per_node: {self.world_size}); "
-                f"use a new --run-dir (this one stays as it is), or set worker.resume_training: false to start "
-                f"from scratch here")
+        return (
+            f"the checkpoints in {self.store.root} were written by {self.written_by} ranks (newest: step "
+            f"{self.step}), but this job runs {self.world_size} (nproc_per_node: {self.world_size}); "
+            f"use a new --run-dir (this one stays as it is), or set worker.resume_training: false to start "
+            f"from scratch here"
+        )
 
 
 def world_size_mismatch(stores: list[CheckpointStore], world_size: int, prefix: str) -> WorldSizeMismatch | None:
@@ -197,8 +209,11 @@ def world_size_mismatch(stores: list[CheckpointStore], world_size: int, prefix: 
     the newest of them); None when one was (resume picks it, passing over the others with their reason)."""
     if any(store.sharded_steps(prefix) for store in stores):
         return None  # a sharded checkpoint resumes at this world size (and choose_resume prefers the newest usable)
-    found = [(step, -i, size) for i, store in enumerate(stores)
-             for step, size in world_sizes(store, store.steps(0, prefix), prefix).items()]
+    found = [
+        (step, -i, size)
+        for i, store in enumerate(stores)
+        for step, size in world_sizes(store, store.steps(0, prefix), prefix).items()
+    ]
     if any(size == world_size for *_, size in found):
         return None
     others = [f for f in found if f[2] is not None]
@@ -229,8 +244,14 @@ def health_entries(store: CheckpointStore, world_size: int, prefix: str, steps: 
                     unhealthy.append(rank)
             except (OSError, ValueError):
                 unhealthy.append(rank)
-        entries.append({"is_health": int(bool(unhealthy)), "ckpt_name": store.file(0, step, prefix).name,
-                        "step": step, "unhealthy_ranks": unhealthy})
+        entries.append(
+            {
+                "is_health": int(bool(unhealthy)),
+                "ckpt_name": store.file(0, step, prefix).name,
+                "step": step,
+                "unhealthy_ranks": unhealthy,
+            }
+        )
     return entries
 
 
@@ -296,8 +317,11 @@ def _sort_sharded_dir(directory: Path, torn: list[Path], foreign: list[Path]) ->
         listed = {name.split("/")[0] for name in read_manifest(directory, format=None)["files"]}
     except (OSError, ValueError):
         listed = set()
-    strangers = [entry for entry in _entries(directory)
-                 if not (is_our_file(entry.name) and is_plain_file(entry) or entry.name in listed)]
+    strangers = [
+        entry
+        for entry in _entries(directory)
+        if not (is_our_file(entry.name) and is_plain_file(entry) or entry.name in listed)
+    ]
     foreign.extend(strangers)
     if not strangers and not is_plain_file(directory / MANIFEST):
         torn.append(directory)
@@ -310,7 +334,6 @@ def _sort_rank_dir(store: CheckpointStore, rank: int, prefix: str, torn: list[Pa
             torn.append(entry)
         elif not store.owns(entry.name, rank, prefix):
             foreign.append(entry)
-
 
 
 def _entries(directory: Path) -> list[Path]:

@@ -73,8 +73,9 @@ class _TeeLogger:
                     os.unlink(_rotated(name, JOURNALS_KEPT), dir_fd=folder)
                 for number in range(JOURNALS_KEPT - 1, 0, -1):
                     with contextlib.suppress(FileNotFoundError):
-                        os.rename(_rotated(name, number), _rotated(name, number + 1), src_dir_fd=folder,
-                                  dst_dir_fd=folder)
+                        os.rename(
+                            _rotated(name, number), _rotated(name, number + 1), src_dir_fd=folder, dst_dir_fd=folder
+                        )
                 os.rename(name, _rotated(name, 1), src_dir_fd=folder, dst_dir_fd=folder)
             finally:
                 os.close(folder)
@@ -96,8 +97,9 @@ class Journal:
         self._tee.file.close()
 
 
-def open_journal(path: Path, *, root: Path, echo: IO[str] | EventSink | None = sys.stderr,
-                 max_bytes: int = MAX_JOURNAL_BYTES) -> Journal:
+def open_journal(
+    path: Path, *, root: Path, echo: IO[str] | EventSink | None = sys.stderr, max_bytes: int = MAX_JOURNAL_BYTES
+) -> Journal:
     """Open (append) the journal at `path` inside the run dir `root`, following no symlink; `echo` also
     receives every event (a stream as the same JSON line, an EventSink such as the console rendered for people)."""
     tee = _TeeLogger(path, root, echo, max_bytes)

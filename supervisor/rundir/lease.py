@@ -139,8 +139,15 @@ def _generations(layout: RunLayout) -> list[int]:
     return sorted(int(m.group(1)) for name in names if (m := _NAME.match(name)))
 
 
-def claimable(lease: Lease | None, now: float, *, here: str, pid_alive: Callable[[int], bool],
-              job_running: Callable[[str], bool], job: str | None) -> str | None:
+def claimable(
+    lease: Lease | None,
+    now: float,
+    *,
+    here: str,
+    pid_alive: Callable[[int], bool],
+    job_running: Callable[[str], bool],
+    job: str | None,
+) -> str | None:
     """Why `lease` may be claimed now (one line), or None while its holder may still act."""
     if lease is None:
         return "no lease yet"
@@ -161,8 +168,7 @@ def claim(layout: RunLayout, lease: Lease) -> Lease | None:
     dir_fd = open_dir(layout.root, _lease_dir(layout))
     try:
         tmp = f".{lease.generation}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
-                     dir_fd=dir_fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE, dir_fd=dir_fd)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

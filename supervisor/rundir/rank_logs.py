@@ -71,9 +71,13 @@ def abort_info(event: dict[str, Any] | None) -> AbortInfo:
     suspects = event.get("suspect_ranks") or []
     if not isinstance(suspects, list):
         raise ValueError("'suspect_ranks' is not a list")
-    return AbortInfo(first_step=count(event, "first_anomaly_step"), abort_step=count(event, "step"),
-                     first_batch=count(event, "first_anomaly_batch"), abort_batch=count(event, "batch"),
-                     suspect_ranks=tuple(count({"rank": rank}, "rank") for rank in suspects))
+    return AbortInfo(
+        first_step=count(event, "first_anomaly_step"),
+        abort_step=count(event, "step"),
+        first_batch=count(event, "first_anomaly_batch"),
+        abort_batch=count(event, "batch"),
+        suspect_ranks=tuple(count({"rank": rank}, "rank") for rank in suspects),
+    )
 
 
 def last_step(layout: RunLayout, rank: int, attempt: int) -> int | None:

@@ -30,8 +30,15 @@ from supervisor.core import HeartbeatSeen
 from worker.contract import RunLayout
 from worker.files import ensure_dir, read_json
 
-__all__ = ["HeartbeatFiles", "HeartbeatUnreadable", "HeartbeatWatcher", "HeartbeatsChanged", "StopFileChanged",
-           "StopFileWatcher", "read_heartbeat"]
+__all__ = [
+    "HeartbeatFiles",
+    "HeartbeatUnreadable",
+    "HeartbeatWatcher",
+    "HeartbeatsChanged",
+    "StopFileChanged",
+    "StopFileWatcher",
+    "read_heartbeat",
+]
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,7 @@ def _renamed(data: bytes) -> list[tuple[int, bytes]]:
     while offset + _EVENT.size <= len(data):
         wd, _mask, _cookie, length = _EVENT.unpack_from(data, offset)
         start = offset + _EVENT.size
-        found.append((wd, data[start:start + length].rstrip(b"\0")))
+        found.append((wd, data[start : start + length].rstrip(b"\0")))
         offset = start + length
     return found
 
@@ -278,12 +285,15 @@ def _phase(value: object) -> str:
 def progress_fields(record: dict[str, Any]) -> dict[str, Any]:
     """A heartbeat's optional progress fields, each None unless it is a sane number (the file is untrusted)."""
     total = record.get("total_steps")
-    return {"loss": _finite_or_none(record.get("loss")), "compute_s": _positive_or_none(record.get("compute_s")),
-            "total_steps": total if _is_count(total) and total > 0 else None,
-            "save_s": _nonnegative_or_none(record.get("save_s")),
-            "last_save_s": _nonnegative_or_none(record.get("last_save_s")),
-            "skipped": record.get("skipped") if _is_count(record.get("skipped")) else None,
-            "anomalies": _anomaly_counts(record.get("anomalies"))}
+    return {
+        "loss": _finite_or_none(record.get("loss")),
+        "compute_s": _positive_or_none(record.get("compute_s")),
+        "total_steps": total if _is_count(total) and total > 0 else None,
+        "save_s": _nonnegative_or_none(record.get("save_s")),
+        "last_save_s": _nonnegative_or_none(record.get("last_save_s")),
+        "skipped": record.get("skipped") if _is_count(record.get("skipped")) else None,
+        "anomalies": _anomaly_counts(record.get("anomalies")),
+    }
 
 
 def _anomaly_counts(value: object) -> tuple[tuple[str, int], ...] | None:
@@ -297,7 +307,8 @@ def _anomaly_counts(value: object) -> tuple[tuple[str, int], ...] | None:
         return None
     sane = len(counts) <= MAX_ANOMALY_KINDS and all(
         isinstance(kind, str) and 0 < len(kind) <= MAX_PHASE_CHARS and kind.isprintable() and _is_count(count)
-        for kind, count in counts)
+        for kind, count in counts
+    )
     return tuple(sorted(counts)) if sane else None
 
 

@@ -40,12 +40,18 @@ GUARDED = {
 }
 # Three gradient-norm spikes in a row on rank 1 from step 45 abort the run (exit 65): rolled back 10 steps (to
 # checkpoint 30), and the data skipped up to 5 batches past the streak.
-SPIKE_STREAK: dict[str, Any] = {"env": {"TRAINWARDEN_FAULTS": "1:spike@45:5"}, "worker": GUARDED,
-                                "anomaly": {"rollback_steps": 10, "skip_after_steps": 5}}
+SPIKE_STREAK: dict[str, Any] = {
+    "env": {"TRAINWARDEN_FAULTS": "1:spike@45:5"},
+    "worker": GUARDED,
+    "anomaly": {"rollback_steps": 10, "skip_after_steps": 5},
+}
 # Hang timeouts short enough to declare hangs in seconds; calibration off, so they are exactly these.
 TRAIN_TIMEOUT_S, SAVE_TIMEOUT_S = 3.0, 8.0
-FAST_HANG = {"heartbeat": "required", "phase_timeouts_s": {"train": TRAIN_TIMEOUT_S, "save": SAVE_TIMEOUT_S},
-             "calibration": {"enabled": False}}
+FAST_HANG = {
+    "heartbeat": "required",
+    "phase_timeouts_s": {"train": TRAIN_TIMEOUT_S, "save": SAVE_TIMEOUT_S},
+    "calibration": {"enabled": False},
+}
 
 
 @dataclass
@@ -125,7 +131,10 @@ def fake_job(tmp_path: Path, **overrides: object) -> Path:
 def start_supervisor(config: Path, run_dir: Path, *options: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir), *options],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -149,7 +158,7 @@ def outcome_lines(stderr: str) -> tuple[str, str]:
     (the cause, or the goodput)."""
     lines = stderr.strip().splitlines()
     first = max(i for i, line in enumerate(lines) if line.startswith("trainwarden: run "))
-    return lines[first], (lines[first + 1:] or [""])[0]
+    return lines[first], (lines[first + 1 :] or [""])[0]
 
 
 def trainwarden_status(run_dir: Path) -> dict[str, Any]:
@@ -164,8 +173,11 @@ def journal(run_dir: Path) -> list[dict[str, Any]]:
 
 def signal_rank_at_step(run_dir: Path, rank: int, step: int, signum: int) -> None:
     """Send `signum` to `rank` once its heartbeat shows `step` or later (bounded wait)."""
-    beat = wait_until(lambda: (hb := heartbeat(run_dir, rank)) and hb["step"] >= step and hb, timeout=90,
-                      what=f"rank {rank} to pass step {step}")
+    beat = wait_until(
+        lambda: (hb := heartbeat(run_dir, rank)) and hb["step"] >= step and hb,
+        timeout=90,
+        what=f"rank {rank} to pass step {step}",
+    )
     os.kill(beat["pid"], signum)
 
 
@@ -230,12 +242,14 @@ def checkpoints_of(reference: Path, run_dir: Path) -> Path:
 def held_lock(path: Path, timeout: float) -> Iterator[None]:
     """An exclusive flock on `path`, waited for at most `timeout` seconds."""
     with path.open("a") as file:
+
         def locked() -> bool:
             try:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False
             return True
+
         wait_until(locked, timeout=timeout, interval=0.2, what=f"the lock {path}")
         try:
             yield

@@ -39,8 +39,15 @@ SKIP = "0:nan@5"
 FAULTS = f"{SKIP},1:sigkill@15,1:hang_in_save@30"
 # The ranks' environment inside a Slurm allocation: under the supervisor, Lightning must still take its ranks from
 # torchrun's variables and leave Slurm's signals to trainwarden (its SLURM plugin would requeue the job itself).
-SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_NODEID": "0",
-             "SLURM_LOCALID": "0", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "train"}
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": "1",
+    "SLURM_PROCID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NNODES": "1",
+    "SLURM_JOB_NAME": "train",
+}
 UNTIL_STOPPED = 100_000
 
 
@@ -57,18 +64,21 @@ class Framework:
     # (its loop counters), so the second resume is not.
     exact_through: int
 
-    def job(self, tmp: Path, *, steps: int = STEPS, faults: str = SKIP, env: dict[str, str] | None = None,
-            **worker: Any) -> Path:
+    def job(
+        self, tmp: Path, *, steps: int = STEPS, faults: str = SKIP, env: dict[str, str] | None = None, **worker: Any
+    ) -> Path:
         config = yaml.safe_load((REPO / "examples" / self.config).read_text())
         config["script"] = str(REPO / config["script"])
         config["args"] = [*SIZE, "--steps", str(steps)]
         config["env"] = {**config["env"], **(env or {}), "TRAINWARDEN_FAULTS": faults, "TRAINWARDEN_FAULTS_ONCE": "1"}
-        config["worker"] = {**config["worker"], "save_checkpoint_steps": SAVE_EVERY,
-                            "keep_checkpoint_max": 0, **worker}
+        config["worker"] = {**config["worker"], "save_checkpoint_steps": SAVE_EVERY, "keep_checkpoint_max": 0, **worker}
         config["restart"] = {"max_restarts": 5, "backoff_initial_s": 0.2}
         config["stop"] = {"kill_grace_s": 2.0}
-        config["hang"] = {**FAST_HANG, "first_heartbeat_s": 120,
-                          "phase_timeouts_s": {**FAST_HANG["phase_timeouts_s"], "startup": 120, "eval": 30}}
+        config["hang"] = {
+            **FAST_HANG,
+            "first_heartbeat_s": 120,
+            "phase_timeouts_s": {**FAST_HANG["phase_timeouts_s"], "startup": 120, "eval": 30},
+        }
         path = tmp / f"{self.name}_{steps}.yaml"
         path.write_text(yaml.safe_dump(config))
         return path
@@ -86,8 +96,10 @@ class Framework:
             return {"model": saved["state_dict"], "optimizer": saved["optimizer_states"][0]["state"]}
         from safetensors.torch import load_file
 
-        return {"model": load_file(directory / "model.safetensors"),
-                "optimizer": torch.load(directory / "optimizer.pt", weights_only=True)["state"]}
+        return {
+            "model": load_file(directory / "model.safetensors"),
+            "optimizer": torch.load(directory / "optimizer.pt", weights_only=True)["state"],
+        }
 
 
 LIGHTNING = Framework("lightning", "lightning.yaml", "ckpt", "model.ckpt", exact_through=20)
@@ -103,10 +115,18 @@ def run(framework: Framework, tmp: Path, name: str, **job: Any) -> Finished:
 def stop_midway(framework: Framework, tmp: Path, name: str, after_step: int) -> Finished:
     """A long run stopped with `trainwarden stop` once both ranks are past `after_step`."""
     proc = start_supervisor(framework.job(tmp, steps=UNTIL_STOPPED), tmp / name)
-    wait_until(lambda: all((b := heartbeat(tmp / name, rank)) and b["step"] > after_step for rank in (0, 1)),
-               timeout=120, what=f"both ranks past step {after_step}")
-    subprocess.run([sys.executable, "-m", "supervisor", "stop", str(tmp / name)], cwd=REPO, check=True,
-                   capture_output=True, timeout=30)
+    wait_until(
+        lambda: all((b := heartbeat(tmp / name, rank)) and b["step"] > after_step for rank in (0, 1)),
+        timeout=120,
+        what=f"both ranks past step {after_step}",
+    )
+    subprocess.run(
+        [sys.executable, "-m", "supervisor", "stop", str(tmp / name)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     return finish(proc, tmp / name, timeout=120)
 
 
@@ -168,7 +188,8 @@ def faulted(framework: Framework, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def test_a_kill_and_a_hang_in_a_save_resume_from_the_frameworks_checkpoints_and_end_bitwise(
-        framework: Framework, faulted: Path, reference: Path) -> None:
+    framework: Framework, faulted: Path, reference: Path
+) -> None:
     """Rank 1 killed after step 15: relaunched from the framework's checkpoint 10; then hung inside the save of 30:
     declared in phase save, stacks taken, relaunched from 20 (30 has no manifest); the run ends at step 40, every
     checkpoint recorded on both ranks, with the same model and optimizer as an uninterrupted run as far as the
@@ -195,7 +216,8 @@ def test_a_kill_and_a_hang_in_a_save_resume_from_the_frameworks_checkpoints_and_
     assert passed in ([], [(30, "incomplete: no manifest (a save in flight, or killed before every rank was done)")])
     # A complete checkpoint's files are listed in its manifest; only the torn save's are left alone, and said.
     assert {Path(p).parent.name for e in events(faulted, "checkpoint_dir_junk") for p in e["paths"]} <= {
-        framework.directory(faulted, 30).name}
+        framework.directory(faulted, 30).name
+    }
     for step in (10, 20, 30, 40):
         assert_recorded(framework, faulted, step)
     health = {e["step"]: e["is_health"] for e in read_json(faulted / "health_ckpts.json")}
@@ -205,7 +227,8 @@ def test_a_kill_and_a_hang_in_a_save_resume_from_the_frameworks_checkpoints_and_
 
 
 def test_a_stop_ends_every_rank_at_one_step_with_a_checkpoint_and_a_rerun_resumes_there(
-        framework: Framework, tmp_path: Path) -> None:
+    framework: Framework, tmp_path: Path
+) -> None:
     """`trainwarden stop` mid-run: every rank stops at the same step, the framework saves it (recorded on both
     ranks), exit 0; the rerun resumes from it and finishes."""
     stopped = stop_midway(framework, tmp_path, "run", after_step=12)
@@ -223,8 +246,9 @@ def test_a_stop_ends_every_rank_at_one_step_with_a_checkpoint_and_a_rerun_resume
     assert bool(inexact) == (framework.name == "lightning" and step % SAVE_EVERY != 0)
 
 
-def test_a_damaged_checkpoint_is_passed_over_with_its_reason(framework: Framework, reference: Path,
-                                                              tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_is_passed_over_with_its_reason(
+    framework: Framework, reference: Path, tmp_path: Path
+) -> None:
     """The reference's checkpoints with 40's weights corrupted and 30's manifest gone: both passed over, each
     with its reason; the run resumes from 20 and ends as the reference did."""
     run_dir = tmp_path / "run"
@@ -236,7 +260,9 @@ def test_a_damaged_checkpoint_is_passed_over_with_its_reason(framework: Framewor
     (framework.directory(run_dir, 30) / "MANIFEST.json").unlink()
     run(framework, tmp_path, "run")
     passed = [(e["step"], e["reason"]) for e in events(run_dir, "checkpoint_passed_over", attempt=0)]
-    assert passed == [(40, f"corrupted: checksum differs from the one written (rank 0's {framework.weights})"),
-                      (30, "incomplete: no manifest (a save in flight, or killed before every rank was done)")]
+    assert passed == [
+        (40, f"corrupted: checksum differs from the one written (rank 0's {framework.weights})"),
+        (30, "incomplete: no manifest (a save in flight, or killed before every rank was done)"),
+    ]
     assert [e["resume_step"] for e in events(run_dir, "ranks_launched")] == [20]
     assert_same_tensors(framework, run_dir, reference, STEPS)

@@ -53,9 +53,13 @@ else:
 
 
 def job(tmp_path: Path, order: str) -> Path:
-    config = {"command": [sys.executable, "-c", RANKS, order], "nproc_per_node": 2,
-              "restart": {"max_restarts": 2, "backoff_initial_s": 0.1}, "stop": {"kill_grace_s": 5.0},
-              "anomaly": {"rollback_steps": 10, "skip_after_steps": 5}}
+    config = {
+        "command": [sys.executable, "-c", RANKS, order],
+        "nproc_per_node": 2,
+        "restart": {"max_restarts": 2, "backoff_initial_s": 0.1},
+        "stop": {"kill_grace_s": 5.0},
+        "anomaly": {"rollback_steps": 10, "skip_after_steps": 5},
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -73,7 +77,10 @@ def test_a_peer_dying_of_the_abort_by_sigabrt_still_brings_the_rollback(tmp_path
     assert [(e["resume_at_most"], e["tries"]) for e in scheduled] == [(25, 1)]
     (aborted,) = [e for e in events if e["event"] == "anomaly_abort"]
     assert (aborted["rank"], aborted["first_step"], aborted["abort_batch"]) == (
-        (1 if order == "peer_first" else 0), 35, 36)
+        (1 if order == "peer_first" else 0),
+        35,
+        36,
+    )
     status = done.status()
     assert (status["state"], status["restarts"], status["rollback"]["abort"]["first_step"]) == ("finished", 1, 35)
     assert [(f["attempt"], f["kind"]) for f in status["failures"]] == [(0, "anomaly")]

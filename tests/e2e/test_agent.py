@@ -46,9 +46,24 @@ class FakeSupervisor:
         server.settimeout(30)
         env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": TOKEN, **(env or {})}
         self.agent = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.agent", "--connect", f"127.0.0.1:{server.getsockname()[1]}",
-             "--run-dir", str(self.run_dir), "--attempt", "0", "--fence-s", str(fence_s)],
-            cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "supervisor.agent",
+                "--connect",
+                f"127.0.0.1:{server.getsockname()[1]}",
+                "--run-dir",
+                str(self.run_dir),
+                "--attempt",
+                "0",
+                "--fence-s",
+                str(fence_s),
+            ],
+            cwd=REPO,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         sock, _ = server.accept()
         server.close()
         sock.settimeout(30)  # a test waits for a message at most this long
@@ -66,8 +81,10 @@ class FakeSupervisor:
             assert message["type"] == "beat", message
 
     def launch(self, seconds: float, ranks: tuple[int, ...] = (4, 5)) -> dict[int, int]:
-        envs = {str(rank): {"RANK": str(rank), "LOCAL_RANK": str(i), "TRAINWARDEN_RUN_DIR": str(self.run_dir)}
-                for i, rank in enumerate(ranks)}
+        envs = {
+            str(rank): {"RANK": str(rank), "LOCAL_RANK": str(i), "TRAINWARDEN_RUN_DIR": str(self.run_dir)}
+            for i, rank in enumerate(ranks)
+        }
         self.peer.send({"type": "launch", "argv": [sys.executable, str(self.script), str(seconds)], "envs": envs})
         return {int(rank): pid for rank, pid in self.receive("spawned")["pids"].items()}
 
@@ -130,8 +147,9 @@ def test_a_silent_supervisor_is_fenced_off_ranks_killed_agent_gone(tmp_path):
         started = time.monotonic()
         assert fake.agent.wait(timeout=15) == 1  # no pings: fenced
         assert time.monotonic() - started < 10
-        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                       for pid in pids.values())
+        assert not any(
+            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids.values()
+        )
         assert "fencing" in fake.agent.stderr.read()
     finally:
         fake.close()

@@ -25,6 +25,7 @@ from tests.e2e.conftest import (
 
 pytestmark = pytest.mark.timeout(240)
 
+
 def rank_events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
     lines = (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()
     return [e for e in map(json.loads, lines) if e["event"] == name]
@@ -42,8 +43,11 @@ def test_a_spike_a_nan_and_a_level_1_feature_value_fault_on_one_rank_are_skipped
     gradient, logged as a fault): both ranks skip the same steps, nothing restarts, and the two replicas end bitwise
     identical."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:spike@15,1:nan@18,1:sdc@25:nan"},
-                          worker={**GUARDED, "feature_value_check": {"level": 1}})
+    config = write_config(
+        tmp_path / "job.yaml",
+        env={"TRAINWARDEN_FAULTS": "1:spike@15,1:nan@18,1:sdc@25:nan"},
+        worker={**GUARDED, "feature_value_check": {"level": 1}},
+    )
     done = run_supervisor(config, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
@@ -51,17 +55,24 @@ def test_a_spike_a_nan_and_a_level_1_feature_value_fault_on_one_rank_are_skipped
     skips = {rank: rank_events(run_dir, rank, "step_skipped") for rank in (0, 1)}
     for rank in (0, 1):
         assert [(e["step"], e["batch"], e["consecutive"], e["is_skip"]) for e in skips[rank]] == [
-            (15, 14, 1, True), (18, 18, 1, True), (25, 26, 1, True)]
+            (15, 14, 1, True),
+            (18, 18, 1, True),
+            (25, 26, 1, True),
+        ]
         assert rank_events(run_dir, rank, "anomaly_abort") == []
     assert [(e["local"], e["reasons"]) for e in skips[1]] == [
-        (True, ["global_norm_above_threshold"]), (True, ["non_finite"]), (True, ["non_finite"])]
+        (True, ["global_norm_above_threshold"]),
+        (True, ["non_finite"]),
+        (True, ["non_finite"]),
+    ]
     # Rank 0 skipped 15 and 18 because rank 1 had to; at 25 the NaN reached its own gradients through the average.
     assert [e["local"] for e in skips[0]] == [False, False, True]
     assert skips[1][0]["global_norm"] > 100 and skips[1][1]["global_norm"] == "nan"
     assert skips[1][0]["skip_data_grad_norm_threshold"] == 3.0
     faults = rank_events(run_dir, 1, "feature_value_fault")
     assert [(e["step"], e["layer"], e["reasons"], e["val"]) for e in faults] == [
-        (25, FIRST_NORM, ["non_finite"], "nan")]
+        (25, FIRST_NORM, ["non_finite"], "nan")
+    ]
     assert rank_events(run_dir, 0, "feature_value_fault") == []
     ends = [final(run_dir, rank) for rank in (0, 1)]
     assert all(torch.equal(ends[0]["model"][k], ends[1]["model"][k]) for k in ends[0]["model"])
@@ -76,11 +87,13 @@ def test_spike_streak_aborts_and_the_supervisor_rolls_back_past_the_bad_data(rol
     run_dir = rollback_run
     aborts = [rank_events(run_dir, rank, "anomaly_abort") for rank in (0, 1)]
     for events in aborts:
-        assert [(e["step"], e["consecutive"], e["first_anomaly_step"], e["first_anomaly_batch"], e["batch"])
-                for e in events] == [(45, 3, 45, 44, 46)]
+        assert [
+            (e["step"], e["consecutive"], e["first_anomaly_step"], e["first_anomaly_batch"], e["batch"]) for e in events
+        ] == [(45, 3, 45, 44, 46)]
     noticed = [e for e in journal(run_dir) if e["event"] == "anomaly_abort"]
     assert [(e["first_step"], e["abort_step"], e["first_batch"], e["abort_batch"]) for e in noticed] == [
-        (45, 45, 44, 46)]
+        (45, 45, 44, 46)
+    ]
     peer = [e["description"] for e in journal(run_dir) if e["event"] == "rank_stopped"]
     assert peer in (["exited with code 65"], ["killed by SIGTERM"], ["killed by SIGABRT"])  # the rollback regardless
     scheduled = [e for e in journal(run_dir) if e["event"] == "rollback_scheduled"]
@@ -103,8 +116,9 @@ def test_demo_at_its_default_settings_skips_nothing(tmp_path: Path) -> None:
     seed 002's thresholds) has zero false skips and no feature-value fault or warning in the demo's 600 steps, at
     the tests' batch (DEMO_SIZE: half the CPU of the demo's own)."""
     args = f"args=[--steps, '600', {', '.join(DEMO_SIZE)}]"
-    proc = start_supervisor(REPO / "configs" / "demo.yaml", tmp_path / "run", "--set", "standby.enabled=false",
-                            "--set", args)
+    proc = start_supervisor(
+        REPO / "configs" / "demo.yaml", tmp_path / "run", "--set", "standby.enabled=false", "--set", args
+    )
     done = finish(proc, tmp_path / "run", timeout=200)
 
     assert done.returncode == 0, done.stderr[-3000:]

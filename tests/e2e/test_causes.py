@@ -74,8 +74,14 @@ def job(path: Path, program: str, **overrides: object) -> Path:
 
 
 def status_json(run_dir: Path, cwd: Path = REPO) -> dict:
-    out = subprocess.run([sys.executable, "-m", "supervisor", "status", "--json", str(run_dir)], cwd=cwd,
-                         capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", "--json", str(run_dir)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -93,8 +99,9 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A directory on a 64 KiB tmpfs (needs root, or CAP_SYS_ADMIN); unmounted afterwards."""
     mount = tmp_path / "full"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
-                          timeout=10, check=False)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, timeout=10, check=False
+    )
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode(errors='replace').strip()}")
     try:
@@ -115,22 +122,29 @@ def test_script_raising_at_the_same_step_ends_as_a_crash_loop(tmp_path: Path) ->
     assert status["cause"] == cause
     assert status["reason"] == f"crash loop: 3 attempts in a row failed the same way at step 4: {cause}"
     assert [(f["attempt"], f["rank"], f["step"], f["cause"]) for f in status["failures"]] == [
-        (a, 1, 4, cause) for a in range(3)]
+        (a, 1, 4, cause) for a in range(3)
+    ]
     crashes = [e for e in journal(run_dir) if e["event"] == "rank_crashed"]
     assert [(e["rank"], e["cause"]) for e in crashes] == [(1, cause)] * 3
     reason_line, cause_line = said(done)
-    assert reason_line.startswith("trainwarden: run failed: crash loop: 3 attempts in a row failed the same way "
-                                  "at step 4 (rank logs: ")
+    assert reason_line.startswith(
+        "trainwarden: run failed: crash loop: 3 attempts in a row failed the same way at step 4 (rank logs: "
+    )
     assert cause_line == f"trainwarden: cause: {cause}"
 
 
 def test_a_supervisor_killed_mid_crash_loop_is_restarted_and_the_breaker_still_trips_at_its_count(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """SIGKILL of the supervisor in its backoff after two of the three failures the breaker counts: the next
     supervisor carries the failures over (its first attempt is number 2) and ends the run after one more, exit 70."""
     run_dir = tmp_path / "run"
-    config = job(tmp_path / "job.yaml", RAISE_AT_STEP_5, nproc_per_node=2,
-                 restart={"max_restarts": 5, "backoff_initial_s": 30, "backoff_factor": 1})
+    config = job(
+        tmp_path / "job.yaml",
+        RAISE_AT_STEP_5,
+        nproc_per_node=2,
+        restart={"max_restarts": 5, "backoff_initial_s": 30, "backoff_factor": 1},
+    )
     first = start_supervisor(config, run_dir)
     try:
         deadline = time.monotonic() + 40
@@ -171,14 +185,22 @@ def test_relative_script_from_another_directory_is_refused_naming_it(tmp_path: P
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def run_from(cwd: Path) -> Finished:
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", str(config)], cwd=cwd, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "run", str(config)],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         return finish(proc, tmp_path / "run", timeout=30)
 
     refused = run_from(elsewhere)
     assert refused.returncode == 78
-    assert refused.stderr == ("trainwarden: cannot launch: train.py not found (relative paths are taken from the "
-                              f"working directory {elsewhere})\n")
+    assert refused.stderr == (
+        "trainwarden: cannot launch: train.py not found (relative paths are taken from the "
+        f"working directory {elsewhere})\n"
+    )
     assert not (tmp_path / "run").exists()
     ran = run_from(project)
     assert ran.returncode == 0, ran.stderr[-2000:]
@@ -193,9 +215,11 @@ def test_checkpoint_incompatible_with_the_model_is_not_retried(tmp_path: Path) -
     assert done.returncode == 78, done.stderr[-2000:]
     status = status_json(run_dir)
     assert (status["state"], status["restarts"], attempts_launched(run_dir)) == ("failed", 0, 1)
-    cause = ("checkpoint incompatible with the model: RuntimeError: Error(s) in loading state_dict for Linear: "
-             "size mismatch for weight: copying a param with shape torch.Size([4, 8]) from checkpoint, the shape in "
-             "current model is torch.Size([2, 8]). (<string>:5 in resume)")
+    cause = (
+        "checkpoint incompatible with the model: RuntimeError: Error(s) in loading state_dict for Linear: "
+        "size mismatch for weight: copying a param with shape torch.Size([4, 8]) from checkpoint, the shape in "
+        "current model is torch.Size([2, 8]). (<string>:5 in resume)"
+    )
     assert status["cause"] == cause
     assert status["reason"] == f"not retryable: rank 0 failed in attempt 0: {cause}"
     reason_line, cause_line = said(done)

@@ -29,7 +29,8 @@ def test_damaged_and_crafted_checkpoints_are_passed_over_with_reasons(tmp_path: 
     config = write_config(tmp_path / "job.yaml", worker=REFERENCE_WORKER)
     health = json.loads((run_dir / "health_ckpts.json").read_text())
     assert [(h["step"], h["is_health"], h["ckpt_name"]) for h in health] == [
-        (s, 0, f"demo_rank_0-{s}.ckpt") for s in range(10, 61, 10)]
+        (s, 0, f"demo_rank_0-{s}.ckpt") for s in range(10, 61, 10)
+    ]
 
     ckpt = run_dir / "checkpoint"
     flipped = bytearray((ckpt / "rank_1" / "demo_rank_1-60.ckpt").read_bytes())
@@ -41,8 +42,9 @@ def test_damaged_and_crafted_checkpoints_are_passed_over_with_reasons(tmp_path: 
     crafted, marker = ckpt / "rank_1" / "demo_rank_1-30.ckpt", tmp_path / "marker"
     write_crafted(crafted, marker)
     data, record = crafted.read_bytes(), crafted.with_suffix(".json")
-    record.write_text(json.dumps({**json.loads(record.read_text()), "size": len(data),
-                                  "crc32": f"{zlib.crc32(data):08x}"}))  # what the supervisor checks
+    record.write_text(
+        json.dumps({**json.loads(record.read_text()), "size": len(data), "crc32": f"{zlib.crc32(data):08x}"})
+    )  # what the supervisor checks
     (ckpt / "rank_0" / "stray.txt").write_text("junk a person left here")
 
     done = run_supervisor(config, run_dir)
@@ -51,7 +53,8 @@ def test_damaged_and_crafted_checkpoints_are_passed_over_with_reasons(tmp_path: 
     events, status = journal(run_dir), done.status()
     refused = [e for e in events if e["event"] == "checkpoint_refused"]
     assert [(e["level"], e["rank"], e["attempt"], e["step"], e["path"], e["error"]) for e in refused] == [
-        ("error", 1, 0, 30, str(crafted), CRAFTED_REFUSAL)]
+        ("error", 1, 0, 30, str(crafted), CRAFTED_REFUSAL)
+    ]
     assert [e["resume_step"] for e in events if e["event"] == "ranks_launched"] == [30, 20]
     assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
     logged = [(e["step"], e["reason"]) for e in events if e["event"] == "checkpoint_passed_over"]
@@ -101,12 +104,16 @@ def test_a_named_checkpoint_wins_and_an_unusable_one_refuses_to_start(tmp_path: 
     written = json.loads((run_dir / "checkpoint" / "rank_1" / "demo_rank_1-20.json").read_text())["size"]
     broken = run_supervisor(write_config(tmp_path / "c.yaml", worker={**worker, "resume_training": "20"}), run_dir)
     assert broken.returncode == 1
-    assert broken.status()["reason"] == ("could not launch ranks: the checkpoint named by worker.resume_training "
-                                         f"(step 20) is not usable: truncated on rank 1: 100 bytes, {written} written")
+    assert broken.status()["reason"] == (
+        "could not launch ranks: the checkpoint named by worker.resume_training "
+        f"(step 20) is not usable: truncated on rank 1: 100 bytes, {written} written"
+    )
 
-    refused = run_supervisor(write_config(tmp_path / "d.yaml", worker={**worker, "no_usable_checkpoint": "refuse"}),
-                             run_dir)
+    refused = run_supervisor(
+        write_config(tmp_path / "d.yaml", worker={**worker, "no_usable_checkpoint": "refuse"}), run_dir
+    )
     assert refused.returncode == 1
-    assert refused.status()["reason"].startswith("could not launch ranks: no usable checkpoint (newest, step 60: "
-                                                 "truncated on rank 1: 100 bytes")
+    assert refused.status()["reason"].startswith(
+        "could not launch ranks: no usable checkpoint (newest, step 60: truncated on rank 1: 100 bytes"
+    )
     assert refused.status()["reason"].endswith("refusing to start from scratch (worker.no_usable_checkpoint: refuse)")

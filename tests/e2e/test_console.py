@@ -67,10 +67,15 @@ def slowed(tmp_path_factory: pytest.TempPathFactory) -> Shown:
     """The demo at a terminal, 40 steps, rank 1 slowed by 0.1 s a step from step 5 (`1:slow@5:0.1`), a straggler
     flagged once it has been slower for 2 s."""
     tmp = tmp_path_factory.mktemp("slowed")
-    config = write_config(tmp / "job.yaml", steps=40, stragglers={"sustain_s": 2},
-                          env={"TRAINWARDEN_FAULTS": "1:slow@5:0.1", "OMP_NUM_THREADS": "1"})
-    code, text = run_in_pty([sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(tmp / "run")],
-                            timeout=90)
+    config = write_config(
+        tmp / "job.yaml",
+        steps=40,
+        stragglers={"sustain_s": 2},
+        env={"TRAINWARDEN_FAULTS": "1:slow@5:0.1", "OMP_NUM_THREADS": "1"},
+    )
+    code, text = run_in_pty(
+        [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(tmp / "run")], timeout=90
+    )
     return Shown(code, text, tmp / "run")
 
 
@@ -105,8 +110,13 @@ def test_only_the_rank_slowed_by_a_fault_is_flagged_and_the_run_finishes(slowed:
 def test_elsewhere_events_are_json_lines(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text('command: ["true"]\n')
-    done = subprocess.run([sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(tmp_path / "run")],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(tmp_path / "run")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0
     events = [json.loads(line)["event"] for line in done.stderr.splitlines() if line.startswith("{")]
     assert events[0] == "supervisor_started" and "run_finished" in events

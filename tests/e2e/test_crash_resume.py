@@ -29,8 +29,9 @@ def test_crash_after_a_snapshot_resumes_from_it_and_ends_bitwise_equal(tmp_path:
     """Snapshots every 4 steps besides checkpoints every 10: rank 1 killed after step 26 → resume from the
     snapshot of 24 (slot 0), newer than checkpoint 20, and end exactly like the uninterrupted run."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:sigkill@26"},
-                          worker={"snapshot_steps": 4})
+    config = write_config(
+        tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:sigkill@26"}, worker={"snapshot_steps": 4}
+    )
     done = run_supervisor(config, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
@@ -50,8 +51,14 @@ def test_a_minimal_config_saves_by_time_and_a_killed_rank_resumes_from_a_checkpo
     config = tmp_path / "job.yaml"
     config.write_text(f"script: {REPO / 'examples' / 'demo_train.py'}\nnproc_per_node: 2\n")
     run_dir = tmp_path / "run"
-    proc = start_supervisor(config, run_dir, "--set", "worker.save_checkpoint_interval_s=1.0",
-                            "--set", f"args=[--steps, '150', {', '.join(DEMO_SIZE)}]")
+    proc = start_supervisor(
+        config,
+        run_dir,
+        "--set",
+        "worker.save_checkpoint_interval_s=1.0",
+        "--set",
+        f"args=[--steps, '150', {', '.join(DEMO_SIZE)}]",
+    )
     record = run_dir / "checkpoint" / "rank_1"
     wait_until(lambda: any(record.glob("ckpt_rank_1-*.json")), timeout=90, what="a time-based checkpoint")
     signal_rank_at_step(run_dir, 1, 0, signal.SIGKILL)
@@ -68,8 +75,11 @@ def test_a_minimal_config_saves_by_time_and_a_killed_rank_resumes_from_a_checkpo
 def test_the_supervisor_says_at_start_when_a_run_saves_no_checkpoints(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text('command: ["true"]\n')
-    done = finish(start_supervisor(config, tmp_path / "run", "--set", "worker.save_checkpoint_interval_s=0"),
-                  tmp_path / "run", timeout=60)
+    done = finish(
+        start_supervisor(config, tmp_path / "run", "--set", "worker.save_checkpoint_interval_s=0"),
+        tmp_path / "run",
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (warning,) = [e for e in journal(tmp_path / "run") if e["event"] == "checkpointing_off"]
     assert "starts again from step 0" in warning["reason"]

@@ -32,9 +32,11 @@ pytestmark = pytest.mark.timeout(300)
 #   3: rank 1 hangs inside its save of 40; attempt 4 finishes.
 # (A rank frozen with SIGSTOP: test_warm_standby.py.)
 FAULT_STREAM = {
-    "env": {"TRAINWARDEN_FAULTS_ONCE": "1",
-            "TRAINWARDEN_FAULTS": "1:hang@15,0:slow_save@20:4,1:slow_save@20:1,1:sigkill_after_save@20,"
-                                  "1:sigkill_in_save@30,1:hang_in_save@40"},
+    "env": {
+        "TRAINWARDEN_FAULTS_ONCE": "1",
+        "TRAINWARDEN_FAULTS": "1:hang@15,0:slow_save@20:4,1:slow_save@20:1,1:sigkill_after_save@20,"
+        "1:sigkill_in_save@30,1:hang_in_save@40",
+    },
     "hang": FAST_HANG,
     "restart": {"max_restarts": 10, "backoff_factor": 1.0},
 }
@@ -82,8 +84,10 @@ def test_gloo_hang_is_detected_stacks_name_the_frames_and_run_resumes(stream: Pa
     (killed,) = events(stream, "ranks_killed_at_once", attempt=0)
     assert (killed["ranks"], killed["why"]) == ([0], "blocked in a collective waiting for rank 1")
     stopped = events(stream, "rank_stopped", attempt=0)
-    assert sorted((e["rank"], e["description"]) for e in stopped) == [(0, "killed by SIGKILL"),
-                                                                      (1, "killed by SIGTERM")]
+    assert sorted((e["rank"], e["description"]) for e in stopped) == [
+        (0, "killed by SIGKILL"),
+        (1, "killed by SIGTERM"),
+    ]
     assert [e["resume_step"] for e in events(stream, "ranks_launched", attempt=1)] == [10]
 
 
@@ -109,7 +113,8 @@ def test_a_peer_crash_does_not_cost_the_save_in_flight(stream: Path) -> None:
     wait = next(e for e in journaled[crash:] if e["event"] == "stop_waits_for_save")
     assert wait["ranks"] == [0] and 0 < wait["wait_s"] <= SAVE_TIMEOUT_S  # what is left of the save timeout
     assert [(e["rank"], e["description"]) for e in events(stream, "rank_stopped", attempt=1)] == [
-        (0, "killed by SIGTERM")]
+        (0, "killed by SIGTERM")
+    ]
     rank0 = [json.loads(line) for line in (stream / "ranks" / "rank_0" / "events.jsonl").open()]
     assert [e["event"] for e in rank0 if e["attempt"] == 1][-2:] == ["checkpoint_saved", "stopped_after_save"]
     assert [e["resume_step"] for e in events(stream, "ranks_launched", attempt=2)] == [20]
@@ -137,16 +142,23 @@ def test_hang_inside_a_save_is_declared_after_the_save_timeout(stream: Path) -> 
 
 
 def test_every_fault_is_relaunched_from_the_newest_intact_checkpoint_and_the_run_ends_bitwise_equal(
-        stream: Path, reference_run: Path) -> None:
+    stream: Path, reference_run: Path
+) -> None:
     """The four failures (two kills, two hangs), each relaunching every rank from the newest intact checkpoint;
     the run finishes with the same final state as the uninterrupted one."""
     status = trainwarden_status(stream)
     assert (status["state"], status["restarts"], status["attempt"]) == ("finished", 4, 4)
     assert status["last_checkpoint"] == {"step": DEMO_STEPS}
     assert [(f["attempt"], f["rank"], f["kind"]) for f in status["failures"]] == [
-        (0, 1, "hang"), (1, 1, "signal"), (2, 1, "signal"), (3, 1, "hang")]
+        (0, 1, "hang"),
+        (1, 1, "signal"),
+        (2, 1, "signal"),
+        (3, 1, "hang"),
+    ]
     assert [e["resume_step"] for e in events(stream, "ranks_launched")] == RESUMES
     crashes = events(stream, "rank_crashed")
     assert [(e["attempt"], e["rank"], e["returncode"], e["step"]) for e in crashes] == [
-        (1, 1, -signal.SIGKILL, 20), (2, 1, -signal.SIGKILL, 30)]
+        (1, 1, -signal.SIGKILL, 20),
+        (2, 1, -signal.SIGKILL, 30),
+    ]
     assert_same_training_state(stream, reference_run)

@@ -41,35 +41,67 @@ def _wait(check: Any, timeout: float, what: str) -> Any:
 
 
 def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
-    return [e for e in journal(run_dir) if e["event"] == kind] if (run_dir / "supervisor" / "events.jsonl").exists() \
+    return (
+        [e for e in journal(run_dir) if e["event"] == kind]
+        if (run_dir / "supervisor" / "events.jsonl").exists()
         else []
+    )
 
 
 def test_a_fleet_keeps_its_nodes_through_late_beats_and_a_silent_node_is_declared_lost_within_its_timeout(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     fleet.install(tmp_path / "bin")
     names = [f"fleet{i:02d}" for i in range(NODES + SPARES)]
     fleet_log, control = tmp_path / "fleet.jsonl", tmp_path / "control.json"
-    spec = {"nodes": names, "ranks_per_node": RANKS, "interval_s": 0.5, "late_s": TIMEOUT_S / 2, "late_share": 0.2,
-            "log": str(fleet_log), "control": str(control)}
+    spec = {
+        "nodes": names,
+        "ranks_per_node": RANKS,
+        "interval_s": 0.5,
+        "late_s": TIMEOUT_S / 2,
+        "late_share": 0.2,
+        "log": str(fleet_log),
+        "control": str(control),
+    }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "train.py").write_text("")
-    job = {"script": str(tmp_path / "train.py"), "nodes": NODES, "nproc_per_node": RANKS, "spare_nodes": SPARES,
-           "slurm": {"node_timeout_s": TIMEOUT_S}, "restart": {"backoff_initial_s": 0.1}}
+    job = {
+        "script": str(tmp_path / "train.py"),
+        "nodes": NODES,
+        "nproc_per_node": RANKS,
+        "spare_nodes": SPARES,
+        "slurm": {"node_timeout_s": TIMEOUT_S},
+        "restart": {"backoff_initial_s": 0.1},
+    }
     (tmp_path / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": fleet.JOB_ID,
-           "SLURM_JOB_NODELIST": ",".join(names), "TRAINWARDEN_SUPERVISOR_ADDR": "127.0.0.1",
-           fleet.ENV_SPEC: str(tmp_path / "spec.json")}
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": fleet.JOB_ID,
+        "SLURM_JOB_NODELIST": ",".join(names),
+        "TRAINWARDEN_SUPERVISOR_ADDR": "127.0.0.1",
+        fleet.ENV_SPEC: str(tmp_path / "spec.json"),
+    }
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "run", str(tmp_path / "job.json"), "--run-dir",
-                             str(run_dir)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "run", str(tmp_path / "job.json"), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait(lambda: _events(run_dir, "ranks_launched"), 30, "launch")
         time.sleep(2 * TIMEOUT_S)  # beats up to half the timeout late, all along: no node is lost, no rank hangs
         assert not [e for e in journal(run_dir) if e["event"] in ("node_lost", "hang_suspected", "rank_crashed")]
-        running = subprocess.run([sys.executable, "-m", "supervisor", "status", str(run_dir)], cwd=REPO,
-                                 capture_output=True, text=True, timeout=30).stdout
+        running = subprocess.run(
+            [sys.executable, "-m", "supervisor", "status", str(run_dir)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         assert f"  nodes: {NODES} running, {SPARES} spare" in running, running
         assert f"  ranks: {NODES * RANKS}, {NODES * RANKS} running, 0 failed" in running, running
 

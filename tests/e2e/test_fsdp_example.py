@@ -21,8 +21,10 @@ from tests.conftest import wait_until
 from tests.e2e.conftest import FAST_HANG, REPO, Finished, finish, heartbeat, journal, run_supervisor, start_supervisor
 from worker.sharded import numpy_missing
 
-pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(numpy_missing(), reason="DCP's collectives need NumPy (the [dcp] extra)")]
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(numpy_missing(), reason="DCP's collectives need NumPy (the [dcp] extra)"),
+]
 
 SAVE_EVERY = 5
 KILL = "1:sigkill_in_async_write@10"  # rank 1 dies inside the background write of 10: resumed from 5
@@ -55,8 +57,14 @@ def fsdp_job(tmp: Path, *, steps: int, nproc: int = 2, faults: str = "", samples
 def export(run_dir: Path) -> dict[str, torch.Tensor]:
     """`trainwarden export` of the newest checkpoint, loaded as a script without trainwarden would."""
     out = run_dir.parent / f"{run_dir.name}-export.pt"
-    subprocess.run([sys.executable, "-m", "supervisor", "export", str(run_dir), "-o", str(out)], cwd=REPO,
-                   check=True, capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "supervisor", "export", str(run_dir), "-o", str(out)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return torch.load(out, weights_only=True)
 
 
@@ -65,10 +73,18 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     """Killed in a background write, hung, then stopped once the third attempt is past step 20: (tmp, stop step)."""
     tmp = tmp_path_factory.mktemp("interrupted")
     proc = start_supervisor(fsdp_job(tmp, steps=UNTIL_STOPPED, faults=f"{KILL},{HANG}"), tmp / "run")
-    wait_until(lambda: all((b := heartbeat(tmp / "run", rank)) and b["attempt"] == 2 and b["step"] > 20
-                           for rank in (0, 1)), timeout=150, what="the third attempt past step 20")
-    subprocess.run([sys.executable, "-m", "supervisor", "stop", str(tmp / "run")], cwd=REPO, check=True,
-                   capture_output=True, timeout=30)
+    wait_until(
+        lambda: all((b := heartbeat(tmp / "run", rank)) and b["attempt"] == 2 and b["step"] > 20 for rank in (0, 1)),
+        timeout=150,
+        what="the third attempt past step 20",
+    )
+    subprocess.run(
+        [sys.executable, "-m", "supervisor", "stop", str(tmp / "run")],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     done = finish(proc, tmp / "run", timeout=90)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp, done.status()["stopped_at"]["step"]
@@ -85,7 +101,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory, interrupted: tuple[Path,
 
 
 def test_a_kill_in_a_background_write_a_hang_and_a_stop_end_bitwise_equal_to_an_uninterrupted_run(
-        interrupted: tuple[Path, int], reference: Finished) -> None:
+    interrupted: tuple[Path, int], reference: Finished
+) -> None:
     tmp, stop_step = interrupted
     events = journal(tmp / "run")
     assert [e["returncode"] for e in events if e["event"] == "rank_crashed"][:1] == [-9]
@@ -98,8 +115,10 @@ def test_a_kill_in_a_background_write_a_hang_and_a_stop_end_bitwise_equal_to_an_
 
     assert done.returncode == 0, done.stderr[-3000:]
     status = done.status()
-    assert (status["resumed_from"], status["last_checkpoint"]) == ({"step": stop_step},
-                                                                   {"step": stop_step + STEPS_AFTER_STOP})
+    assert (status["resumed_from"], status["last_checkpoint"]) == (
+        {"step": stop_step},
+        {"step": stop_step + STEPS_AFTER_STOP},
+    )
     got, want = export(tmp / "run"), export(reference.run_dir)
     assert got.keys() == want.keys() and len(got) > 20
     unequal = [name for name in want if not torch.equal(got[name], want[name])]
@@ -114,7 +133,8 @@ def sample_ids(path: Path) -> list[list[int]]:
 
 
 def test_the_same_run_dir_goes_on_with_4_ranks_then_2_and_every_sample_is_trained_once(
-        reference: Finished, tmp_path: Path) -> None:
+    reference: Finished, tmp_path: Path
+) -> None:
     """2 -> 4 -> 2 ranks: each change resumes the newest sharded checkpoint, resharded, from its global sample
     count; the global batch doubles and halves with the ranks (a fixed batch per rank)."""
     run_dir, ids = tmp_path / "run", tmp_path / "ids.jsonl"
@@ -136,10 +156,10 @@ def test_the_same_run_dir_goes_on_with_4_ranks_then_2_and_every_sample_is_traine
     saved = {*range(SAVE_EVERY, first + 9, SAVE_EVERY), first, first + 4, first + 8}  # every SAVE_EVERY, each end
     assert kept == sorted(f"fsdp-{step}.dcp" for step in sorted(saved)[-KEEP:])  # rotated to KEEP, as directories
     listed = json.loads((run_dir / "health_ckpts.json").read_text())
-    assert [(e["ckpt_name"], e["is_health"]) for e in listed] == [(name, 0) for name in
-                                                                   sorted(kept, key=lambda n: int(n[5:-4]))]
+    assert [(e["ckpt_name"], e["is_health"]) for e in listed] == [
+        (name, 0) for name in sorted(kept, key=lambda n: int(n[5:-4]))
+    ]
 
 
 def rank_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text()
-            .splitlines()]
+    return [json.loads(line) for line in (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()]

@@ -39,8 +39,10 @@ def test_goodput_of_a_run_with_one_kill(tmp_path: Path):
     goodput = status["goodput"]
 
     steps, events = step_times(run_dir, 0), journal(run_dir)
-    started, crash = (seconds(next(e["time"] for e in events if e["event"] == name))
-                      for name in ("supervisor_started", "rank_crashed"))
+    started, crash = (
+        seconds(next(e["time"] for e in events if e["event"] == name))
+        for name in ("supervisor_started", "rank_crashed")
+    )
     lost = steps[0, 28] - steps[0, 20]  # heartbeats show steps up to 0.5 s late; the step in flight adds a little
     assert lost - 0.6 <= goodput["lost_s"] <= lost + 1.0, (lost, goodput)
     restart = (steps[0, 1] - started) + (steps[1, 21] - crash)
@@ -53,6 +55,12 @@ def test_goodput_of_a_run_with_one_kill(tmp_path: Path):
 
     line = describe(goodput)
     assert line is not None and f"trainwarden: {line}\n" in done.stderr  # the final message
-    human = subprocess.run([sys.executable, "-m", "supervisor", "status", str(run_dir)], cwd=REPO,
-                           capture_output=True, text=True, timeout=30, check=True)
+    human = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert f"\n  {line}\n" in human.stdout

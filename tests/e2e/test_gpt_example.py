@@ -30,10 +30,30 @@ SPIKE = f"0:spike@{SPIKE_STEP}"
 UNTIL_STOPPED = 100_000
 STEPS_AFTER_STOP = 20
 # float16 (the GradScaler's case) is slow on CPU: a smaller model than the example's defaults.
-ARGS = ["--lr-decay-steps", "300", "--dtype", "float16", "--grad-accum", "2", "--batch-size", "4", "--block", "32",
-        "--n-embd", "32"]
-COMPARED = ("model", "optimizer", "scheduler", "extra_state", "rng", "data_position", "anomaly_history",
-            "feature_history")
+ARGS = [
+    "--lr-decay-steps",
+    "300",
+    "--dtype",
+    "float16",
+    "--grad-accum",
+    "2",
+    "--batch-size",
+    "4",
+    "--block",
+    "32",
+    "--n-embd",
+    "32",
+]
+COMPARED = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "extra_state",
+    "rng",
+    "data_position",
+    "anomaly_history",
+    "feature_history",
+)
 
 
 @dataclass(frozen=True)
@@ -93,16 +113,24 @@ def assert_spike_skipped_once(run_dir: Path) -> None:
 
 def wait_for_attempt_step(run_dir: Path, attempt: int, step: int) -> None:
     """Block until both ranks of `attempt` are training past `step`."""
+
     def past() -> bool:
         beats = [heartbeat(run_dir, rank) for rank in (0, 1)]
         return all(b and b["attempt"] == attempt and b["phase"] == "train" and b["step"] > step for b in beats)
+
     wait_until(past, timeout=90, what=f"both ranks of attempt {attempt} past step {step}")
 
 
 def stop_run(run_dir: Path) -> None:
     """`trainwarden stop RUN_DIR`: save at the next step every rank can agree on, then exit."""
-    subprocess.run([sys.executable, "-m", "supervisor", "stop", str(run_dir)], cwd=REPO, capture_output=True,
-                   text=True, timeout=30, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "supervisor", "stop", str(run_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +205,10 @@ def test_a_rerun_after_the_kill_and_the_stop_ends_bitwise_equal_to_the_uninterru
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     status = rerun.status()
     assert (status["state"], status["resumed_from"], status["last_checkpoint"]) == (
-        "finished", {"step": stopped.step}, {"step": final_step})
+        "finished",
+        {"step": stopped.step},
+        {"step": final_step},
+    )
     assert last_metrics_line(stopped.tmp) == {"event": "finished", "step": final_step}
     for rank in (0, 1):
         got, want = final_state(stopped.run_dir, rank, final_step), final_state(reference.run_dir, rank, final_step)

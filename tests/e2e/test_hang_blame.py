@@ -50,8 +50,9 @@ def test_a_collective_that_never_completes_on_one_rank_is_named_in_collective_by
     hang = verdict(blamed, "hang_detected", 0)
     assert (hang["rank"], hang["class"], hang["named_by"], hang["step"]) == (1, "in-collective", "flight_recorder", 11)
     assert hang["evidence"].startswith("process group 0 collective #") and hang["evidence"].endswith(
-        ": enqueued but never completed on rank 1, while its peers completed it and wait in #" +
-        hang["evidence"].rsplit("#", 1)[1])
+        ": enqueued but never completed on rank 1, while its peers completed it and wait in #"
+        + hang["evidence"].rsplit("#", 1)[1]
+    )
     assert failure(blamed, 0)["rank"] == 1 and failure(blamed, 0)["cause"].startswith("hang: rank 1 (in-collective: ")
     assert (blamed / "ranks" / "rank_1" / "flight_recorder_attempt_0.json").stat().st_size > 0
 

@@ -45,8 +45,11 @@ def test_grandchildren_die_with_their_rank_even_outside_its_process_group(tmp_pa
 
 def test_first_heartbeat_timeout_declares_a_hang_at_launch(tmp_path: Path) -> None:
     """With heartbeats required, a rank silent since launch is hung after first_heartbeat_s."""
-    config = fake_job(tmp_path, command=[sys.executable, "-c", "import time; time.sleep(60)"],
-                      hang={"heartbeat": "required", "first_heartbeat_s": 1.0})
+    config = fake_job(
+        tmp_path,
+        command=[sys.executable, "-c", "import time; time.sleep(60)"],
+        hang={"heartbeat": "required", "first_heartbeat_s": 1.0},
+    )
     done = run_supervisor(config, tmp_path / "run", timeout=60)
 
     assert done.returncode == 1
@@ -57,8 +60,11 @@ def test_first_heartbeat_timeout_declares_a_hang_at_launch(tmp_path: Path) -> No
 
 def test_script_without_heartbeats_is_never_declared_hung_in_auto_mode(tmp_path: Path) -> None:
     """In `auto` mode a script that never beats runs to its end, however long it is silent."""
-    config = fake_job(tmp_path, command=[sys.executable, "-c", "import time; time.sleep(2.5)"],
-                      hang={"heartbeat": "auto", "first_heartbeat_s": 1.0})
+    config = fake_job(
+        tmp_path,
+        command=[sys.executable, "-c", "import time; time.sleep(2.5)"],
+        hang={"heartbeat": "auto", "first_heartbeat_s": 1.0},
+    )
     done = run_supervisor(config, tmp_path / "run", timeout=60)
 
     assert done.returncode == 0
@@ -111,8 +117,9 @@ def test_restarted_supervisor_kills_what_its_killed_predecessor_left(tmp_path: P
 
     try:
         wait_until(lambda: len(recorded()) >= 6, timeout=30, what="2 ranks and 4 grandchildren recorded")
-        ranks = [wait_until(lambda r=r: heartbeat(run_dir, r), timeout=30, what=f"rank {r} beating")["pid"]
-                 for r in (0, 1)]
+        ranks = [
+            wait_until(lambda r=r: heartbeat(run_dir, r), timeout=30, what=f"rank {r} beating")["pid"] for r in (0, 1)
+        ]
     finally:
         first.kill()
         first.communicate(timeout=10)
@@ -125,5 +132,8 @@ def test_restarted_supervisor_kills_what_its_killed_predecessor_left(tmp_path: P
     assert done.returncode == 0, done.stderr[-2000:]
     killed = {e["pid"] for e in events(run_dir, "predecessor_leftover_killed")}
     assert {p.pid for p in escaped} <= killed
-    wait_until(lambda: not any(p.is_running() and p.status() != "zombie" for p in escaped), timeout=5,
-               what="the leftovers to be gone")
+    wait_until(
+        lambda: not any(p.is_running() and p.status() != "zombie" for p in escaped),
+        timeout=5,
+        what="the leftovers to be gone",
+    )

@@ -99,8 +99,14 @@ def test_hostile_heartbeats_and_stop_files_are_warned_about_and_supervision_goes
     names = [e["event"] for e in events]
     assert "hang_detected" not in names and "stop_ordered" not in names and "rank_crashed" not in names
     unreadable = " ".join(str(e["error"]) for e in events if e["event"] == "heartbeat_unreadable")
-    for why in ("a FIFO", "a symbolic link", "a directory", "larger than 4096 bytes", "1e999 is out of range",
-                "holds rank 1's heartbeat"):
+    for why in (
+        "a FIFO",
+        "a symbolic link",
+        "a directory",
+        "larger than 4096 bytes",
+        "1e999 is out of range",
+        "holds rank 1's heartbeat",
+    ):
         assert why in unreadable, (why, unreadable)
     refused = [str(e["error"]) for e in events if e["event"] == "stop_file_unparsable"]
     assert any("a FIFO" in r for r in refused) and any("control characters" in r for r in refused), refused
@@ -152,7 +158,8 @@ def test_a_symlink_where_the_journal_goes_refuses_to_start_and_writes_nothing_ou
 
     assert done.returncode == 78
     assert done.stderr.strip().splitlines() == [
-        f"trainwarden: cannot use run dir {layout.root}: {layout.journal}: not a regular file (not opened)"]
+        f"trainwarden: cannot use run dir {layout.root}: {layout.journal}: not a regular file (not opened)"
+    ]
     assert victim.read_text() == "precious\n" and not (layout.root / "logs").exists()
 
 
@@ -167,7 +174,8 @@ def test_a_symlink_where_the_lease_goes_refuses_to_start_and_writes_nothing_outs
 
     assert done.returncode == 78
     assert done.stderr.strip().splitlines() == [
-        f"trainwarden: cannot use run dir {layout.root}: lease: a symbolic link or not a directory (not followed)"]
+        f"trainwarden: cannot use run dir {layout.root}: lease: a symbolic link or not a directory (not followed)"
+    ]
     assert list(elsewhere.iterdir()) == [] and not (layout.root / "logs").exists()
 
 
@@ -175,18 +183,25 @@ def test_stop_writes_only_into_a_run_dir(tmp_path: Path) -> None:
     """`trainwarden stop` on a path that is not a run dir fails and creates nothing; on a run watching another
     stop file it names that file and writes nowhere."""
     missing = tmp_path / "no-such-run"
-    out = subprocess.run([sys.executable, "-m", "supervisor", "stop", str(missing)], cwd=REPO, capture_output=True,
-                         text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "stop", str(missing)], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 1 and "is not a trainwarden run dir" in out.stderr
     assert not missing.exists()
 
     layout = RunLayout(tmp_path / "run")
     layout.state_file.parent.mkdir(parents=True)
     elsewhere = tmp_path / "elsewhere" / "stop"
-    layout.state_file.write_text(json.dumps({"ranks": [], "state": "running", "attempt": 0, "restarts": 0,
-                                             "stop_file": str(elsewhere)}))
-    out = subprocess.run([sys.executable, "-m", "supervisor", "stop", str(layout.root)], cwd=REPO,
-                         capture_output=True, text=True, timeout=30)
+    layout.state_file.write_text(
+        json.dumps({"ranks": [], "state": "running", "attempt": 0, "restarts": 0, "stop_file": str(elsewhere)})
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "stop", str(layout.root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 1 and str(elsewhere) in out.stderr
     assert not elsewhere.exists() and not layout.default_stop_file.exists()
 
@@ -197,10 +212,14 @@ def test_a_fifo_as_stop_file_at_start_is_warned_about_and_sigterm_still_stops_th
     layout = RunLayout(tmp_path / "run")
     layout.root.mkdir()
     os.mkfifo(layout.default_stop_file)
-    proc = start_supervisor(hostile_job(tmp_path, command=[sys.executable, "-c", "import time; time.sleep(60)"]),
-                            layout.root)
-    wait_until(lambda: layout.journal.exists() and any(e["event"] == "ranks_launched" for e in journal(layout.root)),
-               timeout=30, what="ranks launched")
+    proc = start_supervisor(
+        hostile_job(tmp_path, command=[sys.executable, "-c", "import time; time.sleep(60)"]), layout.root
+    )
+    wait_until(
+        lambda: layout.journal.exists() and any(e["event"] == "ranks_launched" for e in journal(layout.root)),
+        timeout=30,
+        what="ranks launched",
+    )
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)
 

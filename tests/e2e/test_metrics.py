@@ -58,8 +58,11 @@ class Log:
 
 def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """{(sample name, labels): value} of an exposition text, read with prometheus_client's own parser."""
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -83,20 +86,34 @@ def test_metrics_are_scraped_while_the_run_trains_and_written_to_a_textfile(tmp_
     trainer.write_text(TRAINER)
     textfile = tmp_path / "node_exporter" / "trainwarden.prom"
     textfile.parent.mkdir()
-    config = write_config(tmp_path / "job.yaml", script=str(trainer), args=[str(done_file)], worker={"prefix": "ckpt"},
-                          metrics={"port": 0, "textfile": str(textfile)})
+    config = write_config(
+        tmp_path / "job.yaml",
+        script=str(trainer),
+        args=[str(done_file)],
+        worker={"prefix": "ckpt"},
+        metrics={"port": 0, "textfile": str(textfile)},
+    )
     run_dir = tmp_path / "run"
     proc = start_supervisor(config, run_dir)
     try:
         port = wait_until(lambda: serving_port(run_dir), timeout=20, what="the metrics_serving journal record")
-        live = wait_until(lambda: (found := scrape(port)).get(("trainwarden_last_checkpoint_step", ())) and found.get(
-            ("trainwarden_heartbeat_age_seconds", (("rank", "1"),))) is not None and found, timeout=20,
-            what="a scrape showing the step-5 checkpoint and both ranks' heartbeats")
+        live = wait_until(
+            lambda: (
+                (found := scrape(port)).get(("trainwarden_last_checkpoint_step", ()))
+                and found.get(("trainwarden_heartbeat_age_seconds", (("rank", "1"),))) is not None
+                and found
+            ),
+            timeout=20,
+            what="a scrape showing the step-5 checkpoint and both ranks' heartbeats",
+        )
         written = parse(textfile.read_text())
         # The final state must be newer than the live one, also where a loaded machine starves the trainer.
         passed = live[("trainwarden_step", ())] + 2
-        wait_until(lambda: all((heartbeat(run_dir, r) or {}).get("step", 0) > passed for r in (0, 1)),
-                   timeout=20, what=f"both ranks past step {passed}")
+        wait_until(
+            lambda: all((heartbeat(run_dir, r) or {}).get("step", 0) > passed for r in (0, 1)),
+            timeout=20,
+            what=f"both ranks past step {passed}",
+        )
         done_file.touch()
         finished = finish(proc, run_dir, timeout=20)
     finally:
@@ -131,8 +148,13 @@ def test_the_endpoint_serves_the_newest_status_and_frees_its_port_when_closed() 
     exporter.start()
     try:
         port = exporter.port
-        assert log.records == [("info", "metrics_serving", {"address": "127.0.0.1", "port": port,
-                                                             "url": f"http://127.0.0.1:{port}/metrics"})]
+        assert log.records == [
+            (
+                "info",
+                "metrics_serving",
+                {"address": "127.0.0.1", "port": port, "url": f"http://127.0.0.1:{port}/metrics"},
+            )
+        ]
         exporter.publish({"state": "running", "attempt": 0, "progress": {"step": 7}})
         assert scrape(port)[("trainwarden_step", ())] == 7
         thread = exporter._thread
@@ -153,5 +175,6 @@ def test_a_port_that_cannot_be_had_is_logged_and_the_run_goes_on() -> None:
         exporter.publish({"state": "running"})
         exporter.close()
     assert [(level, event, fields["port"]) for level, event, fields in log.records] == [
-        ("error", "metrics_unavailable", port)]
+        ("error", "metrics_unavailable", port)
+    ]
     assert exporter.port is None

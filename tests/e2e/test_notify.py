@@ -95,7 +95,8 @@ def rank_envs(tmp_path: Path) -> list[dict[str, str]]:
 
 
 def test_ready_status_watchdog_and_stopping_over_a_stop_request(
-        tmp_path: Path, fake_systemd: FakeSystemd, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, fake_systemd: FakeSystemd, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under systemd the supervisor sends READY=1 after launching, pings the watchdog, and STOPPING=1 on SIGTERM."""
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")  # ping every 0.5 s
     run_dir = tmp_path / "run"
@@ -119,10 +120,12 @@ def test_ready_status_watchdog_and_stopping_over_a_stop_request(
         assert not set(SYSTEMD_ONLY) & set(env), "a rank must not inherit systemd's notify socket or watchdog"
 
 
-@pytest.mark.parametrize("watchdog", [{}, {"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"}],
-                         ids=["no-watchdog", "watchdog-for-another-pid"])
+@pytest.mark.parametrize(
+    "watchdog", [{}, {"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"}], ids=["no-watchdog", "watchdog-for-another-pid"]
+)
 def test_finished_run_sends_stopping_and_no_watchdog_unless_asked(
-        tmp_path: Path, fake_systemd: FakeSystemd, monkeypatch: pytest.MonkeyPatch, watchdog: dict[str, str]) -> None:
+    tmp_path: Path, fake_systemd: FakeSystemd, monkeypatch: pytest.MonkeyPatch, watchdog: dict[str, str]
+) -> None:
     """A run that finishes sends READY=1, STATUS=finished and STOPPING=1, and no WATCHDOG=1 unless meant for it."""
     for name, value in watchdog.items():
         monkeypatch.setenv(name, value)
@@ -149,15 +152,28 @@ time.sleep(30 if first else 0.5)
 def test_status_follows_a_crash_and_relaunch_without_stopping(tmp_path: Path, fake_systemd: FakeSystemd) -> None:
     """A crash shows as a STATUS on the way to the next attempt; STOPPING=1 waits for the real end."""
     config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump({"command": [sys.executable, "-c", CRASH_ONCE], "nproc_per_node": 2,
-                                      "restart": {"max_restarts": 2}, "stop": {"kill_grace_s": 5.0}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "command": [sys.executable, "-c", CRASH_ONCE],
+                "nproc_per_node": 2,
+                "restart": {"max_restarts": 2},
+                "stop": {"kill_grace_s": 5.0},
+            }
+        )
+    )
     run_dir = tmp_path / "run"
     done = finish(start_supervisor(config, run_dir), run_dir, timeout=60)
 
     assert done.returncode == 0, done.stderr[-2000:]
     fields = fake_systemd.fields()
     statuses = [f.removeprefix("STATUS=") for f in fields if f.startswith("STATUS=")]
-    assert statuses == ["starting", "running", "stopping to relaunch after rank 1 exited with code 3 in attempt 0",
-                        "starting attempt 1 (restart 1/2)", "running attempt 1 (restart 1/2)",
-                        "finished after 1 restarts"]
+    assert statuses == [
+        "starting",
+        "running",
+        "stopping to relaunch after rank 1 exited with code 3 in attempt 0",
+        "starting attempt 1 (restart 1/2)",
+        "running attempt 1 (restart 1/2)",
+        "finished after 1 restarts",
+    ]
     assert fields.count("READY=1") == 1 and fields.index("STOPPING=1") == len(fields) - 2

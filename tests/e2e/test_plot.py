@@ -24,14 +24,23 @@ def test_plot_of_a_run_with_a_kill_and_a_spike_shows_them(tmp_path: Path) -> Non
     writes a real PNG, and the run's timeline holds the crash of rank 1, the skip, the checkpoints, the relaunch
     from step 20 and the work redone from there."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "job.yaml", steps=STEPS, worker=GUARDED,
-                          env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "1:sigkill@25,0:spike@15"})
+    config = write_config(
+        tmp_path / "job.yaml",
+        steps=STEPS,
+        worker=GUARDED,
+        env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "1:sigkill@25,0:spike@15"},
+    )
     done = run_supervisor(config, run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "out.png"
 
-    plotted = subprocess.run([sys.executable, "-m", "supervisor", "plot", str(run_dir), "-o", str(out)], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
+    plotted = subprocess.run(
+        [sys.executable, "-m", "supervisor", "plot", str(run_dir), "-o", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
     assert plotted.returncode == 0, plotted.stderr
     assert plotted.stderr == ""

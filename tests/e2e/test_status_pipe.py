@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(60)
 
 def run_dir_with_status(tmp_path: Path) -> Path:
     """A run dir whose state file says 2 ranks are running and one has beaten."""
-    policy = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,
-                    kill_grace_s=10.0)
+    policy = Policy(
+        nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0, kill_grace_s=10.0
+    )
     state, _ = decide(initial_state(policy), RanksLaunched(0, (100, 101), None), 0.0)
     state, _ = decide(state, HeartbeatSeen(0, 0, seq=1, step=3, phase="train"), 0.0)
     layout = RunLayout(tmp_path / "run")
@@ -35,8 +36,14 @@ def test_status_into_a_pipe_nobody_reads_exits_1_without_a_traceback(tmp_path: P
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        done = subprocess.run([sys.executable, "-m", "supervisor", "status", *json_flag, str(run_dir)], cwd=REPO,
-                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-m", "supervisor", "status", *json_flag, str(run_dir)],
+            cwd=REPO,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=30,
+        )
     finally:
         os.close(write_end)
     assert (done.returncode, done.stderr) == (1, "")
@@ -45,7 +52,12 @@ def test_status_into_a_pipe_nobody_reads_exits_1_without_a_traceback(tmp_path: P
 def test_status_piped_into_head_prints_its_first_line_only(tmp_path: Path) -> None:
     """`trainwarden status RUN | head -1` through a real shell: the summary's first line, nothing on stderr."""
     run_dir = run_dir_with_status(tmp_path)
-    done = subprocess.run(["bash", "-c", f'set -o pipefail; "{sys.executable}" -m supervisor status "{run_dir}" '
-                                         "| head -1"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        ["bash", "-c", f'set -o pipefail; "{sys.executable}" -m supervisor status "{run_dir}" | head -1'],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.stdout == f"run {run_dir}: running, attempt 0, restarts 0/3\n"
     assert done.stderr == "" and done.returncode in (0, 1)  # 1 only if head left before the whole summary was written

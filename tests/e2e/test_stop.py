@@ -34,16 +34,21 @@ def long_job(tmp_path: Path, steps: int = 2000, **overrides: Any) -> Path:
 
 def wait_for_save(run_dir: Path, rank: int, step: int) -> None:
     """Block until `rank`'s heartbeat says it is inside its save of `step`."""
-    wait_until(lambda: (hb := heartbeat(run_dir, rank)) and hb["phase"] == "save" and hb["step"] == step,
-               timeout=90, what=f"rank {rank} saving step {step}")
+    wait_until(
+        lambda: (hb := heartbeat(run_dir, rank)) and hb["phase"] == "save" and hb["step"] == step,
+        timeout=90,
+        what=f"rank {rank} saving step {step}",
+    )
 
 
 def wait_for_step(run_dir: Path, step: int) -> int:
     """Block until both ranks have passed `step`; returns the furthest step seen."""
+
     def reached() -> int | None:
         beats = [heartbeat(run_dir, rank) for rank in (0, 1)]
         steps = [b["step"] for b in beats if b and b["phase"] == "train"]
         return max(steps) if len(steps) == 2 and min(steps) >= step else None
+
     return int(wait_until(reached, timeout=90, what=f"both ranks past step {step}"))
 
 
@@ -91,8 +96,14 @@ def test_stop_orders_in_turn_garbage_a_continue_one_a_step_already_passed_and_an
     keep_going = at + 73
     stop_file.write_text(f"-{keep_going}\n")
     past = wait_for_step(run_dir, keep_going + 5)
-    out = subprocess.run([sys.executable, "-m", "supervisor", "stop", str(run_dir), "--at-step", "5", "--continue"],
-                         cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor", "stop", str(run_dir), "--at-step", "5", "--continue"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert f"wrote -5 to {stop_file}" in out.stdout
     assert "the stop file stays: while it is there, a new start of this run dir" in out.stdout
     assert f"once that checkpoint is saved, remove it (rm {stop_file})" in out.stdout
@@ -112,7 +123,10 @@ def test_stop_orders_in_turn_garbage_a_continue_one_a_step_already_passed_and_an
     for rank in (0, 1):
         assert {keep_going, early["step"]} <= checkpoint_steps(run_dir, rank)  # not multiples of the save interval
         assert [(e["step"], e["exit"]) for e in rank_events(run_dir, rank, "stop_order_done")] == [
-            (keep_going, False), (early["step"], False), (final, True)]
+            (keep_going, False),
+            (early["step"], False),
+            (final, True),
+        ]
 
 
 def test_a_stop_file_present_at_start_refuses_to_launch_unless_told_to_ignore_it(tmp_path: Path) -> None:
@@ -182,8 +196,11 @@ def test_a_second_sigint_during_a_save_waits_for_it_and_a_third_abandons_it_sayi
     proc.send_signal(signal.SIGINT)
     wait_until(lambda: events_named(run_dir, "stop_ordered"), timeout=30, what="the stop order")
     state_file = run_dir / "supervisor" / "state.json"  # replaced atomically: always whole
-    wait_until(lambda: json.loads(state_file.read_text())["ranks"][0]["heartbeat_phase"] == "save", timeout=30,
-               what="the supervisor seeing rank 0's save")
+    wait_until(
+        lambda: json.loads(state_file.read_text())["ranks"][0]["heartbeat_phase"] == "save",
+        timeout=30,
+        what="the supervisor seeing rank 0's save",
+    )
     proc.send_signal(signal.SIGINT)
     (warned,) = wait_until(lambda: events_named(run_dir, "save_in_flight"), timeout=30, what="the warning")
     assert (warned["ranks"], warned["message"]) == ([0], "saving, press Ctrl-C again to abandon the save")

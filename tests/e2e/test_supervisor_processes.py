@@ -68,8 +68,14 @@ def test_script_without_worker_library_gets_crash_relaunch(tmp_path: Path) -> No
     assert status["last_failure"] == "rank 1 exited with code 3 in attempt 0"
     events = [e["event"] for e in journal(tmp_path / "run")]
     assert events.count("ranks_launched") == 2 and "rank_crashed" in events
-    human = subprocess.run([sys.executable, "-m", "supervisor", "status", str(tmp_path / "run")], cwd=REPO,
-                           capture_output=True, text=True, timeout=30, check=True).stdout
+    human = subprocess.run(
+        [sys.executable, "-m", "supervisor", "status", str(tmp_path / "run")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     assert "heartbeats: none seen" in human and "finished" in human
 
 
@@ -112,8 +118,11 @@ def test_signal_to_supervisor_stops_ranks_and_exits_zero(tmp_path: Path, signum:
     """SIGTERM or SIGINT to the supervisor stops every rank and ends the run as stopped, exit 0."""
     run_dir = tmp_path / "run"
     proc = start_supervisor(job(tmp_path, SLEEP), run_dir)
-    wait_until(lambda: (run_dir / "supervisor" / "state.json").exists()
-               and trainwarden_status(run_dir)["state"] == "running", timeout=30, what="ranks running")
+    wait_until(
+        lambda: (run_dir / "supervisor" / "state.json").exists() and trainwarden_status(run_dir)["state"] == "running",
+        timeout=30,
+        what="ranks running",
+    )
     proc.send_signal(signum)
     done = finish(proc, run_dir, timeout=30)
 

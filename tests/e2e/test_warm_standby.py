@@ -33,8 +33,12 @@ WARM, COLD = {"enabled": True}, {"enabled": False}  # write_config turns them of
 # spike streak at 45. Slower steps (a sleep: the numbers stay the same) give the standbys time to import in between.
 WARM_STREAM = {
     **SPIKE_STREAK,
-    "env": {"TRAINWARDEN_FAULTS_ONCE": "1", "TRAINWARDEN_FAULTS": ",".join([
-        "1:sigkill@25", "0:sigstop@32", SPIKE_STREAK["env"]["TRAINWARDEN_FAULTS"], "0:slow@1:0.2", "1:slow@1:0.2"])},
+    "env": {
+        "TRAINWARDEN_FAULTS_ONCE": "1",
+        "TRAINWARDEN_FAULTS": ",".join(
+            ["1:sigkill@25", "0:sigstop@32", SPIKE_STREAK["env"]["TRAINWARDEN_FAULTS"], "0:slow@1:0.2", "1:slow@1:0.2"]
+        ),
+    },
     "hang": FAST_HANG,
     "restart": {"max_restarts": 5},
 }
@@ -97,7 +101,8 @@ def launched_pids(run_dir: Path, attempt: int) -> set[int]:
 
 
 def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise_as_a_cold_one(
-        tmp_path: Path, rollback_run: Path) -> None:
+    tmp_path: Path, rollback_run: Path
+) -> None:
     """SIGTERM: the ranks save and exit, the standbys go with the supervisor. The next supervisor resumes from the
     stop with standbys of its own; a kill, a freeze (a hang) and a spike streak (a rollback past the bad data) are
     each relaunched in standby processes that waited, the pool refilled after each, and the run ends bitwise equal
@@ -119,17 +124,23 @@ def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise
     done = finish(proc, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"][1:] == [
-        stop_step, 20, 30, 30]
+    assert [e["resume_step"] for e in journal(run_dir) if e["event"] == "ranks_launched"][1:] == [stop_step, 20, 30, 30]
     assert [(f["attempt"], f["kind"]) for f in done.status()["failures"]] == [
-        (0, "signal"), (1, "hang"), (2, "anomaly")]
+        (0, "signal"),
+        (1, "hang"),
+        (2, "anomaly"),
+    ]
     # The frozen rank: its hang declared, the job's stacks collected, named silent by its process state (a stopped
     # process), both ranks stopped (it by SIGKILL, if need be).
     (frozen,) = [e for e in journal(run_dir) if e["event"] == "stacks_collected"]
     assert frozen["attempt"] == 1 and frozen["paths"]
     (hang,) = [e for e in journal(run_dir) if e["event"] == "hang_detected"]
     assert (hang["rank"], hang["class"], hang["named_by"], hang["evidence"]) == (
-        0, "silent", "process_state", "process stopped (SIGSTOP)")
+        0,
+        "silent",
+        "process_state",
+        "process stopped (SIGSTOP)",
+    )
     assert sorted(e["rank"] for e in journal(run_dir) if e["event"] == "rank_stopped" and e["attempt"] == 1) == [0, 1]
     assert warm_launches(run_dir) == [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])]
     assert launched_pids(run_dir, 1) == first
@@ -147,7 +158,7 @@ def rollbacks(run_dir: Path) -> list[tuple[int, int]]:
 # The standbys prewarm a standard module the script does not import (torch would cost 2 s of CPU a standby here;
 # the demo tests above prewarm it).
 PREWARMED = "wave"
-FACTS_SCRIPT = '''
+FACTS_SCRIPT = """
 import json, os, sys, time
 from pathlib import Path
 from worker.heartbeat import Heartbeat
@@ -166,16 +177,21 @@ if attempt == 0:
     while not Path(sys.argv[1]).exists():  # the test says when to crash
         time.sleep(0.05)
     sys.exit(3)
-'''
+"""
 
 
 def facts_job(tmp_path: Path, standby: dict[str, Any] | None = None) -> tuple[Path, Path, Path]:
     script = tmp_path / "facts.py"
     script.write_text(FACTS_SCRIPT)
     crash = tmp_path / "crash_now"
-    config = write_config(tmp_path / "job.yaml", script=str(script), args=[str(crash)], hang={"heartbeat": "off"},
-                          env={"FROM_CONFIG": "yes"},
-                          standby={**WARM, "prewarm_imports": [PREWARMED], **(standby or {})})
+    config = write_config(
+        tmp_path / "job.yaml",
+        script=str(script),
+        args=[str(crash)],
+        hang={"heartbeat": "off"},
+        env={"FROM_CONFIG": "yes"},
+        standby={**WARM, "prewarm_imports": [PREWARMED], **(standby or {})},
+    )
     return config, tmp_path / "run", crash
 
 
@@ -216,8 +232,14 @@ def test_a_standby_that_dies_unused_turns_standbys_off_and_the_relaunch_starts_c
     (tmp_path / "exits_on_import.py").write_text("import os\nos._exit(3)\n")
     config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["exits_on_import"]})
     proc = start_supervisor(config, run_dir)
-    wait(proc, lambda: (run_dir / "supervisor" / "events.jsonl").exists() and any(
-        e["event"] == "standbys_off" for e in journal(run_dir)), "standbys to be turned off")
+    wait(
+        proc,
+        lambda: (
+            (run_dir / "supervisor" / "events.jsonl").exists()
+            and any(e["event"] == "standbys_off" for e in journal(run_dir))
+        ),
+        "standbys to be turned off",
+    )
     crash.touch()
     done = finish(proc, run_dir)
 

@@ -18,8 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def two_rank_job(tmp_path: Path, **worker: object) -> Path:
     """A 2-rank job of tiny ranks that exit 0 at once, with checkpoint prefix PREFIX and `worker` settings."""
-    config = {"command": [sys.executable, "-c", "pass"], "nproc_per_node": 2,
-              "worker": {"prefix": PREFIX, **worker}}
+    config = {"command": [sys.executable, "-c", "pass"], "nproc_per_node": 2, "worker": {"prefix": PREFIX, **worker}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -36,7 +35,8 @@ def four_rank_run_dir(tmp_path: Path) -> tuple[Path, dict[Path, bytes]]:
 
 
 def test_a_two_rank_job_on_four_rank_checkpoints_exits_78_naming_both_sizes_and_launches_nothing(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Exit 78 with one line naming 4 and 2 and the ways out; no rank started, the checkpoints untouched."""
     run_dir, before = four_rank_run_dir(tmp_path)
     done = run_supervisor(two_rank_job(tmp_path), run_dir, timeout=30)
@@ -53,8 +53,7 @@ def test_a_two_rank_job_on_four_rank_checkpoints_exits_78_naming_both_sizes_and_
     assert {path: path.read_bytes() for path in before} == before
 
 
-def test_resume_training_false_starts_the_two_rank_job_from_scratch_and_leaves_the_checkpoints(
-        tmp_path: Path) -> None:
+def test_resume_training_false_starts_the_two_rank_job_from_scratch_and_leaves_the_checkpoints(tmp_path: Path) -> None:
     """The deliberate fresh start: launched without a resume step, finished, the 4-rank checkpoints neither
     listed as this run's nor touched."""
     run_dir, before = four_rank_run_dir(tmp_path)

@@ -35,8 +35,8 @@ def test_the_wheel_installs_into_a_fresh_venv_and_its_entry_points_run(tmp_path:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, source / name)
     run(sys.executable, "-m", "build", "--outdir", tmp_path / "dist", source, cwd=tmp_path)
-    wheel, = (tmp_path / "dist").glob(f"trainwarden-{version}-py3-none-any.whl")
-    sdist, = (tmp_path / "dist").glob(f"trainwarden-{version}.tar.gz")
+    (wheel,) = (tmp_path / "dist").glob(f"trainwarden-{version}-py3-none-any.whl")
+    (sdist,) = (tmp_path / "dist").glob(f"trainwarden-{version}.tar.gz")
     packaged = set(zipfile.ZipFile(wheel).namelist())
     assert {"supervisor/cli.py", "supervisor/agent.py", "worker/warden.py", "worker/integrations/hf.py"} <= packaged
     assert not any(name.startswith(("tests/", "examples/", "bench/")) for name in packaged)

@@ -24,26 +24,33 @@ def rank_events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
 
 
 def test_lightning_on_two_nodes_resumes_its_own_checkpoint_and_the_time_limit_warning_requeues_through_trainwarden(
-        slurm, tmp_path):
+    slurm, tmp_path
+):
     """The Lightning example on twnode1 and twnode2, one rank each: the rank on twnode2 is killed after step 8 and
     the run resumes from Lightning's checkpoint 5; then the time-limit warning (USR1 to the batch shell) stops
     both ranks at one agreed step with Lightning's checkpoint recorded on both, and the job exits 75 to be requeued.
     In the allocation's environment Lightning still takes its ranks from torchrun's variables: its SLURM plugin,
     which would save its own `hpc_ckpt` and `scontrol requeue` the job from rank 0, is not in charge."""
     job, run_dir = submit(
-        slurm, tmp_path, sbatch=("-N2",), nodes=2, nproc_per_node=1, spare_nodes=0,
+        slurm,
+        tmp_path,
+        sbatch=("-N2",),
+        nodes=2,
+        nproc_per_node=1,
+        spare_nodes=0,
         script=str(REPO / "examples" / "lightning_train.py"),
         args=["--steps", "100000", "--batch-size", "8", "--block", "32", "--samples", "160"],
         env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "1:sigkill@8"},
         worker={"save_checkpoint_steps": 5, "prefix": "ckpt"},
-        hang={"first_heartbeat_s": 120, "phase_timeouts_s": {"startup": 120, "train": 60, "save": 60, "eval": 60}})
+        hang={"first_heartbeat_s": 120, "phase_timeouts_s": {"startup": 120, "train": 60, "save": 60, "eval": 60}},
+    )
     wait_for_step(slurm, run_dir, 12, attempt=1)
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job)], check=True, timeout=30)
     state, code = slurm.wait_job(job, JOB_TIMEOUT_S)
 
     assert code == 75, (tmp_path / f"job-{job}.out").read_text()[-3000:]
     assert [e["resume_step"] for e in events(run_dir, "ranks_launched")] == [None, 5]
-    stopped, = events(run_dir, "run_stopped")
+    (stopped,) = events(run_dir, "run_stopped")
     step = stopped["step"]
     directory = run_dir / "checkpoint" / f"ckpt-{step}"
     assert manifest_problem(directory, step, require_healthy=True) is None

@@ -29,16 +29,31 @@ JOB_TIMEOUT_S = 180.0
 TRAINWARDEN = Path(sys.executable).parent / "trainwarden"
 
 
-def submit(slurm: Any, tmp_path: Path, *, sbatch: tuple[str, ...] = ("-N3",), name: str = "job",
-           slurm_keys: dict[str, Any] | None = None, **overrides: Any) -> tuple[int, Path]:
+def submit(
+    slurm: Any,
+    tmp_path: Path,
+    *,
+    sbatch: tuple[str, ...] = ("-N3",),
+    name: str = "job",
+    slurm_keys: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> tuple[int, Path]:
     """An sbatch job running the supervisor on a 2-node x 2-rank demo config (one spare of 3 nodes)."""
     run_dir = tmp_path / "run"
-    config = {"nodes": 2, "nproc_per_node": 2, "spare_nodes": 1, "args": ["--steps", str(STEPS)],
-              "slurm": {"node_timeout_s": NODE_TIMEOUT_S, **(slurm_keys or {})}, **overrides}
+    config = {
+        "nodes": 2,
+        "nproc_per_node": 2,
+        "spare_nodes": 1,
+        "args": ["--steps", str(STEPS)],
+        "slurm": {"node_timeout_s": NODE_TIMEOUT_S, **(slurm_keys or {})},
+        **overrides,
+    }
     job_yaml = write_config(tmp_path / f"{name}.yaml", **config)
     script = tmp_path / f"{name}.sbatch"
-    script.write_text(f"#!/bin/bash\n#SBATCH --no-kill\n#SBATCH --output={tmp_path}/{name}-%j.out\n"
-                      f"exec {sys.executable} -m supervisor run {job_yaml} --run-dir {run_dir}\n")
+    script.write_text(
+        f"#!/bin/bash\n#SBATCH --no-kill\n#SBATCH --output={tmp_path}/{name}-%j.out\n"
+        f"exec {sys.executable} -m supervisor run {job_yaml} --run-dir {run_dir}\n"
+    )
     return slurm.sbatch(list(sbatch), script, cwd=REPO), run_dir
 
 
@@ -57,10 +72,15 @@ def status(run_dir: Path) -> dict[str, Any]:
 
 def wait_for_step(slurm: Any, run_dir: Path, step: int, attempt: int = 0) -> None:
     """Until every rank of `attempt` reported `step` or later (the supervisor's status, once a second)."""
+
     def reached() -> bool:
         now = status(run_dir)
-        return now.get("attempt") == attempt and now.get("state") == "running" and all(
-            (rank.get("step") or 0) >= step for rank in now["ranks"])
+        return (
+            now.get("attempt") == attempt
+            and now.get("state") == "running"
+            and all((rank.get("step") or 0) >= step for rank in now["ranks"])
+        )
+
     slurm.wait_for(reached, 120, f"every rank of attempt {attempt} at step {step}")
 
 
@@ -101,6 +121,7 @@ def _cmdline(pid: int) -> str:
 
 def journal_time(event: dict[str, Any]) -> float:
     from datetime import datetime
+
     return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
 
@@ -109,7 +130,7 @@ def test_a_rank_crash_on_the_second_node_relaunches_every_node_and_resumes_bitwi
     code, out = finished(slurm, job, tmp_path)
 
     assert code == 0, out[-3000:]
-    crash, = events(run_dir, "rank_crashed")
+    (crash,) = events(run_dir, "rank_crashed")
     assert (crash["rank"], crash["node"], crash["returncode"]) == (3, "twnode2", -signal.SIGKILL)
     placed = [e["nodes"] for e in events(run_dir, "ranks_placed")]
     assert placed == [{"twnode1": [0, 1], "twnode2": [2, 3]}] * 2  # one failure is no reason to drop a node
@@ -118,19 +139,29 @@ def test_a_rank_crash_on_the_second_node_relaunches_every_node_and_resumes_bitwi
 
 
 def test_a_hang_across_nodes_dumps_stacks_of_every_rank_on_every_node_before_the_kill(slurm, tmp_path, reference):
-    job, run_dir = submit(slurm, tmp_path, env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "2:hang@15"},
-                          hang={"phase_timeouts_s": {"train": 8}, "calibration": {"enabled": False}})
+    job, run_dir = submit(
+        slurm,
+        tmp_path,
+        env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "2:hang@15"},
+        hang={"phase_timeouts_s": {"train": 8}, "calibration": {"enabled": False}},
+    )
     code, out = finished(slurm, job, tmp_path)
 
     assert code == 0, out[-3000:]
-    hang, = events(run_dir, "hang_detected")
-    collected, = events(run_dir, "stacks_collected")
+    (hang,) = events(run_dir, "hang_detected")
+    (collected,) = events(run_dir, "stacks_collected")
     assert collected["culprit"] == 2  # it issued no more collectives (flight recorder), on the second node
     # The journal carries the final verdict, with its node; a host-side hang is the program's: no node is charged.
-    assert (hang["rank"], hang["node"], hang["class"], hang["named_by"]) == (2, "twnode2", "host-side",
-                                                                             "flight_recorder")
-    assert not (run_dir / "supervisor" / "nodes.json").exists() or "hang" not in (
-        run_dir / "supervisor" / "nodes.json").read_text()
+    assert (hang["rank"], hang["node"], hang["class"], hang["named_by"]) == (
+        2,
+        "twnode2",
+        "host-side",
+        "flight_recorder",
+    )
+    assert (
+        not (run_dir / "supervisor" / "nodes.json").exists()
+        or "hang" not in (run_dir / "supervisor" / "nodes.json").read_text()
+    )
     for rank in range(4):
         dump = run_dir / "ranks" / f"rank_{rank}" / "stacks_attempt_0.txt"
         assert str(dump) in collected["paths"] and "File" in dump.read_text()
@@ -139,7 +170,8 @@ def test_a_hang_across_nodes_dumps_stacks_of_every_rank_on_every_node_before_the
 
 
 def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_forgiven_after_its_cool_down(
-        slurm, tmp_path, reference):
+    slurm, tmp_path, reference
+):
     """twnode2 cut off at step 12: declared lost within the node timeout, its own agent has killed its ranks, the
     spare takes its place; its link back before Slurm noticed, it is a spare again after its 4 s cool-down."""
     job, run_dir = submit(slurm, tmp_path, slurm_keys={"node_cooldown_s": 4})
@@ -149,18 +181,21 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
     cut_at = time.time()
     slurm.partition("twnode2")
     slurm.wait_for(lambda: events(run_dir, "node_lost"), NODE_TIMEOUT_S + 5, "twnode2 declared lost")
-    lost, = events(run_dir, "node_lost")
+    (lost,) = events(run_dir, "node_lost")
     assert lost["node"] == "twnode2" and NODE_TIMEOUT_S - 1 < journal_time(lost) - cut_at < NODE_TIMEOUT_S + 1
     # Cut off, its agent heard no ping for half the node timeout and killed its ranks: no split job.
     assert not rank_pids(slurm, "twnode2", attempt=0)
     slurm.heal("twnode2")
-    slurm.wait_for(lambda: {"node": "twnode2", "state": "spare"} in status(run_dir)["nodes"], 20,
-                   "twnode2 forgiven after its cool-down")
+    slurm.wait_for(
+        lambda: {"node": "twnode2", "state": "spare"} in status(run_dir)["nodes"],
+        20,
+        "twnode2 forgiven after its cool-down",
+    )
     code, out = finished(slurm, job, tmp_path)
 
     assert code == 0, out[-3000:]
     assert [e["nodes"] for e in events(run_dir, "ranks_placed")][-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
-    killed, = events(run_dir, "ranks_killed_at_once")  # blocked in gloo with the lost ranks: no grace to wait out
+    (killed,) = events(run_dir, "ranks_killed_at_once")  # blocked in gloo with the lost ranks: no grace to wait out
     assert (killed["ranks"], killed["why"]) == ([0, 1], "blocked in a collective with a lost node")
     assert_same_training_state(run_dir, reference)
 
@@ -175,7 +210,7 @@ def test_a_node_whose_ranks_keep_dying_is_excluded_and_replaced_by_the_spare(slu
     assert code == 0, out[-3000:]
     placed = [e["nodes"] for e in events(run_dir, "ranks_placed")]
     assert [sorted(p) for p in placed] == [["twnode1", "twnode2"]] * 2 + [["twnode1", "twnode3"]]
-    excluded, = events(run_dir, "node_excluded")
+    (excluded,) = events(run_dir, "node_excluded")
     assert excluded["node"] == "twnode2" and "failed 2 times" in excluded["why"] and "SIGSEGV" in excluded["why"]
 
 
@@ -186,8 +221,9 @@ def test_too_few_healthy_nodes_exit_75_naming_the_node_and_a_resubmission_withou
     code, out = finished(slurm, job, tmp_path)
     assert code == 75, out[-3000:]
     assert "--exclude=twnode2" in out and "run failed: not launched: needs 2 nodes, 1 usable left" in out
-    listed = subprocess.run([TRAINWARDEN, "status", "--excluded-nodes", run_dir], capture_output=True, text=True,
-                            timeout=30, check=True).stdout
+    listed = subprocess.run(
+        [TRAINWARDEN, "status", "--excluded-nodes", run_dir], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
     assert listed == "twnode2\n"
 
     slurm.restore_node("twnode2")  # back in service, but this run's ledger remembers it
@@ -196,8 +232,9 @@ def test_too_few_healthy_nodes_exit_75_naming_the_node_and_a_resubmission_withou
     assert code == 75 and "twnode2 (lost" in out, out[-3000:]
     assert len(events(run_dir, "ranks_placed")) == 1  # refused before anything was launched
 
-    elsewhere, _ = submit(slurm, tmp_path, sbatch=("-N2", f"--exclude={listed.strip()}"), name="elsewhere",
-                          spare_nodes=0)
+    elsewhere, _ = submit(
+        slurm, tmp_path, sbatch=("-N2", f"--exclude={listed.strip()}"), name="elsewhere", spare_nodes=0
+    )
     code, out = finished(slurm, elsewhere, tmp_path, "elsewhere")
     assert code == 0, out[-3000:]
     assert "twnode2" not in events(run_dir, "ranks_placed")[-1]["nodes"]
@@ -207,25 +244,29 @@ def test_too_few_healthy_nodes_exit_75_naming_the_node_and_a_resubmission_withou
 def test_trainwarden_stop_saves_one_agreed_step_on_every_node_and_status_shows_the_nodes(slurm, tmp_path):
     job, run_dir = submit(slurm, tmp_path, args=["--steps", "400"])
     wait_for_step(slurm, run_dir, 8)
-    shown = subprocess.run([TRAINWARDEN, "status", run_dir], capture_output=True, text=True, timeout=30,
-                           check=True).stdout
+    shown = subprocess.run(
+        [TRAINWARDEN, "status", run_dir], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
     assert "node twnode1: running, ranks 0-1" in shown and "node twnode2: running, ranks 2-3" in shown
     assert "node twnode3: spare" in shown and f"slurm job {job}" in shown
     subprocess.run([TRAINWARDEN, "stop", run_dir], capture_output=True, timeout=30, check=True)
     code, out = finished(slurm, job, tmp_path)
 
     assert code == 0, out[-3000:]
-    stopped, = events(run_dir, "run_stopped")
+    (stopped,) = events(run_dir, "run_stopped")
     step = stopped["step"]
     for rank in range(4):
         assert (run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{step}.ckpt").is_file()
 
 
-@pytest.mark.parametrize(("scancel", "exit_code"), [
-    (["--signal=TERM"], 0),  # to every process of the steps: the agents pass it on, ranks save and exit
-    (["--batch", "--signal=TERM"], 0),  # to the batch script, which is the supervisor
-    (["--batch", "--signal=USR1"], 75),  # the time-limit warning form (--signal=B:USR1@N): save, then requeue me
-])
+@pytest.mark.parametrize(
+    ("scancel", "exit_code"),
+    [
+        (["--signal=TERM"], 0),  # to every process of the steps: the agents pass it on, ranks save and exit
+        (["--batch", "--signal=TERM"], 0),  # to the batch script, which is the supervisor
+        (["--batch", "--signal=USR1"], 75),  # the time-limit warning form (--signal=B:USR1@N): save, then requeue me
+    ],
+)
 def test_slurm_signals_stop_every_node_at_one_saved_step(slurm, tmp_path, scancel, exit_code):
     job, run_dir = submit(slurm, tmp_path, args=["--steps", "400"])
     wait_for_step(slurm, run_dir, 8)
@@ -233,7 +274,7 @@ def test_slurm_signals_stop_every_node_at_one_saved_step(slurm, tmp_path, scance
     code, out = finished(slurm, job, tmp_path)
 
     assert code == exit_code, out[-3000:]
-    stopped, = events(run_dir, "run_stopped")
+    (stopped,) = events(run_dir, "run_stopped")
     step = stopped["step"]
     for rank in range(4):
         assert (run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{step}.ckpt").is_file()
@@ -245,9 +286,17 @@ def test_the_readme_demo_sbatch_stops_on_the_time_limit_warning_and_resubmits_it
     an agreed step, the supervisor exits 75 and the script chains a new job on the same run dir."""
     (tmp_path / "examples").symlink_to(REPO / "examples")
     env_path = f"{TRAINWARDEN.parent}:{os.environ['PATH']}"  # `trainwarden` on PATH, as the README assumes
-    job = int(subprocess.run(["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"], cwd=tmp_path,
-                             env={**os.environ, "PATH": env_path}, capture_output=True, text=True, timeout=30,
-                             check=True).stdout.split(";")[0])
+    job = int(
+        subprocess.run(
+            ["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"],
+            cwd=tmp_path,
+            env={**os.environ, "PATH": env_path},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.split(";")[0]
+    )
     run_dir = tmp_path / "runs" / "slurm-demo"
     wait_for_step(slurm, run_dir, 5)
     subprocess.run(["scancel", "--batch", "--signal=USR1", str(job)], check=True, timeout=30)
@@ -255,7 +304,7 @@ def test_the_readme_demo_sbatch_stops_on_the_time_limit_warning_and_resubmits_it
     out = (run_dir / "logs" / f"slurm_job_{job}.out").read_text()  # the script's output, in the run dir's logs
 
     assert code == ("FAILED", 75), out[-3000:]
-    stopped, = events(run_dir, "run_stopped")
+    (stopped,) = events(run_dir, "run_stopped")
     assert stopped["source"] == "SIGUSR1"
     chained = slurm.wait_for(lambda: [j for j in queued_jobs() if j != job], 30, "the resubmitted job")
     info = slurm.job_info(chained[0])
@@ -272,21 +321,30 @@ def queued_jobs() -> list[int]:
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("numpy"), reason="DCP's collectives need NumPy")
 def test_with_no_spare_and_min_nodes_1_a_lost_node_leaves_the_run_to_finish_shrunk_and_a_full_job_grows_back(
-        slurm, tmp_path):
+    slurm, tmp_path
+):
     """The FSDP2 example with sharded checkpoints on 2 nodes x 2 ranks, no spare: twnode2 crashes, the run goes on
     with twnode1's 2 ranks from the newest checkpoint (resharded) and finishes; a later job on 2 nodes resumes it
     on 4 ranks again."""
-    fsdp = {"script": str(REPO / "examples" / "fsdp_train.py"), "spare_nodes": 0, "slurm_keys": {"min_nodes": 1},
-            "worker": {"checkpoint_format": "dcp", "prefix": "fsdp", "save_checkpoint_steps": 5,
-                       "feature_value_check": {"level": 0}},
-            "args": ["--steps", str(STEPS), "--batch-size", "2", "--block", "32", "--n-embd", "32"]}
+    fsdp = {
+        "script": str(REPO / "examples" / "fsdp_train.py"),
+        "spare_nodes": 0,
+        "slurm_keys": {"min_nodes": 1},
+        "worker": {
+            "checkpoint_format": "dcp",
+            "prefix": "fsdp",
+            "save_checkpoint_steps": 5,
+            "feature_value_check": {"level": 0},
+        },
+        "args": ["--steps", str(STEPS), "--batch-size", "2", "--block", "32", "--n-embd", "32"],
+    }
     job, run_dir = submit(slurm, tmp_path, sbatch=("-N2",), **fsdp)
     wait_for_step(slurm, run_dir, 12)
     slurm.crash_node("twnode2")
     code, out = finished(slurm, job, tmp_path)
 
     assert code == 0, out[-3000:]
-    shrunk, = events(run_dir, "run_shrunk")
+    (shrunk,) = events(run_dir, "run_shrunk")
     assert (shrunk["nodes"], shrunk["of_nodes"], shrunk["world_size"]) == (1, 2, 2)
     assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode1": [0, 1]}
     assert status(run_dir)["world_size"] == 2 and status(run_dir)["last_checkpoint"] == {"step": STEPS}

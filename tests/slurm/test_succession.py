@@ -52,9 +52,9 @@ def test_a_crashed_batch_host_hands_the_run_to_a_successor_that_finishes_it(slur
 
     fenced = {e["node"]: e["ranks_killed"] for e in events(run_dir, "agent_fenced")}
     assert fenced["twnode2"] == [2, 3] and "twnode3" not in fenced  # the spare ran no agent
-    claimed, = events(run_dir, "successor_claimed")
+    (claimed,) = events(run_dir, "successor_claimed")
     assert (claimed["node"], claimed["generation"]) == ("twnode2", 2)
-    taken, = events(run_dir, "supervision_taken_over")
+    (taken,) = events(run_dir, "supervision_taken_over")
     assert (taken["previous_host"], taken["lease"]) == ("twnode1", "held")  # it lapsed: nobody renewed it
     assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode2": [0, 1], "twnode3": [2, 3]}
     final = status(run_dir)
@@ -67,8 +67,7 @@ def test_a_crashed_batch_host_hands_the_run_to_a_successor_that_finishes_it(slur
     assert not rank_pids(slurm, "twnode2", attempt=0)
 
 
-def test_a_cut_off_batch_host_blames_itself_hands_over_and_adopts_the_successors_exit(slurm, tmp_path,
-                                                                                     reference):
+def test_a_cut_off_batch_host_blames_itself_hands_over_and_adopts_the_successors_exit(slurm, tmp_path, reference):
     """The batch host's link goes down at step 12: its supervisor hears no other node, finds the Slurm controller
     out of reach, fences its own ranks, charges no node and abdicates; twnode2's agent takes over on twnode2 and the
     spare. The link comes back: the old supervisor waits as the job's keeper and exits with the successor's code, so
@@ -81,12 +80,12 @@ def test_a_cut_off_batch_host_blames_itself_hands_over_and_adopts_the_successors
     code, out = slurm.wait_job(job, JOB_TIMEOUT_S), (tmp_path / f"job-{job}.out").read_text()
 
     assert code == ("COMPLETED", 0), out[-3000:]
-    isolated, = events(run_dir, "supervisor_isolated")
+    (isolated,) = events(run_dir, "supervisor_isolated")
     assert "Slurm controller is out of reach from twnode1" in isolated["why"]
     assert not [e for e in events(run_dir, "node_lost") if e["node"] != "twnode1"]  # it blamed nobody else
     fenced = {e["node"]: e for e in events(run_dir, "agent_fenced")}
     assert fenced["twnode1"]["ranks_killed"] == [0, 1] and fenced["twnode2"]["ranks_killed"] == [2, 3]
-    taken, = events(run_dir, "supervision_taken_over")
+    (taken,) = events(run_dir, "supervision_taken_over")
     assert (taken["previous_host"], taken["lease"]) == ("twnode1", "abdicated")
     assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode2": [0, 1], "twnode3": [2, 3]}
     assert "supervision handed over to twnode2" in out and status(run_dir)["state"] == "finished"
@@ -98,8 +97,7 @@ def test_a_cut_off_batch_host_blames_itself_hands_over_and_adopts_the_successors
 
 
 def trainwarden(*args: object) -> str:
-    return subprocess.run([TRAINWARDEN, *map(str, args)], capture_output=True, text=True, timeout=30,
-                          check=True).stdout
+    return subprocess.run([TRAINWARDEN, *map(str, args)], capture_output=True, text=True, timeout=30, check=True).stdout
 
 
 def test_two_lost_nodes_end_the_job_75_and_the_examples_resubmission_finishes_the_run(slurm, tmp_path):
@@ -109,18 +107,32 @@ def test_two_lost_nodes_end_the_job_75_and_the_examples_resubmission_finishes_th
     twnode4); that job finishes the run. (The test marks the crashed nodes down in Slurm itself rather than wait
     the ~40 s of SlurmdTimeout for the first job to complete.)"""
     (tmp_path / "examples").symlink_to(REPO / "examples")
-    overrides = f'args=["--steps","{STEPS_LONG // 4}"] slurm.node_timeout_s={NODE_TIMEOUT_S:g} ' \
-                'worker.save_checkpoint_steps=10 stop.kill_grace_s=1'
+    overrides = (
+        f'args=["--steps","{STEPS_LONG // 4}"] slurm.node_timeout_s={NODE_TIMEOUT_S:g} '
+        "worker.save_checkpoint_steps=10 stop.kill_grace_s=1"
+    )
     env = {**os.environ, "PATH": f"{TRAINWARDEN.parent}:{os.environ['PATH']}", "TRAINWARDEN_SET": overrides}
-    first = int(subprocess.run(["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=30, check=True).stdout.split(";")[0])
+    first = int(
+        subprocess.run(
+            ["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.split(";")[0]
+    )
     run_dir = tmp_path / "runs" / "slurm-demo"
     wait_for_step(slurm, run_dir, 12)
     crashed_at = time.time()
     slurm.crash_node("twnode2")
-    slurm.wait_for(lambda: (placed := events(run_dir, "ranks_placed")) and placed[-1]["nodes"].get("twnode3"), 60,
-                   "the spare to take twnode2's place")
-    lost, = events(run_dir, "node_lost")
+    slurm.wait_for(
+        lambda: (placed := events(run_dir, "ranks_placed")) and placed[-1]["nodes"].get("twnode3"),
+        60,
+        "the spare to take twnode2's place",
+    )
+    (lost,) = events(run_dir, "node_lost")
     assert lost["node"] == "twnode2" and journal_time(lost) - crashed_at < 2.0
     assert status(run_dir)["failures"][-1]["node"] == "twnode2"
     wait_for_step(slurm, run_dir, 24, attempt=1)
@@ -144,8 +156,9 @@ def test_two_lost_nodes_end_the_job_75_and_the_examples_resubmission_finishes_th
 
 def mark_down(*nodes: str) -> None:
     """What Slurm does to a dead node after SlurmdTimeout, at once."""
-    subprocess.run(["scontrol", "update", f"nodename={','.join(nodes)}", "state=down", "reason=test"], check=True,
-                   timeout=30)
+    subprocess.run(
+        ["scontrol", "update", f"nodename={','.join(nodes)}", "state=down", "reason=test"], check=True, timeout=30
+    )
 
 
 def test_an_srun_that_fails_at_once_ends_the_attempt_at_once_and_charges_no_node(slurm, tmp_path):
@@ -155,9 +168,9 @@ def test_an_srun_that_fails_at_once_ends_the_attempt_at_once_and_charges_no_node
     code, out = finished(slurm, job, tmp_path)
 
     assert code == 1, out[-3000:]
-    failed, = events(run_dir, "srun_failed")
+    (failed,) = events(run_dir, "srun_failed")
     assert failed["said"] == "srun: error: Invalid generic resource (gres) specification"
-    started, = events(run_dir, "agents_starting")
+    (started,) = events(run_dir, "agents_starting")
     assert journal_time(failed) - journal_time(started) < 10
     assert "could not launch ranks: srun exited with code 1 before every agent connected" in out
     assert not events(run_dir, "node_lost") and "no node has been charged" in trainwarden("nodes", run_dir)

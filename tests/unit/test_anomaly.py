@@ -12,8 +12,13 @@ from worker.anomaly import AdaptiveConfig, AnomalyDetector, Verdict
 ADAPTIVE = AdaptiveConfig(enabled=True, sigmas=2.0, window=2, min_samples=2)
 
 
-def with_history(norms: list[float], *, threshold: float | None = None, adaptive: AdaptiveConfig = ADAPTIVE,
-                 losses: list[float] | None = None) -> AnomalyDetector:
+def with_history(
+    norms: list[float],
+    *,
+    threshold: float | None = None,
+    adaptive: AdaptiveConfig = ADAPTIVE,
+    losses: list[float] | None = None,
+) -> AnomalyDetector:
     """A detector that recorded one normal step per norm (losses default to 1.0), steps 1, 2, ..."""
     detector = AnomalyDetector(threshold, adaptive)
     for step, (norm, loss) in enumerate(zip(norms, losses or [1.0] * len(norms), strict=True), start=1):

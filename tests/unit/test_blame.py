@@ -26,10 +26,17 @@ def recorded(name: str) -> dict[int, Any]:
     return {int(rank): parse_flight(raw) for rank, raw in json.loads((RECORDS / f"{name}.json").read_text()).items()}
 
 
-def entry(seq: int, op: str = "all_reduce", sizes: Any = ((8,),), *, done: bool = True, pg: int = 0,
-          state: str = "scheduled") -> dict[str, Any]:
-    return {"pg_id": pg, "collective_seq_id": seq, "profiling_name": f"gloo:{op}", "input_sizes": sizes,
-            "state": "completed" if done and state != "scheduled" else state, "retired": done}
+def entry(
+    seq: int, op: str = "all_reduce", sizes: Any = ((8,),), *, done: bool = True, pg: int = 0, state: str = "scheduled"
+) -> dict[str, Any]:
+    return {
+        "pg_id": pg,
+        "collective_seq_id": seq,
+        "profiling_name": f"gloo:{op}",
+        "input_sizes": sizes,
+        "state": "completed" if done and state != "scheduled" else state,
+        "retired": done,
+    }
 
 
 def flight(*entries: dict[str, Any]) -> Any:
@@ -43,15 +50,24 @@ def judge(flights: dict[int, Any], **kwargs: Any) -> Verdict | None:
 def test_a_rank_that_issued_no_more_collectives_is_host_side():
     """Recorded: rank 1 slept before its fifth all-reduce while rank 0 waited inside it."""
     verdict = judge(recorded("gloo_host_side_2_ranks"))
-    assert verdict == Verdict(1, "host-side", "flight_recorder", "process group 0: rank 1 completed collective #4 "
-                              "(broadcast [[10]]) and issued no more, while its peers wait in #5")
+    assert verdict == Verdict(
+        1,
+        "host-side",
+        "flight_recorder",
+        "process group 0: rank 1 completed collective #4 "
+        "(broadcast [[10]]) and issued no more, while its peers wait in #5",
+    )
 
 
 def test_a_collective_with_other_sizes_on_one_rank_is_a_desync_named_by_the_majority():
     """Recorded: rank 3's all-reduce had 7 elements, its peers' 8 (gloo hung; ranks 1 and 3 even completed it)."""
     verdict = judge(recorded("gloo_desync_sizes_4_ranks"))
-    assert verdict == Verdict(3, "desync", "flight_recorder", "process group 0 collective #6: rank 3 issued "
-                              "all_reduce [[7]], ranks 0, 1, 2 issued all_reduce [[8]]")
+    assert verdict == Verdict(
+        3,
+        "desync",
+        "flight_recorder",
+        "process group 0 collective #6: rank 3 issued all_reduce [[7]], ranks 0, 1, 2 issued all_reduce [[8]]",
+    )
 
 
 def test_a_collective_that_never_completed_on_one_rank_while_its_peers_went_on_is_in_collective():
@@ -59,8 +75,10 @@ def test_a_collective_that_never_completed_on_one_rank_while_its_peers_went_on_i
     and wait in #7."""
     verdict = judge(recorded("gloo_in_collective_4_ranks"))
     assert (verdict.rank, verdict.cls, verdict.named_by) == (3, "in-collective", "flight_recorder")
-    assert verdict.evidence == ("process group 0 collective #6 (all_reduce [[8]]): enqueued but never completed on "
-                                "rank 3, while its peers completed it and wait in #7")
+    assert verdict.evidence == (
+        "process group 0 collective #6 (all_reduce [[8]]): enqueued but never completed on "
+        "rank 3, while its peers completed it and wait in #7"
+    )
 
 
 def test_on_nccl_the_one_rank_whose_collective_never_started_is_in_collective():
@@ -82,8 +100,10 @@ def test_two_ranks_disagreeing_name_the_desync_but_no_rank():
     """With two ranks each in its own version, there is no majority: the class and the evidence, no culprit."""
     verdict = judge({0: flight(entry(5, sizes=[[4]])), 1: flight(entry(5, sizes=[[5]]))})
     assert (verdict.rank, verdict.cls) == (None, "desync")
-    assert verdict.evidence == "process group 0 collective #5: ranks disagree (rank 0: all_reduce [[4]]; " \
-                               "rank 1: all_reduce [[5]])"
+    assert (
+        verdict.evidence == "process group 0 collective #5: ranks disagree (rank 0: all_reduce [[4]]; "
+        "rank 1: all_reduce [[5]])"
+    )
 
 
 def test_an_extra_collective_shows_as_another_operation_at_the_same_sequence_number():
@@ -131,16 +151,27 @@ def test_a_host_side_culprit_waiting_in_a_data_loader_says_so():
 def test_process_groups_are_judged_apart_and_point_to_point_is_left_out():
     """Rank 1 is behind in group 1 only; its send/recv entries are not collectives."""
     p2p = {**entry(99, "send"), "is_p2p": True}
-    flights = {0: flight(entry(3), entry(2, pg=1), entry(3, pg=1, done=False), p2p),
-               1: flight(entry(3), entry(2, pg=1), p2p)}
+    flights = {
+        0: flight(entry(3), entry(2, pg=1), entry(3, pg=1, done=False), p2p),
+        1: flight(entry(3), entry(2, pg=1), p2p),
+    }
     verdict = judge(flights)
     assert (verdict.rank, verdict.cls) == (1, "host-side") and verdict.evidence.startswith("process group 1:")
 
 
-@pytest.mark.parametrize("junk", [None, [], "x", {"entries": "x"}, {"entries": [1, None, {"pg_id": 0}]},
-                                  {"entries": [{**entry(1), "collective_seq_id": True}]},
-                                  {"entries": [{**entry(1), "collective_seq_id": -4}]},
-                                  {"pg_status": {"0": {"last_enqueued_collective": "x"}}}])
+@pytest.mark.parametrize(
+    "junk",
+    [
+        None,
+        [],
+        "x",
+        {"entries": "x"},
+        {"entries": [1, None, {"pg_id": 0}]},
+        {"entries": [{**entry(1), "collective_seq_id": True}]},
+        {"entries": [{**entry(1), "collective_seq_id": -4}]},
+        {"pg_status": {"0": {"last_enqueued_collective": "x"}}},
+    ],
+)
 def test_a_malformed_record_says_nothing(junk: Any):
     assert parse_flight(junk) is None
 

@@ -122,8 +122,9 @@ RuntimeError: Error(s) in loading state_dict for Sequential:
 def test_traceback_gives_final_exception_and_innermost_user_frame():
     """A script raising at a step is named by its exception line and the frame that raised it."""
     cause = explain(RAISE_AT_STEP, 1, library_dirs=LIBS)
-    assert cause == Cause(CauseKind.EXCEPTION, "ValueError: boom at 40 (train.py:6 in step)",
-                          "ValueError (train.py:6 in step)")
+    assert cause == Cause(
+        CauseKind.EXCEPTION, "ValueError: boom at 40 (train.py:6 in step)", "ValueError (train.py:6 in step)"
+    )
     assert (cause.retryable, cause.repeatable, cause.breakable) == (True, True, True)
 
 
@@ -137,8 +138,10 @@ def test_torch_distributed_rank_prefix_is_read_through():
 def test_frames_in_the_standard_library_are_not_the_users_code():
     """The innermost frame outside the standard library is named, not json's decoder."""
     cause = explain(STDLIB_INNERMOST, 1, library_dirs=LIBS)
-    assert cause.text == ("json.decoder.JSONDecodeError: Expecting property name enclosed in double quotes: line 1 "
-                          "column 2 (char 1) (p2.py:3 in load)")
+    assert cause.text == (
+        "json.decoder.JSONDecodeError: Expecting property name enclosed in double quotes: line 1 "
+        "column 2 (char 1) (p2.py:3 in load)"
+    )
 
 
 def test_chained_traceback_is_named_by_its_final_exception():
@@ -158,20 +161,29 @@ def test_same_exception_type_at_same_line_is_the_same_cause_despite_its_message(
 def test_no_space_left_in_a_chained_exception_is_disk_full():
     """ENOSPC anywhere in the exception chain (torch.save re-raises it as RuntimeError) is 'disk full'."""
     cause = explain(TORCH_SAVE_DISK_FULL, 1, library_dirs=LIBS)
-    assert cause == Cause(CauseKind.DISK_FULL, "disk full: OSError: [Errno 28] No space left on device "
-                                               "(fill.py:4 in save)", "disk full (fill.py:4 in save)")
+    assert cause == Cause(
+        CauseKind.DISK_FULL,
+        "disk full: OSError: [Errno 28] No space left on device (fill.py:4 in save)",
+        "disk full (fill.py:4 in save)",
+    )
     assert cause.retryable and cause.repeatable
 
 
 def test_disk_full_key_ignores_the_varying_file_name():
     """Two ENOSPC errors on different temporary files are the same cause."""
+
     def full(name: bytes) -> Cause:
-        return explain(b'Traceback (most recent call last):\n  File "/p/t.py", line 9, in save\n    f.write(b)\n'
-                       b"OSError: [Errno 28] No space left on device: '/ckpt/." + name + b".tmp'\n", 1,
-                       library_dirs=LIBS)
+        return explain(
+            b'Traceback (most recent call last):\n  File "/p/t.py", line 9, in save\n    f.write(b)\n'
+            b"OSError: [Errno 28] No space left on device: '/ckpt/." + name + b".tmp'\n",
+            1,
+            library_dirs=LIBS,
+        )
+
     assert full(b"a1b2").same_as == full(b"c3d4").same_as == "disk full (t.py:9 in save)"
-    assert full(b"a1b2").text == ("disk full: OSError: [Errno 28] No space left on device: '/ckpt/.a1b2.tmp' "
-                                  "(t.py:9 in save)")
+    assert full(b"a1b2").text == (
+        "disk full: OSError: [Errno 28] No space left on device: '/ckpt/.a1b2.tmp' (t.py:9 in save)"
+    )
 
 
 def test_no_space_left_without_traceback_is_disk_full():
@@ -185,24 +197,29 @@ def test_state_dict_size_mismatch_is_an_incompatible_checkpoint_not_retried():
     """A load_state_dict size mismatch names the first mismatch and the user's resume call; no retry."""
     cause = explain(STATE_DICT_MISMATCH, 1, library_dirs=LIBS)
     assert cause.kind is CauseKind.CHECKPOINT_INCOMPATIBLE
-    assert cause.text == ("checkpoint incompatible with the model: RuntimeError: Error(s) in loading state_dict for "
-                          "Linear: size mismatch for weight: copying a param with shape torch.Size([4, 8]) from "
-                          "checkpoint, the shape in current model is torch.Size([2, 8]). (train.py:30 in <module>)")
+    assert cause.text == (
+        "checkpoint incompatible with the model: RuntimeError: Error(s) in loading state_dict for "
+        "Linear: size mismatch for weight: copying a param with shape torch.Size([4, 8]) from "
+        "checkpoint, the shape in current model is torch.Size([2, 8]). (train.py:30 in <module>)"
+    )
     assert not cause.retryable
 
 
 def test_state_dict_missing_keys_is_an_incompatible_checkpoint():
     """Missing keys in a state_dict are recognised like a size mismatch."""
     cause = explain(MISSING_KEYS, 1, library_dirs=LIBS)
-    assert cause.text == ('checkpoint incompatible with the model: RuntimeError: Error(s) in loading state_dict for '
-                          'Sequential: Missing key(s) in state_dict: "1.weight", "1.bias". (sd2.py:4 in <module>)')
+    assert cause.text == (
+        "checkpoint incompatible with the model: RuntimeError: Error(s) in loading state_dict for "
+        'Sequential: Missing key(s) in state_dict: "1.weight", "1.bias". (sd2.py:4 in <module>)'
+    )
 
 
 def test_traceback_the_rank_survived_is_not_its_cause():
     """A traceback printed and survived (logged, then training went on) does not explain a later exit."""
     logs = b"".join(b"step %d loss 0.5\n" % step for step in range(20))
-    cause = explain(STATE_DICT_MISMATCH + b"starting from scratch instead\n" + logs + b"fatal: lost shard 3\n", 3,
-                    library_dirs=LIBS)
+    cause = explain(
+        STATE_DICT_MISMATCH + b"starting from scratch instead\n" + logs + b"fatal: lost shard 3\n", 3, library_dirs=LIBS
+    )
     assert cause == Cause(CauseKind.EXIT, "exited with code 3: fatal: lost shard 3")
 
 
@@ -215,15 +232,17 @@ def test_teardown_lines_after_the_traceback_keep_it_the_cause():
 def test_exit_without_traceback_names_the_code_and_the_last_line():
     """A plain non-zero exit is its code and the last thing the rank wrote, or the code alone."""
     assert explain(b"loading\nerror: dataset shard 7 missing\n\n", 3).text == (
-        "exited with code 3: error: dataset shard 7 missing")
+        "exited with code 3: error: dataset shard 7 missing"
+    )
     assert explain(b"", 7) == explain_exit(7) == Cause(CauseKind.EXIT, "exited with code 7")
 
 
 def test_exit_78_is_a_config_error_not_retried():
     """A rank's exit 78 (its settings are invalid) is not retryable, with the worker's one-line error."""
     cause = explain(b"trainwarden: worker config error: 'prefix' must be a string\n", 78)
-    assert cause == Cause(CauseKind.CONFIG, "exited with code 78: trainwarden: worker config error: "
-                                            "'prefix' must be a string")
+    assert cause == Cause(
+        CauseKind.CONFIG, "exited with code 78: trainwarden: worker config error: 'prefix' must be a string"
+    )
     assert not cause.retryable
 
 
@@ -259,16 +278,19 @@ def test_hostile_stderr_gives_one_bounded_printable_line():
 
 def test_traceback_cut_off_before_its_exception_line_still_gives_a_cause():
     """A tail ending inside the frames (the rank was killed mid-write) still yields an exception cause."""
-    cause = explain(b'Traceback (most recent call last):\n  File "/p/t.py", line 3, in f\n    g()\n', 1,
-                    library_dirs=LIBS)
+    cause = explain(
+        b'Traceback (most recent call last):\n  File "/p/t.py", line 3, in f\n    g()\n', 1, library_dirs=LIBS
+    )
     assert cause.text == "a Python exception (its message was cut off) (t.py:3 in f)"
 
 
 def test_default_library_dirs_hold_the_standard_library_and_the_worker_package():
     """Without `library_dirs`, the real standard library and trainwarden's worker package are not user code."""
-    trace = ('Traceback (most recent call last):\n  File "/home/u/t.py", line 2, in main\n    go()\n'
-             f'  File "{json.__file__}", line 346, in loads\n    x\n'
-             f'  File "{LIBRARY_DIRS[-1]}/warden.py", line 9, in resume\n    y\nValueError: z\n').encode()
+    trace = (
+        'Traceback (most recent call last):\n  File "/home/u/t.py", line 2, in main\n    go()\n'
+        f'  File "{json.__file__}", line 346, in loads\n    x\n'
+        f'  File "{LIBRARY_DIRS[-1]}/warden.py", line 9, in resume\n    y\nValueError: z\n'
+    ).encode()
     assert explain(trace, 1).text == "ValueError: z (t.py:2 in main)"
 
 
@@ -292,8 +314,10 @@ def test_a_gloo_abort_on_a_size_mismatch_is_a_desync_not_just_a_signal():
     """Recorded from a rank of a desynced job: gloo's C++ abort says what happened; the SIGABRT alone does not."""
     cause = explain(GLOO_ABORT, -signal.SIGABRT, library_dirs=LIBS)
     assert cause.kind is CauseKind.COLLECTIVE and cause.repeatable
-    assert cause.text == ("desync: Received data size doesn't match expected size. Is there a distributed collective "
-                          "mismatch in your code? (killed by SIGABRT)")
+    assert cause.text == (
+        "desync: Received data size doesn't match expected size. Is there a distributed collective "
+        "mismatch in your code? (killed by SIGABRT)"
+    )
 
 
 def test_a_collective_that_failed_because_a_peer_went_away_is_a_collective_failure():

@@ -12,8 +12,9 @@ from worker.contract import CheckpointStore, RunLayout, WorkerConfig, named_stor
 PREFIX = "demo"
 
 
-def save(layout: RunLayout | CheckpointStore, step: int, ranks: tuple[int, ...] = (0, 1), *,
-         unhealthy: tuple[int, ...] = ()) -> None:
+def save(
+    layout: RunLayout | CheckpointStore, step: int, ranks: tuple[int, ...] = (0, 1), *, unhealthy: tuple[int, ...] = ()
+) -> None:
     """What a finished save leaves in a store (a run's regular one by default): each rank's file, then its record."""
     store = layout.checkpoints if isinstance(layout, RunLayout) else layout
     for rank in ranks:
@@ -22,8 +23,14 @@ def save(layout: RunLayout | CheckpointStore, step: int, ranks: tuple[int, ...] 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         bad = rank in unhealthy
-        record = {"step": step, "file": path.name, "size": len(data), "crc32": f"{zlib.crc32(data):08x}",
-                  "is_health": int(bad), "health_reasons": ["embedding_local_norm 9 above 1"] if bad else []}
+        record = {
+            "step": step,
+            "file": path.name,
+            "size": len(data),
+            "crc32": f"{zlib.crc32(data):08x}",
+            "is_health": int(bad),
+            "health_reasons": ["embedding_local_norm 9 above 1"] if bad else [],
+        }
         store.record(rank, step, PREFIX).write_text(json.dumps(record))
 
 
@@ -67,8 +74,9 @@ def test_flipped_byte_is_passed_over_as_corrupted(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[100] ^= 0x01
     path.write_bytes(bytes(data))
-    assert choose(layout) == Choice(10, ((20, "corrupted on rank 1: checksum differs from the one written"),),
-            layout.checkpoints)
+    assert choose(layout) == Choice(
+        10, ((20, "corrupted on rank 1: checksum differs from the one written"),), layout.checkpoints
+    )
 
 
 def test_save_killed_before_its_completion_record_is_never_chosen(tmp_path: Path) -> None:
@@ -85,8 +93,9 @@ def test_unhealthy_newest_falls_back_to_older_healthy(tmp_path: Path) -> None:
     layout = RunLayout(tmp_path)
     save(layout, 10)
     save(layout, 20, unhealthy=(1,))
-    assert choose(layout) == Choice(10, ((20, "unhealthy on rank 1: embedding_local_norm 9 above 1"),),
-            layout.checkpoints)
+    assert choose(layout) == Choice(
+        10, ((20, "unhealthy on rank 1: embedding_local_norm 9 above 1"),), layout.checkpoints
+    )
     assert choose(layout, require_healthy=False) == Choice(20, (), layout.checkpoints)
 
 
@@ -104,8 +113,9 @@ def test_refused_steps_are_passed_over_with_the_refusal(tmp_path: Path) -> None:
     for step in (10, 20, 30):
         save(layout, step)
     refused = {30: "refused by rank 1: not tensors and plain data only"}
-    assert choose(layout, refused=refused) == Choice(20, ((30, "refused by rank 1: not tensors and plain data only"),),
-                                                     layout.checkpoints)
+    assert choose(layout, refused=refused) == Choice(
+        20, ((30, "refused by rank 1: not tensors and plain data only"),), layout.checkpoints
+    )
 
 
 def test_junk_in_the_checkpoint_dir_is_ignored(tmp_path: Path) -> None:
@@ -152,7 +162,8 @@ def test_broken_snapshot_is_passed_over_with_its_slot_named(tmp_path: Path) -> N
     save(layout.snapshot_slot(0), 24)
     save(layout.snapshot_slot(1), 26, ranks=(0,))
     assert choose(layout) == Choice(
-        24, ((26, "snapshot slot 1: incomplete: rank 1 has no completion record"),), layout.snapshot_slot(0))
+        24, ((26, "snapshot slot 1: incomplete: rank 1 has no completion record"),), layout.snapshot_slot(0)
+    )
 
 
 def test_unhealthy_snapshot_falls_back_to_an_older_healthy_regular_checkpoint(tmp_path: Path) -> None:
@@ -162,7 +173,8 @@ def test_unhealthy_snapshot_falls_back_to_an_older_healthy_regular_checkpoint(tm
     save(layout.snapshot_slot(1), 20)
     save(layout.snapshot_slot(0), 30, unhealthy=(1,))
     assert choose(layout) == Choice(
-        20, ((30, "snapshot slot 0: unhealthy on rank 1: embedding_local_norm 9 above 1"),), layout.checkpoints)
+        20, ((30, "snapshot slot 0: unhealthy on rank 1: embedding_local_norm 9 above 1"),), layout.checkpoints
+    )
 
 
 def test_load_checkpoint_directory_is_a_candidate_and_where_names_are_looked_up(tmp_path: Path) -> None:
@@ -185,10 +197,19 @@ def test_find_junk_tells_our_torn_temporaries_from_foreign_files(tmp_path: Path)
     save(layout, 10)
     save(layout.snapshot_slot(0), 12)
     rank0, slot0 = layout.checkpoints.rank_dir(0), layout.snapshot_slot(0).rank_dir(1)
-    torn = [rank0 / ".demo_rank_0-20.ckpt.ab_d1234.tmp", rank0 / ".meta.json.x1y2z3w4.tmp",
-            slot0 / ".demo_rank_1-14.json.q1w2e3r4.tmp"]
-    foreign = [rank0 / "notes.txt", rank0 / "other_rank_0-40.ckpt", rank0 / ".other_rank_0-40.ckpt.ab_d1234.tmp",
-               rank0 / "demo_rank_1-10.ckpt", layout.checkpoint_dir / "rank_7", layout.checkpoint_dir / "old_run"]
+    torn = [
+        rank0 / ".demo_rank_0-20.ckpt.ab_d1234.tmp",
+        rank0 / ".meta.json.x1y2z3w4.tmp",
+        slot0 / ".demo_rank_1-14.json.q1w2e3r4.tmp",
+    ]
+    foreign = [
+        rank0 / "notes.txt",
+        rank0 / "other_rank_0-40.ckpt",
+        rank0 / ".other_rank_0-40.ckpt.ab_d1234.tmp",
+        rank0 / "demo_rank_1-10.ckpt",
+        layout.checkpoint_dir / "rank_7",
+        layout.checkpoint_dir / "old_run",
+    ]
     for path in torn + foreign:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.mkdir() if path.name in ("rank_7", "old_run") else path.write_text("x")
@@ -206,8 +227,10 @@ def test_find_junk_never_takes_a_directory_or_symlink_for_our_temporary(tmp_path
     (rank0 / ".demo_rank_0-30.ckpt.ab_d1234.tmp").symlink_to(tmp_path / "victim")
     junk = find_junk(layout, 2, PREFIX)
     assert junk.torn == ()
-    assert sorted(p.name for p in junk.foreign) == [".demo_rank_0-20.ckpt.ab_d1234.tmp",
-                                                     ".demo_rank_0-30.ckpt.ab_d1234.tmp"]
+    assert sorted(p.name for p in junk.foreign) == [
+        ".demo_rank_0-20.ckpt.ab_d1234.tmp",
+        ".demo_rank_0-30.ckpt.ab_d1234.tmp",
+    ]
 
 
 def test_a_record_that_is_not_an_object_or_lacks_typed_fields_is_passed_over(tmp_path: Path) -> None:
@@ -221,6 +244,9 @@ def test_a_record_that_is_not_an_object_or_lacks_typed_fields_is_passed_over(tmp
     choice = choose(layout)
     assert choice.step == 10
     assert [(step, why.split(":", 1)[1].strip()) for step, why in choice.passed_over] == [
-        (50, "'crc32' is '7', not a checksum"), (40, "'size' is '12', not a byte count"),
-        (30, "not a JSON object"), (20, "not a JSON object")]
+        (50, "'crc32' is '7', not a checksum"),
+        (40, "'size' is '12', not a byte count"),
+        (30, "not a JSON object"),
+        (20, "not a JSON object"),
+    ]
     assert [e["is_health"] for e in health_entries(layout.checkpoints, 2, PREFIX, [10, 20, 30])] == [0, 1, 1]

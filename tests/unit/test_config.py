@@ -59,11 +59,13 @@ def test_demo_config_loads():
     assert config.nproc_per_node == 2
     assert config.run_dir == "runs/demo"
     assert config.env == {"OMP_NUM_THREADS": "1"}
-    assert config.restart == RestartConfig(max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0,
-                                           backoff_max_s=30.0)
+    assert config.restart == RestartConfig(
+        max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=30.0
+    )
     assert config.stop == StopConfig(kill_grace_s=5.0, sigkill_wait_s=5.0)
-    assert config.worker == WorkerConfig(save_checkpoint_steps=25, prefix="demo",
-                                         feature_value_check=FeatureValueConfig(level=2))
+    assert config.worker == WorkerConfig(
+        save_checkpoint_steps=25, prefix="demo", feature_value_check=FeatureValueConfig(level=2)
+    )
     assert config.worker.adaptive_spike == AdaptiveConfig(enabled=True)
     assert not config.worker.use_skip_data_by_global_norm
     assert config.anomaly == AnomalyPolicy(rollback_steps=50, skip_after_steps=100, max_tries=3)
@@ -75,12 +77,19 @@ def test_minimal_config_takes_defaults(tmp_path):
     config = load_config(write(tmp_path, "script: train.py\n"))
     assert config == JobConfig(script="train.py")
     assert (config.args, config.nproc_per_node, config.run_dir, config.master_addr, config.env) == (
-        [], 1, "runs/default", "127.0.0.1", {})
-    assert config.restart == RestartConfig(max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0,
-                                           backoff_max_s=60.0)
+        [],
+        1,
+        "runs/default",
+        "127.0.0.1",
+        {},
+    )
+    assert config.restart == RestartConfig(
+        max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=60.0
+    )
     assert config.stop == StopConfig(kill_grace_s=10.0, sigkill_wait_s=5.0)
-    assert config.worker == WorkerConfig(save_checkpoint_steps=0, prefix="ckpt", resume_training=True,
-                                         heartbeat_interval_s=0.5)
+    assert config.worker == WorkerConfig(
+        save_checkpoint_steps=0, prefix="ckpt", resume_training=True, heartbeat_interval_s=0.5
+    )
 
 
 def test_command_config_accepted(tmp_path):
@@ -98,14 +107,30 @@ def test_null_script_counts_as_absent(tmp_path):
 
 def test_policy_carries_restart_and_stop_knobs():
     """`JobConfig.policy()` hands every restart and stop knob to the core."""
-    config = parse_config({
-        "script": "t.py", "nproc_per_node": 4,
-        "restart": {"max_restarts": 7, "backoff_initial_s": 0.5, "backoff_factor": 3, "backoff_max_s": 9,
-                    "crash_loop_attempts": 5},
-        "stop": {"kill_grace_s": 2, "sigkill_wait_s": 1.5},
-    })
-    assert config.policy() == Policy(nproc=4, max_restarts=7, backoff_initial_s=0.5, backoff_factor=3.0,
-                                     backoff_max_s=9.0, kill_grace_s=2.0, sigkill_wait_s=1.5, crash_loop_attempts=5)
+    config = parse_config(
+        {
+            "script": "t.py",
+            "nproc_per_node": 4,
+            "restart": {
+                "max_restarts": 7,
+                "backoff_initial_s": 0.5,
+                "backoff_factor": 3,
+                "backoff_max_s": 9,
+                "crash_loop_attempts": 5,
+            },
+            "stop": {"kill_grace_s": 2, "sigkill_wait_s": 1.5},
+        }
+    )
+    assert config.policy() == Policy(
+        nproc=4,
+        max_restarts=7,
+        backoff_initial_s=0.5,
+        backoff_factor=3.0,
+        backoff_max_s=9.0,
+        kill_grace_s=2.0,
+        sigkill_wait_s=1.5,
+        crash_loop_attempts=5,
+    )
 
 
 def test_ints_accepted_for_float_fields(tmp_path):
@@ -126,10 +151,16 @@ def test_args_and_env_scalars_become_strings(tmp_path):
 
 def test_worker_section_parsed(tmp_path):
     """The `worker:` section becomes the WorkerConfig handed to the ranks."""
-    config = load_config(write(tmp_path, "script: t.py\nworker:\n  save_checkpoint_steps: 10\n  prefix: gpt\n"
-                                         "  resume_training: false\n  heartbeat_interval_s: 1\n"))
-    assert config.worker == WorkerConfig(save_checkpoint_steps=10, prefix="gpt", resume_training=False,
-                                         heartbeat_interval_s=1.0)
+    config = load_config(
+        write(
+            tmp_path,
+            "script: t.py\nworker:\n  save_checkpoint_steps: 10\n  prefix: gpt\n"
+            "  resume_training: false\n  heartbeat_interval_s: 1\n",
+        )
+    )
+    assert config.worker == WorkerConfig(
+        save_checkpoint_steps=10, prefix="gpt", resume_training=False, heartbeat_interval_s=1.0
+    )
 
 
 # ---- unknown keys -----------------------------------------------------------------------------
@@ -249,9 +280,11 @@ def test_top_level_list_refused(tmp_path):
         ("worker: {prefix: a/b}", "'worker.prefix' must be a non-empty name without '/', got 'a/b'"),
         ("worker: {prefix: ''}", "'worker.prefix' must be a non-empty name without '/', got ''"),
         ("worker: {snapshot_steps: -1}", "'worker.snapshot_steps' must be 0 or more, got -1"),
-        ("worker: {load_checkpoint: /no/such/run/checkpoint}",
-         "'worker.load_checkpoint' must be an existing directory (another run's checkpoint/ folder), "
-         "got '/no/such/run/checkpoint'"),
+        (
+            "worker: {load_checkpoint: /no/such/run/checkpoint}",
+            "'worker.load_checkpoint' must be an existing directory (another run's checkpoint/ folder), "
+            "got '/no/such/run/checkpoint'",
+        ),
     ],
 )
 def test_out_of_bounds_value_refused(tmp_path, text, expected):
@@ -388,8 +421,13 @@ def test_deep_nesting_refused_quickly(tmp_path):
 
 def test_modest_aliases_accepted(tmp_path):
     """Anchors, aliases and merge keys that expand the document a little are accepted."""
-    config = load_config(write(tmp_path, "script: t.py\nargs: [--lr, &lr '0.1', --final-lr, *lr]\n"
-                                         "hang:\n  phase_timeouts_s: {<<: &t {train: 30}, save: 60}\n"))
+    config = load_config(
+        write(
+            tmp_path,
+            "script: t.py\nargs: [--lr, &lr '0.1', --final-lr, *lr]\n"
+            "hang:\n  phase_timeouts_s: {<<: &t {train: 30}, save: 60}\n",
+        )
+    )
     assert config.args == ["--lr", "0.1", "--final-lr", "0.1"]
     assert (config.hang.phase_timeouts_s["train"], config.hang.phase_timeouts_s["save"]) == (30.0, 60.0)
 
@@ -420,8 +458,10 @@ def test_value_the_yaml_constructor_cannot_build_refused(tmp_path, text, expecte
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("worker: {monitor_config: {global_norm_spike_threshold: .nan}}",
-         "'worker.monitor_config.global_norm_spike_threshold' must be a finite number, got nan"),
+        (
+            "worker: {monitor_config: {global_norm_spike_threshold: .nan}}",
+            "'worker.monitor_config.global_norm_spike_threshold' must be a finite number, got nan",
+        ),
         ("restart: {backoff_factor: .inf}", "'restart.backoff_factor' must be a finite number, got inf"),
         ("hang: {phase_timeouts_s: {train: -.inf}}", "'hang.phase_timeouts_s.train' must be a finite number, got -inf"),
         ("anomaly: {widen_factor: 1.0e+400}", "'anomaly.widen_factor' must be a finite number, got inf"),
@@ -436,13 +476,19 @@ def test_non_finite_number_refused(tmp_path, text, expected):
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("restart: {max_restarts: 1" + "0" * 400 + "}",
-         "'restart.max_restarts' must be at most 2**53 in size, got an integer of 1329 bits"),
-        ("anomaly: {rollback_steps: -9007199254740993}",
-         "'anomaly.rollback_steps' must be at most 2**53 in size, got -9007199254740993"),
+        (
+            "restart: {max_restarts: 1" + "0" * 400 + "}",
+            "'restart.max_restarts' must be at most 2**53 in size, got an integer of 1329 bits",
+        ),
+        (
+            "anomaly: {rollback_steps: -9007199254740993}",
+            "'anomaly.rollback_steps' must be at most 2**53 in size, got -9007199254740993",
+        ),
         ("args: [1" + "0" * 400 + "]", "'args[0]' must be at most 2**53 in size, got an integer of 1329 bits"),
-        ("worker: {embedding_local_norm_threshold: 1.0e+20}",
-         "'worker.embedding_local_norm_threshold' must be at most 2**53 in size, got 1e+20"),
+        (
+            "worker: {embedding_local_norm_threshold: 1.0e+20}",
+            "'worker.embedding_local_norm_threshold' must be at most 2**53 in size, got 1e+20",
+        ),
     ],
 )
 def test_huge_number_refused(tmp_path, text, expected):
@@ -460,10 +506,14 @@ def test_largest_number_accepted(tmp_path):
     ("text", "expected"),
     [
         ("stop: {timeout_s: 10000001}", "'stop.timeout_s' must be at most 10000000 seconds, got 10000001"),
-        ("hang: {phase_timeouts_s: {train: 1.0e+8}}",
-         "'hang.phase_timeouts_s.train' must be at most 10000000 seconds, got 100000000.0"),
-        ("hang: {calibration: {floor_s: 9007199254740992}}",
-         "'hang.calibration.floor_s' must be at most 10000000 seconds, got 9007199254740992"),
+        (
+            "hang: {phase_timeouts_s: {train: 1.0e+8}}",
+            "'hang.phase_timeouts_s.train' must be at most 10000000 seconds, got 100000000.0",
+        ),
+        (
+            "hang: {calibration: {floor_s: 9007199254740992}}",
+            "'hang.calibration.floor_s' must be at most 10000000 seconds, got 9007199254740992",
+        ),
     ],
 )
 def test_seconds_beyond_ten_million_refused(tmp_path, text, expected):
@@ -496,8 +546,10 @@ def test_nproc_of_1024_accepted(tmp_path):
         ('script: t.py\nenv: {"A\\0B": x}', "'env key A\\x00B' must not contain a NUL character, got 'A\\x00B'"),
         ('script: t.py\nrun_dir: "runs/\\0"', "'run_dir' must not contain a NUL character, got 'runs/\\x00'"),
         ('command: ["py\\0thon"]', "'command[0]' must not contain a NUL character, got 'py\\x00thon'"),
-        ('script: t.py\nworker: {load_checkpoint: "/tmp/\\0"}',
-         "'worker.load_checkpoint' must not contain a NUL character, got '/tmp/\\x00'"),
+        (
+            'script: t.py\nworker: {load_checkpoint: "/tmp/\\0"}',
+            "'worker.load_checkpoint' must not contain a NUL character, got '/tmp/\\x00'",
+        ),
     ],
 )
 def test_nul_byte_in_string_refused(tmp_path, text, expected):
@@ -578,8 +630,9 @@ def test_directory_as_script_refused(tmp_path):
     (tmp_path / "train").mkdir()
     with pytest.raises(ConfigError) as info:
         check_launchable(parse_config({"script": "train"}), tmp_path)
-    assert str(info.value) == ("train is not a regular file (relative paths are taken from the working directory "
-                               f"{tmp_path})")
+    assert str(info.value) == (
+        f"train is not a regular file (relative paths are taken from the working directory {tmp_path})"
+    )
 
 
 def test_command_program_missing_from_path_refused(tmp_path):
@@ -615,8 +668,13 @@ def test_command_program_path_must_be_an_executable_file(tmp_path, mode, problem
 
 
 def trainwarden_run(config: Path, run_dir: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir)],
-                          cwd=cwd, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(run_dir)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_cli_fifo_config_exits_78_and_launches_nothing(tmp_path):
@@ -634,26 +692,36 @@ def test_cli_missing_script_exits_78_and_launches_nothing(tmp_path):
     config = write(tmp_path, "script: missing.py\nnproc_per_node: 2\n")
     done = trainwarden_run(config, tmp_path / "run", tmp_path)
     assert (done.returncode, done.stdout) == (78, "")
-    assert done.stderr == ("trainwarden: cannot launch: missing.py not found (relative paths are taken from the "
-                           f"working directory {tmp_path})\n")
+    assert done.stderr == (
+        "trainwarden: cannot launch: missing.py not found (relative paths are taken from the "
+        f"working directory {tmp_path})\n"
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_multi_node_keys_set_the_world_size_and_the_slurm_section(tmp_path):
-    config = load_config(write(tmp_path, "script: t.py\nnodes: 3\nnproc_per_node: 4\nspare_nodes: 1\n"
-                                         "slurm: {node_timeout_s: 5, max_node_failures: 1, srun_args: [--gpus=8]}\n"))
+    config = load_config(
+        write(
+            tmp_path,
+            "script: t.py\nnodes: 3\nnproc_per_node: 4\nspare_nodes: 1\n"
+            "slurm: {node_timeout_s: 5, max_node_failures: 1, srun_args: [--gpus=8]}\n",
+        )
+    )
     assert (config.world_size, config.policy().nproc, config.spare_nodes) == (12, 12, 1)
     assert (config.slurm.node_timeout_s, config.slurm.max_node_failures, config.slurm.srun_args) == (5, 1, ["--gpus=8"])
     assert load_config(write(tmp_path, "script: t.py\n")).world_size == 1  # one node unless asked
 
 
-@pytest.mark.parametrize(("text", "named"), [
-    ("nodes: 0", "'nodes' must be between 1 and 4096"),
-    ("spare_nodes: -1", "'spare_nodes' must be between 0 and 4096"),
-    ("slurm: {node_timeout_s: 1}", "'slurm.node_timeout_s' must be at least 2"),
-    ("slurm: {max_node_failures: 0}", "'slurm.max_node_failures' must be at least 1"),
-    ("slurm: {node_timout_s: 5}", "did you mean 'node_timeout_s'"),
-])
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("nodes: 0", "'nodes' must be between 1 and 4096"),
+        ("spare_nodes: -1", "'spare_nodes' must be between 0 and 4096"),
+        ("slurm: {node_timeout_s: 1}", "'slurm.node_timeout_s' must be at least 2"),
+        ("slurm: {max_node_failures: 0}", "'slurm.max_node_failures' must be at least 1"),
+        ("slurm: {node_timout_s: 5}", "did you mean 'node_timeout_s'"),
+    ],
+)
 def test_bad_multi_node_keys_are_refused_by_name(tmp_path, text, named):
     assert named in refusal(tmp_path, f"script: t.py\n{text}\n")
 
@@ -662,22 +730,34 @@ def test_a_multi_node_config_outside_slurm_is_refused_before_anything_starts(tmp
     (tmp_path / "t.py").write_text("")
     config = write(tmp_path, f"script: {tmp_path / 't.py'}\nnodes: 2\nrun_dir: {tmp_path / 'run'}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    done = subprocess.run([sys.executable, "-m", "supervisor", "run", str(config)], capture_output=True, text=True,
-                          env=env, timeout=60, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "supervisor", "run", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=REPO,
+    )
     assert done.returncode == 78
     assert "nodes: 2 needs a Slurm allocation: run it inside sbatch or salloc" in done.stderr
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize(("extra", "said"), [
-    ({"slurm": {"min_nodes": 3}}, "'slurm.min_nodes' (3) must be between 1 and 'nodes' (2)"),
-    ({"slurm": {"min_nodes": 1}}, "'slurm.min_nodes' below 'nodes' needs 'worker.checkpoint_format: dcp'"),
-])
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({"slurm": {"min_nodes": 3}}, "'slurm.min_nodes' (3) must be between 1 and 'nodes' (2)"),
+        ({"slurm": {"min_nodes": 1}}, "'slurm.min_nodes' below 'nodes' needs 'worker.checkpoint_format: dcp'"),
+    ],
+)
 def test_min_nodes_is_a_node_count_the_run_has_and_needs_sharded_checkpoints(tmp_path, extra, said):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump({"command": ["true"], "nodes": 2, **extra}))
     with pytest.raises(ConfigError, match=re.escape(said)):
         load_config(config)
-    config.write_text(yaml.safe_dump({"command": ["true"], "nodes": 2, "slurm": {"min_nodes": 1},
-                                      "worker": {"checkpoint_format": "dcp"}}))
+    config.write_text(
+        yaml.safe_dump(
+            {"command": ["true"], "nodes": 2, "slurm": {"min_nodes": 1}, "worker": {"checkpoint_format": "dcp"}}
+        )
+    )
     assert load_config(config).min_nodes == 1

@@ -18,8 +18,12 @@ from hypothesis import strategies as st
 from supervisor.config import MAX_NUMBER, MAX_SECONDS, ConfigError, JobConfig, load_config, parse_config
 
 # A fixed budget per property, so the whole file runs in seconds, the same examples every time.
-FUZZ = settings(max_examples=300, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def _key_names(cls: type) -> set[str]:
@@ -34,24 +38,85 @@ def _key_names(cls: type) -> set[str]:
 
 
 KEYS = sorted(_key_names(JobConfig) | {"train", "save", "startup", "PATH", "<<"})
-HOSTILE = st.sampled_from([10**400, -(10**400), 2**53 + 1, -(2**53) - 1, 10**7 + 1, 1e308, -0.0, 2**63,
-                           "\x00", "a\x00b", "\ud800", "", "a=b", "/", "9" * 5000, "²", "x" * 300, "/" + "a" * 5000])
-SCALARS = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | HOSTILE
-           | st.sampled_from(KEYS))
-NESTED = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.sampled_from(KEYS) | SCALARS, inner, max_size=5), max_leaves=30)
+HOSTILE = st.sampled_from(
+    [
+        10**400,
+        -(10**400),
+        2**53 + 1,
+        -(2**53) - 1,
+        10**7 + 1,
+        1e308,
+        -0.0,
+        2**63,
+        "\x00",
+        "a\x00b",
+        "\ud800",
+        "",
+        "a=b",
+        "/",
+        "9" * 5000,
+        "²",
+        "x" * 300,
+        "/" + "a" * 5000,
+    ]
+)
+SCALARS = (
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | HOSTILE | st.sampled_from(KEYS)
+)
+NESTED = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(KEYS) | SCALARS, inner, max_size=5),
+    max_leaves=30,
+)
 # Mostly real keys at the top, so that the sections and their fields get reached.
-DOCUMENTS = (st.dictionaries(st.sampled_from(KEYS), NESTED, max_size=6)
-             | st.dictionaries(st.sampled_from(KEYS), NESTED, max_size=6).map(lambda d: {"script": "t.py", **d})
-             | NESTED)
+DOCUMENTS = (
+    st.dictionaries(st.sampled_from(KEYS), NESTED, max_size=6)
+    | st.dictionaries(st.sampled_from(KEYS), NESTED, max_size=6).map(lambda d: {"script": "t.py", **d})
+    | NESTED
+)
 
-YAML_PIECES = st.sampled_from(["script: t.py\n", "command: [sh]\n", "worker:\n  ", "hang:\n  ", "env: {", "args: [",
-                               "&a ", "*a", "<<: *a", "[", "]", "{", "}", ": ", ", ", "- ", "\n", "  ", ".nan", ".inf",
-                               "1" + "0" * 400, "!!timestamp 2020-13-45", "!!binary x", "!!set {a}", '"\\0"',
-                               '"\\ud800"', "? ", "|\n  ", "---\n", "%YAML 1.1\n", "\t", "#"]) | st.sampled_from(KEYS)
+YAML_PIECES = st.sampled_from(
+    [
+        "script: t.py\n",
+        "command: [sh]\n",
+        "worker:\n  ",
+        "hang:\n  ",
+        "env: {",
+        "args: [",
+        "&a ",
+        "*a",
+        "<<: *a",
+        "[",
+        "]",
+        "{",
+        "}",
+        ": ",
+        ", ",
+        "- ",
+        "\n",
+        "  ",
+        ".nan",
+        ".inf",
+        "1" + "0" * 400,
+        "!!timestamp 2020-13-45",
+        "!!binary x",
+        "!!set {a}",
+        '"\\0"',
+        '"\\ud800"',
+        "? ",
+        "|\n  ",
+        "---\n",
+        "%YAML 1.1\n",
+        "\t",
+        "#",
+    ]
+) | st.sampled_from(KEYS)
 YAML_TEXT = st.lists(YAML_PIECES | st.text(max_size=6), max_size=40).map("".join)
-FILE_CONTENTS = YAML_TEXT.map(str.encode) | st.binary(max_size=300) | YAML_TEXT.map(
-    lambda t: t.encode("utf-8", errors="surrogatepass"))
+FILE_CONTENTS = (
+    YAML_TEXT.map(str.encode)
+    | st.binary(max_size=300)
+    | YAML_TEXT.map(lambda t: t.encode("utf-8", errors="surrogatepass"))
+)
 
 
 def _numbers(value: Any) -> Iterator[tuple[str, float]]:

@@ -31,16 +31,27 @@ def test_an_unknown_format_in_the_environment_is_refused(monkeypatch):
 
 
 def test_the_status_line_says_where_training_stands():
-    status = {"state": "running", "attempt": 1, "restarts": 1, "max_restarts": 3, "last_checkpoint": {"step": 300},
-              "progress": {"step": 312, "total_steps": 600, "loss": 2.13456, "steps_per_s": 21.3, "eta_s": 754.0},
-              "goodput": {"ratio": 0.9134}, "stragglers": [{"rank": 3}]}
-    assert status_line(status) == ("running | step 312/600 | loss 2.135 | 21.3 steps/s | ETA 12:34 | ckpt 300 | "
-                                   "attempt 1 | restarts 1/3 | goodput 91.3% | slow rank 3")
+    status = {
+        "state": "running",
+        "attempt": 1,
+        "restarts": 1,
+        "max_restarts": 3,
+        "last_checkpoint": {"step": 300},
+        "progress": {"step": 312, "total_steps": 600, "loss": 2.13456, "steps_per_s": 21.3, "eta_s": 754.0},
+        "goodput": {"ratio": 0.9134},
+        "stragglers": [{"rank": 3}],
+    }
+    assert status_line(status) == (
+        "running | step 312/600 | loss 2.135 | 21.3 steps/s | ETA 12:34 | ckpt 300 | "
+        "attempt 1 | restarts 1/3 | goodput 91.3% | slow rank 3"
+    )
 
 
 def test_the_status_line_of_a_run_that_has_not_stepped_yet():
-    assert status_line({"state": "starting", "attempt": 0, "restarts": 0, "max_restarts": 3,
-                        "last_checkpoint": None}) == "starting | ckpt - | attempt 0 | restarts 0/3"
+    assert (
+        status_line({"state": "starting", "attempt": 0, "restarts": 0, "max_restarts": 3, "last_checkpoint": None})
+        == "starting | ckpt - | attempt 0 | restarts 0/3"
+    )
 
 
 def test_an_event_line_is_printed_above_the_live_line_which_is_redrawn():

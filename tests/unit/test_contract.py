@@ -169,8 +169,10 @@ def test_parse_faults_sdc_with_factor_and_layer():
     """An sdc fault takes an optional factor (nan and inf included) and, after it, the layer to corrupt."""
     spec = "1:sdc@20, 0:sdc@5:1e6:blocks.layers.0.norm1, 1:sdc@7:nan"
     first, second, third = parse_faults(spec)
-    assert (first, second) == (Fault(rank=1, kind="sdc", step=20),
-                               Fault(rank=0, kind="sdc", step=5, arg=1e6, target="blocks.layers.0.norm1"))
+    assert (first, second) == (
+        Fault(rank=1, kind="sdc", step=20),
+        Fault(rank=0, kind="sdc", step=5, arg=1e6, target="blocks.layers.0.norm1"),
+    )
     assert (third.kind, third.step, third.target) == ("sdc", 7, None) and third.arg != third.arg  # NaN
 
 
@@ -294,8 +296,9 @@ def test_a_fault_mark_is_never_written_through_a_symlink(tmp_path: Path) -> None
     outside.mkdir()
     (tmp_path / "run" / "ranks").mkdir(parents=True)
     (tmp_path / "run" / "ranks" / "rank_0").symlink_to(outside)
-    plan = FaultPlan([Fault(rank=0, kind="sigkill", step=5)], rank=0, attempt=0,
-                     marks=tmp_path / "run" / "ranks" / "rank_0")
+    plan = FaultPlan(
+        [Fault(rank=0, kind="sigkill", step=5)], rank=0, attempt=0, marks=tmp_path / "run" / "ranks" / "rank_0"
+    )
     with pytest.raises(OSError):
         plan.due("sigkill", 5)
     assert list(outside.iterdir()) == []

@@ -158,8 +158,7 @@ def test_ranks_launched_enters_running():
     assert state.resume_step == 25
     assert state.deadline is None
     assert shape(actions) == ["ranks_launched"]
-    assert dict(actions[0].fields) == {"attempt": 0, "pids": [100, 101], "resume_step": 25,
-                                          "resume_source": None}
+    assert dict(actions[0].fields) == {"attempt": 0, "pids": [100, 101], "resume_step": 25, "resume_source": None}
 
 
 def test_ranks_launched_of_other_attempt_ignored():
@@ -278,8 +277,9 @@ def test_heartbeat_updates_step_and_time():
     """A new heartbeat records the rank's step, sequence number, phase and the time it was seen."""
     state, actions = decide(running(), HeartbeatSeen(0, 1, seq=7, step=42, phase="train"), NOW + 2)
     assert actions == []
-    assert state.ranks[1] == RankState(1, pid=101, step=42, heartbeat_seq=7, heartbeat_monotonic=NOW + 2,
-                                       heartbeat_phase="train")
+    assert state.ranks[1] == RankState(
+        1, pid=101, step=42, heartbeat_seq=7, heartbeat_monotonic=NOW + 2, heartbeat_phase="train"
+    )
     assert state.ranks[0] == RankState(0, pid=100)
 
 
@@ -589,19 +589,35 @@ def test_all_ranks_past_train_timeout_declares_hang():
     assert (state.stop_stage, state.then) == (StopStage.STACKS, Then.RELAUNCH)
     assert state.deadline == HUNG_AT + 15.0
     assert state.hang == HUNG
-    assert state.last_failure == ("rank 0 hung in phase train (last heartbeat at step 10): "
-                                  "no heartbeat for 305.0 s (timeout 300 s) in attempt 0")
+    assert state.last_failure == (
+        "rank 0 hung in phase train (last heartbeat at step 10): no heartbeat for 305.0 s (timeout 300 s) in attempt 0"
+    )
     assert shape(actions) == ["hang_suspected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=(0, 1))]
     suspected = record(actions, "hang_suspected")
     assert suspected.level == "warning"
-    assert dict(suspected.fields) == {"rank": 0, "attempt": 0, "phase": "train", "step": 10, "silent_s": 305.0,
-                                      "timeout_s": 300.0}
+    assert dict(suspected.fields) == {
+        "rank": 0,
+        "attempt": 0,
+        "phase": "train",
+        "step": 10,
+        "silent_s": 305.0,
+        "timeout_s": 300.0,
+    }
     # The verdict waits for the evidence: no culprit found, the heartbeats' guess is final.
     state, actions = decide(state, StacksCollected(0, STACKS), HUNG_AT + 2)
     assert dict(record(actions, "hang_detected").fields) == {
-        "rank": 0, "node": None, "attempt": 0, "phase": "train", "step": 10, "silent_s": 305.0, "timeout_s": 300.0,
-        "named_by": "heartbeat", "evidence": None, "class": None,
-        "cause": "hang: rank 0 silent in phase train after step 10 for 305.0 s (timeout 300 s)"}
+        "rank": 0,
+        "node": None,
+        "attempt": 0,
+        "phase": "train",
+        "step": 10,
+        "silent_s": 305.0,
+        "timeout_s": 300.0,
+        "named_by": "heartbeat",
+        "evidence": None,
+        "class": None,
+        "cause": "hang: rank 0 silent in phase train after step 10 for 305.0 s (timeout 300 s)",
+    }
 
 
 def test_tick_one_instant_before_hang_deadline_does_nothing():
@@ -656,7 +672,9 @@ def test_required_heartbeat_first_beat_timeout_declares_hang():
     assert shape(actions) == ["hang_suspected", DumpStacks(0, ranks=(0, 1), faulthandler_ranks=())]
     state, actions = decide(state, Tick(), NOW + 915)  # the evidence did not come in time: the guess stands
     assert record(actions, "hang_detected").fields[-2:] == (
-        ("cause", "hang: rank 0 silent before its first heartbeat for 900.0 s (timeout 900 s)"), ("class", None))
+        ("cause", "hang: rank 0 silent before its first heartbeat for 900.0 s (timeout 900 s)"),
+        ("class", None),
+    )
 
 
 def test_first_heartbeat_hang_failure_names_no_step():
@@ -848,18 +866,30 @@ def test_stacks_collected_moves_to_term_with_sigterm():
     assert state.deadline == HUNG_AT + 3 + 10.0
     assert state.hang == replace(HUNG, stacks=STACKS)
     assert shape(actions) == ["stacks_collected", "hang_detected", SignalRanks(0, signal.SIGTERM)]
-    assert dict(record(actions, "stacks_collected").fields) == {"attempt": 0, "paths": list(STACKS), "culprit": None,
-                                                                "last_steps": {}}
+    assert dict(record(actions, "stacks_collected").fields) == {
+        "attempt": 0,
+        "paths": list(STACKS),
+        "culprit": None,
+        "last_steps": {},
+    }
 
 
 def test_stacks_showing_ranks_blocked_behind_the_culprit_sigkill_them_at_once_and_sigterm_the_culprit():
     """Ranks the stacks show inside a collective, waiting for the culprit, cannot act on SIGTERM: SIGKILL now."""
     state, actions = decide(hung(), StacksCollected(0, STACKS, culprit=1, blocked=(0,)), HUNG_AT + 3)
     assert (state.stop_stage, state.deadline) == (StopStage.TERM, HUNG_AT + 3 + 10.0)
-    assert shape(actions) == ["stacks_collected", "hang_detected", "ranks_killed_at_once",
-                              SignalRanks(0, signal.SIGKILL, (0,)), SignalRanks(0, signal.SIGTERM, (1,))]
+    assert shape(actions) == [
+        "stacks_collected",
+        "hang_detected",
+        "ranks_killed_at_once",
+        SignalRanks(0, signal.SIGKILL, (0,)),
+        SignalRanks(0, signal.SIGTERM, (1,)),
+    ]
     assert dict(record(actions, "ranks_killed_at_once").fields) == {
-        "ranks": [0], "attempt": 0, "why": "blocked in a collective waiting for rank 1"}
+        "ranks": [0],
+        "attempt": 0,
+        "why": "blocked in a collective waiting for rank 1",
+    }
 
 
 def test_a_lost_node_sigkills_the_other_ranks_at_once_but_lets_a_save_in_flight_finish():
@@ -868,8 +898,12 @@ def test_a_lost_node_sigkills_the_other_ranks_at_once_but_lets_a_save_in_flight_
     state = beat(beat(running(replace(POLICY, nproc=3)), 1, 1, NOW, phase="save"), 2, 1, NOW)
     lost = Cause(CauseKind.NODE_LOST, "node n2 lost: silent")
     state, actions = decide(state, ChildExited(0, 0, -signal.SIGKILL, cause=lost, node="n2", lost_with=(0,)), NOW + 1)
-    assert shape(actions)[-4:] == ["ranks_killed_at_once", SignalRanks(0, signal.SIGKILL, (2,)),
-                                   SignalRanks(0, signal.SIGTERM, (1,)), "stop_waits_for_save"]
+    assert shape(actions)[-4:] == [
+        "ranks_killed_at_once",
+        SignalRanks(0, signal.SIGKILL, (2,)),
+        SignalRanks(0, signal.SIGTERM, (1,)),
+        "stop_waits_for_save",
+    ]
     assert dict(record(actions, "ranks_killed_at_once").fields)["why"] == "blocked in a collective with a lost node"
 
 
@@ -885,8 +919,9 @@ def test_stacks_naming_a_culprit_rename_the_hung_rank():
     state, _ = decide(state, Tick(), NOW + 1802)
     assert state.hang.rank == 0  # silent first, by heartbeats
     state, _ = decide(state, StacksCollected(0, STACKS, culprit=1, last_steps=((0, 35), (1, 35))), NOW + 1803)
-    assert state.hang == Hang(attempt=0, rank=1, phase="save", step=35, silent_s=1802.0, timeout_s=1800.0,
-                              stacks=STACKS, named_by="stacks")
+    assert state.hang == Hang(
+        attempt=0, rank=1, phase="save", step=35, silent_s=1802.0, timeout_s=1800.0, stacks=STACKS, named_by="stacks"
+    )
 
 
 def test_stacks_last_steps_correct_the_hung_rank_step():
@@ -955,24 +990,34 @@ def test_ranks_down_during_stacks_stage_complete_the_stop_once_the_evidence_is_i
     for state in (collected, timed_out):
         assert (state.phase, state.attempt, state.stop_stage) == (Phase.STARTING, 1, None)
     assert collected.hang.rank == 1 and timed_out.hang.rank == 0
-    assert shape(actions) == ["stacks_timed_out", "hang_detected", KillLeftovers(0), "relaunch_scheduled",
-                              LaunchRanks(1)]
+    assert shape(actions) == [
+        "stacks_timed_out",
+        "hang_detected",
+        KillLeftovers(0),
+        "relaunch_scheduled",
+        LaunchRanks(1),
+    ]
 
 
 def test_hang_with_restarts_exhausted_fails_after_ranks_down():
     """A hang with no restarts left records the exhaustion, still collects stacks, and FAILs once ranks are down."""
     state, actions = decide(silent(restarts=3), Tick(), HUNG_AT)
     assert (state.phase, state.stop_stage, state.then) == (Phase.STOPPING, StopStage.STACKS, Then.FAIL)
-    assert shape(actions) == ["hang_suspected", "restarts_exhausted",
-                              DumpStacks(3, ranks=(0, 1), faulthandler_ranks=(0, 1))]
+    assert shape(actions) == [
+        "hang_suspected",
+        "restarts_exhausted",
+        DumpStacks(3, ranks=(0, 1), faulthandler_ranks=(0, 1)),
+    ]
     assert dict(record(actions, "restarts_exhausted").fields) == {"restarts": 3, "max_restarts": 3}
     state, _ = decide(state, StacksCollected(3, STACKS), HUNG_AT + 1)
     state, _ = decide(state, ChildExited(3, 0, -15), HUNG_AT + 2)
     state, actions = decide(state, ChildExited(3, 1, -15), HUNG_AT + 3)
     assert state.phase is Phase.FAILED
     assert state.exit_code == 1
-    assert state.reason == ("rank 0 hung in phase train (last heartbeat at step 10): "
-                            "no heartbeat for 305.0 s (timeout 300 s) in attempt 3; restarts exhausted (3/3)")
+    assert state.reason == (
+        "rank 0 hung in phase train (last heartbeat at step 10): "
+        "no heartbeat for 305.0 s (timeout 300 s) in attempt 3; restarts exhausted (3/3)"
+    )
     assert shape(actions) == ["rank_stopped", KillLeftovers(3)]
 
 
@@ -1041,17 +1086,31 @@ def test_next_deadline_while_stopping_is_the_stop_deadline():
 def test_terminal_state_ignores_events(phase):
     """Once terminal, every event leaves the state unchanged and produces no action."""
     state = replace(running(), phase=phase, deadline=NOW)
-    events = [Started(), RanksLaunched(0, PIDS, None), LaunchFailed(0, "x"), ChildExited(0, 0, 1),
-              HeartbeatSeen(0, 0, 1, 1, "train"), StacksCollected(0, ("stacks-0.txt",)), SignalReceived(signal.SIGINT),
-              Tick()]
+    events = [
+        Started(),
+        RanksLaunched(0, PIDS, None),
+        LaunchFailed(0, "x"),
+        ChildExited(0, 0, 1),
+        HeartbeatSeen(0, 0, 1, 1, "train"),
+        StacksCollected(0, ("stacks-0.txt",)),
+        SignalReceived(signal.SIGINT),
+        Tick(),
+    ]
     for event in events:
         assert decide(state, event, NOW + 100) == (state, [])
 
 
 @pytest.mark.parametrize(
     ("phase", "code"),
-    [(Phase.FINISHED, 0), (Phase.STOPPED, 0), (Phase.FAILED, 1),
-     (Phase.STARTING, None), (Phase.RUNNING, None), (Phase.STOPPING, None), (Phase.BACKOFF, None)],
+    [
+        (Phase.FINISHED, 0),
+        (Phase.STOPPED, 0),
+        (Phase.FAILED, 1),
+        (Phase.STARTING, None),
+        (Phase.RUNNING, None),
+        (Phase.STOPPING, None),
+        (Phase.BACKOFF, None),
+    ],
 )
 def test_exit_code_per_phase(phase, code):
     """FINISHED and STOPPED exit 0, FAILED exits 1, and a non-terminal phase has no exit code."""
@@ -1065,9 +1124,15 @@ def test_only_finished_stopped_failed_are_terminal():
 
 @pytest.mark.parametrize(
     ("returncode", "text"),
-    [(0, "exited with code 0"), (3, "exited with code 3"), (65, "exited with code 65"),
-     (-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"), (-2, "killed by SIGINT"),
-     (-99, "killed by signal 99")],
+    [
+        (0, "exited with code 0"),
+        (3, "exited with code 3"),
+        (65, "exited with code 65"),
+        (-9, "killed by SIGKILL"),
+        (-15, "killed by SIGTERM"),
+        (-2, "killed by SIGINT"),
+        (-99, "killed by signal 99"),
+    ],
 )
 def test_describe_exit(returncode, text):
     """Exit codes read as 'exited with code N', negative codes as the killing signal's name or number."""
@@ -1115,8 +1180,9 @@ def test_rank_config_error_fails_the_run_with_exit_78_without_relaunch():
     assert shape(actions) == ["rank_config_error", SignalRanks(0, signal.SIGTERM)]
     state, _ = decide(state, ChildExited(0, 0, -signal.SIGTERM), NOW + 1)
     assert (state.phase, state.exit_code) == (Phase.FAILED, 78)
-    assert state.reason == ("rank 1 exited with code 78 (its configuration is invalid) in attempt 0; "
-                            "relaunching cannot help")
+    assert state.reason == (
+        "rank 1 exited with code 78 (its configuration is invalid) in attempt 0; relaunching cannot help"
+    )
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -1132,8 +1198,9 @@ def test_hang_deadline_is_the_latest_rank_deadline(seed: int) -> None:
     for rank in state.ranks:
         beat = rng.choice([None, NOW + rng.uniform(0, 100)])
         phase = None if beat is None and rng.random() < 0.7 else rng.choice(["train", "save", "eval", "custom"])
-        ranks.append(replace(rank, heartbeat_monotonic=beat, heartbeat_phase=phase,
-                             returncode=0 if rng.random() < 0.2 else None))
+        ranks.append(
+            replace(rank, heartbeat_monotonic=beat, heartbeat_phase=phase, returncode=0 if rng.random() < 0.2 else None)
+        )
     gaps = tuple(rng.uniform(0.1, 2.0) for _ in range(rng.choice([0, 50])))
     state = replace(state, ranks=tuple(ranks), heartbeats_seen=rng.random() < 0.5, step_gaps=gaps)
     each = [d for r in state.ranks if (d := rank_deadline(state, r)) is not None]

@@ -64,8 +64,15 @@ def test_anomaly_abort_begins_stop_and_schedules_rollback():
     assert shape(actions) == ["anomaly_abort", "rollback_scheduled", SignalRanks(0, signal.SIGTERM)]
     abort = record(actions, "anomaly_abort")
     assert abort.level == "error"
-    assert dict(abort.fields) == {"rank": 0, "attempt": 0, "first_step": 500, "abort_step": 509,
-                                  "first_batch": 520, "abort_batch": 529, "suspect_ranks": []}
+    assert dict(abort.fields) == {
+        "rank": 0,
+        "attempt": 0,
+        "first_step": 500,
+        "abort_step": 509,
+        "first_batch": 520,
+        "abort_batch": 529,
+        "suspect_ranks": [],
+    }
     scheduled = record(actions, "rollback_scheduled")
     assert scheduled.level == "info"
     assert dict(scheduled.fields) == {"resume_at_most": 400, "skip_to_batch": 730, "tries": 1, "skip_after": 200}
@@ -77,8 +84,12 @@ def test_rollback_relaunch_resumes_at_most_and_skips_data():
     assert (state.phase, state.attempt, state.restarts) == (Phase.STARTING, 1, 1)
     assert state.rollback == PLAN
     assert state.rollback_pending is False
-    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled",
-                              LaunchRanks(1, resume_at_most=400, skip_to_batch=730)]
+    assert shape(actions) == [
+        "rank_stopped",
+        KillLeftovers(0),
+        "relaunch_scheduled",
+        LaunchRanks(1, resume_at_most=400, skip_to_batch=730),
+    ]
 
 
 def test_anomaly_abort_of_last_running_rank_relaunches_rollback_at_once():
@@ -86,8 +97,13 @@ def test_anomaly_abort_of_last_running_rank_relaunches_rollback_at_once():
     state, _ = decide(running(), ChildExited(0, 1, 0), NOW)
     state, actions = decide(state, ChildExited(0, 0, EXIT_ANOMALY, ABORT), NOW)
     assert (state.phase, state.attempt, state.stop_stage) == (Phase.STARTING, 1, None)
-    assert shape(actions) == ["anomaly_abort", "rollback_scheduled", KillLeftovers(0), "relaunch_scheduled",
-                              LaunchRanks(1, resume_at_most=400, skip_to_batch=730)]
+    assert shape(actions) == [
+        "anomaly_abort",
+        "rollback_scheduled",
+        KillLeftovers(0),
+        "relaunch_scheduled",
+        LaunchRanks(1, resume_at_most=400, skip_to_batch=730),
+    ]
 
 
 def test_rollback_after_backoff_keeps_resume_at_most():
@@ -120,9 +136,14 @@ def test_exit_anomaly_without_abort_info_is_a_crash():
     assert (state.rollback, state.rollback_pending) == (None, False)
     assert state.last_failure == "rank 0 exited with code 65 in attempt 0"
     assert shape(actions) == ["rank_crashed", SignalRanks(0, signal.SIGTERM)]
-    assert dict(record(actions, "rank_crashed").fields) == {"rank": 0, "attempt": 0, "returncode": 65,
-                                                           "description": "exited with code 65", "step": None,
-                                                           "cause": "exited with code 65"}
+    assert dict(record(actions, "rank_crashed").fields) == {
+        "rank": 0,
+        "attempt": 0,
+        "returncode": 65,
+        "description": "exited with code 65",
+        "step": None,
+        "cause": "exited with code 65",
+    }
     state, actions = decide(state, ChildExited(0, 1, -signal.SIGTERM), NOW + 1)
     assert actions[-1] == LaunchRanks(1)
 
@@ -132,8 +153,12 @@ def test_second_abort_in_same_region_widens_the_rollback():
     state = relaunched(running(), ABORT)
     state, actions = decide(state, ChildExited(1, 0, EXIT_ANOMALY, AGAIN), NOW + 3)
     assert state.rollback == Rollback(abort=AGAIN, tries=2, resume_at_most=250, skip_to_batch=1190, skip_after=400)
-    assert dict(record(actions, "rollback_scheduled").fields) == {"resume_at_most": 250, "skip_to_batch": 1190,
-                                                                 "tries": 2, "skip_after": 400}
+    assert dict(record(actions, "rollback_scheduled").fields) == {
+        "resume_at_most": 250,
+        "skip_to_batch": 1190,
+        "tries": 2,
+        "skip_after": 400,
+    }
 
 
 def test_abort_after_a_peer_died_of_it_turns_the_pending_relaunch_into_the_rollback():
@@ -142,8 +167,14 @@ def test_abort_after_a_peer_died_of_it_turns_the_pending_relaunch_into_the_rollb
     assert (state.then, state.rollback_pending) == (Then.RELAUNCH, False)
     state, actions = decide(state, ChildExited(0, 0, EXIT_ANOMALY, ABORT), NOW + 1)
     assert (state.rollback, state.attempt, state.restarts) == (PLAN, 1, 1)
-    assert shape(actions) == ["anomaly_abort", "rollback_scheduled", "rank_stopped", KillLeftovers(0),
-                              "relaunch_scheduled", LaunchRanks(1, resume_at_most=400, skip_to_batch=730)]
+    assert shape(actions) == [
+        "anomaly_abort",
+        "rollback_scheduled",
+        "rank_stopped",
+        KillLeftovers(0),
+        "relaunch_scheduled",
+        LaunchRanks(1, resume_at_most=400, skip_to_batch=730),
+    ]
     assert state.last_failure == "rank 0 aborted on anomalies in steps 500-509 (batches 520-529) in attempt 0"
     (failure,) = state.failures
     assert (failure.rank, failure.step, failure.cause.kind.value) == (0, 509, "anomaly")
@@ -153,14 +184,23 @@ def test_a_peer_dying_of_the_abort_first_carries_it_and_rolls_back_once():
     """Rank 1's SIGABRT exit carries the abort a peer logged: rollback at once; rank 0's exit 65 plans no second."""
     state, actions = decide(running(), ChildExited(0, 1, -signal.SIGABRT, ABORT), NOW)
     assert (state.phase, state.then, state.rollback, state.rollback_pending) == (
-        Phase.STOPPING, Then.RELAUNCH, PLAN, True)
+        Phase.STOPPING,
+        Then.RELAUNCH,
+        PLAN,
+        True,
+    )
     assert shape(actions) == ["anomaly_abort", "rollback_scheduled", SignalRanks(0, signal.SIGTERM)]
-    assert state.last_failure == ("rank 1 killed by SIGABRT after an abort on anomalies in steps 500-509 "
-                                  "(batches 520-529) in attempt 0")
+    assert state.last_failure == (
+        "rank 1 killed by SIGABRT after an abort on anomalies in steps 500-509 (batches 520-529) in attempt 0"
+    )
     state, actions = decide(state, ChildExited(0, 0, EXIT_ANOMALY, ABORT), NOW + 1)
     assert state.rollback == PLAN  # tries still 1
-    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled",
-                              LaunchRanks(1, resume_at_most=400, skip_to_batch=730)]
+    assert shape(actions) == [
+        "rank_stopped",
+        KillLeftovers(0),
+        "relaunch_scheduled",
+        LaunchRanks(1, resume_at_most=400, skip_to_batch=730),
+    ]
 
 
 def test_abort_after_a_peers_crash_in_a_region_rolled_back_too_often_fails_with_65():
@@ -199,8 +239,10 @@ def test_rollbacks_exhausted_for_region_fails():
     state, actions = decide(state, ChildExited(3, 1, -signal.SIGTERM), NOW + 4)
     assert state.phase is Phase.FAILED
     assert state.exit_code == 65  # retrying the same data cannot help: not a retryable failure
-    assert state.reason == ("rank 0 aborted on anomalies in steps 1500-1509 (batches 2400-2409) in attempt 3; "
-                            "this region was already rolled back 3 times")
+    assert state.reason == (
+        "rank 0 aborted on anomalies in steps 1500-1509 (batches 2400-2409) in attempt 3; "
+        "this region was already rolled back 3 times"
+    )
     assert shape(actions) == ["rank_stopped", KillLeftovers(3)]
 
 
@@ -214,8 +256,10 @@ def test_rollbacks_exhausted_still_fails_after_stop_request():
     assert shape(actions) == ["signal_received"]
     state, _ = decide(state, ChildExited(2, 1, -signal.SIGTERM), NOW + 5)
     assert state.phase is Phase.FAILED
-    assert state.reason == ("rank 0 aborted on anomalies in steps 1000-1004 (batches 1500-1504) in attempt 2; "
-                            "this region was already rolled back 2 times")
+    assert state.reason == (
+        "rank 0 aborted on anomalies in steps 1000-1004 (batches 1500-1504) in attempt 2; "
+        "this region was already rolled back 2 times"
+    )
 
 
 def test_restarts_exhausted_on_anomaly_abort_fails_with_restarts_reason():
@@ -229,8 +273,9 @@ def test_restarts_exhausted_on_anomaly_abort_fails_with_restarts_reason():
     assert dict(record(actions, "restarts_exhausted").fields) == {"restarts": 3, "max_restarts": 3}
     state, actions = decide(state, ChildExited(3, 1, -signal.SIGTERM), NOW + 1)
     assert state.phase is Phase.FAILED
-    assert state.reason == ("rank 0 aborted on anomalies in steps 500-509 (batches 520-529) in attempt 3; "
-                            "restarts exhausted (3/3)")
+    assert state.reason == (
+        "rank 0 aborted on anomalies in steps 500-509 (batches 520-529) in attempt 3; restarts exhausted (3/3)"
+    )
     assert shape(actions) == ["rank_stopped", KillLeftovers(3)]
 
 

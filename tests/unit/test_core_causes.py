@@ -29,8 +29,11 @@ from tests.unit.test_core import HUNG_AT, NOW, PIDS, POLICY, STACKS, beat, recor
 from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_CRASH_LOOP
 
 BOOM = Cause(CauseKind.EXCEPTION, "ValueError: boom (train.py:12 in step)", "ValueError (train.py:12 in step)")
-MISMATCH = Cause(CauseKind.CHECKPOINT_INCOMPATIBLE, "checkpoint incompatible with the model: RuntimeError: Error(s) "
-                                                    "in loading state_dict for Net: size mismatch for fc.weight")
+MISMATCH = Cause(
+    CauseKind.CHECKPOINT_INCOMPATIBLE,
+    "checkpoint incompatible with the model: RuntimeError: Error(s) "
+    "in loading state_dict for Net: size mismatch for fc.weight",
+)
 KILLED = Cause(CauseKind.SIGNAL, "killed by SIGKILL")
 LOOSE = replace(POLICY, max_restarts=10, backoff_initial_s=0.0)  # restarts to spare; relaunches at once
 LOOP = "crash loop: 3 attempts in a row failed the same way at step 40: ValueError: boom (train.py:12 in step)"
@@ -63,9 +66,14 @@ def test_crash_records_the_failure_with_cause_step_and_progress():
     state, actions = fail(running(LOOSE, resume_step=20))
     assert state.failures == (Failure(attempt=0, rank=0, step=40, resume_step=20, cause=BOOM, progressed=True),)
     assert state.cause == BOOM.text
-    assert dict(record(actions, "rank_crashed").fields) == {"rank": 0, "attempt": 0, "returncode": 1,
-                                                           "description": "exited with code 1", "step": 40,
-                                                           "cause": BOOM.text}
+    assert dict(record(actions, "rank_crashed").fields) == {
+        "rank": 0,
+        "attempt": 0,
+        "returncode": 1,
+        "description": "exited with code 1",
+        "step": 40,
+        "cause": BOOM.text,
+    }
 
 
 def test_crash_without_a_cause_is_explained_by_its_exit_status():
@@ -201,8 +209,9 @@ def test_crash_loop_breaker_off_at_zero():
 
 def test_failure_history_keeps_the_newest():
     """The history is bounded: only the newest FAILURES_KEPT failures are kept."""
-    state = after_failures([(BOOM, step) for step in range(40, 40 + FAILURES_KEPT + 2)],
-                           policy=replace(LOOSE, max_restarts=100))
+    state = after_failures(
+        [(BOOM, step) for step in range(40, 40 + FAILURES_KEPT + 2)], policy=replace(LOOSE, max_restarts=100)
+    )
     assert len(state.failures) == FAILURES_KEPT and state.failures[-1].step == 40 + FAILURES_KEPT + 1
 
 
@@ -230,15 +239,30 @@ def test_stacks_naming_the_culprit_make_last_failure_hang_and_history_agree():
     state, _ = decide(state, Tick(), HUNG_AT)
     assert (state.hang.rank, state.failures[-1].rank) == (0, 0)
     verdict = Verdict(1, "host-side", "stacks", "the only rank outside every collective")
-    state, _ = decide(state, StacksCollected(0, STACKS, culprit=1, last_steps=((0, 31), (1, 31)), verdict=verdict,
-                                             node="n2"), HUNG_AT + 1)
-    assert state.hang == Hang(attempt=0, rank=1, phase="train", step=31, silent_s=305.0, timeout_s=300.0,
-                              stacks=STACKS, named_by="stacks", cls="host-side", node="n2",
-                              evidence="the only rank outside every collective")
+    state, _ = decide(
+        state,
+        StacksCollected(0, STACKS, culprit=1, last_steps=((0, 31), (1, 31)), verdict=verdict, node="n2"),
+        HUNG_AT + 1,
+    )
+    assert state.hang == Hang(
+        attempt=0,
+        rank=1,
+        phase="train",
+        step=31,
+        silent_s=305.0,
+        timeout_s=300.0,
+        stacks=STACKS,
+        named_by="stacks",
+        cls="host-side",
+        node="n2",
+        evidence="the only rank outside every collective",
+    )
     assert state.last_failure.startswith("rank 1 hung in phase train (last heartbeat at step 31): ")
     assert (state.failures[-1].rank, state.failures[-1].step) == (1, 31)
-    assert state.cause == ("hang: rank 1 on n2 (host-side: the only rank outside every collective) silent in phase "
-                           "train after step 31 for 305.0 s (timeout 300 s)")
+    assert state.cause == (
+        "hang: rank 1 on n2 (host-side: the only rank outside every collective) silent in phase "
+        "train after step 31 for 305.0 s (timeout 300 s)"
+    )
 
 
 def test_hang_tie_names_the_rank_behind():
@@ -270,8 +294,12 @@ def test_a_failed_collective_seeks_its_culprit_before_the_kill_and_charges_the_f
     named = dict(record(actions, "culprit_named").fields)
     assert (named["rank"], named["node"], named["class"], named["first_failed"]) == (2, "n2", "desync", 0)
     assert (state.failures[-1].rank, state.failures[-1].node, state.failures[-1].cause.kind) == (
-        2, "n2", CauseKind.COLLECTIVE)
+        2,
+        "n2",
+        CauseKind.COLLECTIVE,
+    )
     assert state.cause.startswith("desync: rank 2 on n2: process group 0 collective #9: ")
-    assert state.cause.endswith("(first seen as rank 0: desync: Received data size doesn't match expected size "
-                                "(killed by SIGABRT))")
+    assert state.cause.endswith(
+        "(first seen as rank 0: desync: Received data size doesn't match expected size (killed by SIGABRT))"
+    )
     assert (state.phase, state.attempt) == (Phase.STARTING, 1)

@@ -29,8 +29,9 @@ REFUSAL = CheckpointRefusal(step=30, path=PATH, error=ERROR)
 REASON = f"refused by rank 1: {ERROR}"
 
 
-def refused_exit(state: State, refusal: CheckpointRefusal | None = REFUSAL,
-                 returncode: int = EXIT_CHECKPOINT_REFUSED) -> ChildExited:
+def refused_exit(
+    state: State, refusal: CheckpointRefusal | None = REFUSAL, returncode: int = EXIT_CHECKPOINT_REFUSED
+) -> ChildExited:
     """Rank 1 of the current attempt exiting (EXIT_CHECKPOINT_REFUSED) with `refusal` read from its log."""
     return ChildExited(state.attempt, 1, returncode, refused=refusal)
 
@@ -62,8 +63,12 @@ def test_refused_checkpoint_relaunch_passes_the_step_over():
     state, _ = decide(state, refused_exit(state), NOW)
     state, actions = decide(state, ChildExited(0, 0, -signal.SIGTERM), NOW + 1)
     assert (state.phase, state.attempt, state.restarts) == (Phase.STARTING, 1, 1)
-    assert shape(actions) == ["rank_stopped", KillLeftovers(0), "relaunch_scheduled",
-                              LaunchRanks(1, refused=((30, REASON),))]
+    assert shape(actions) == [
+        "rank_stopped",
+        KillLeftovers(0),
+        "relaunch_scheduled",
+        LaunchRanks(1, refused=((30, REASON),)),
+    ]
 
 
 def test_refused_steps_outlive_later_crashes():
@@ -125,8 +130,13 @@ def test_checkpoint_refused_while_stopping_is_remembered():
     state = replace(stopping_for_crash(), resume_step=30)
     state, actions = decide(state, refused_exit(state, returncode=-signal.SIGTERM), NOW + 1)
     assert state.refused_steps == ((30, REASON),)
-    assert shape(actions) == ["checkpoint_refused", "rank_stopped", KillLeftovers(0), "relaunch_scheduled",
-                              LaunchRanks(1, refused=((30, REASON),))]
+    assert shape(actions) == [
+        "checkpoint_refused",
+        "rank_stopped",
+        KillLeftovers(0),
+        "relaunch_scheduled",
+        LaunchRanks(1, refused=((30, REASON),)),
+    ]
 
 
 def test_checkpoint_refused_while_stopping_a_named_resume_fails_with_exit_config():

@@ -46,13 +46,21 @@ def test_second_sigint_while_a_rank_saves_sigterms_and_waits_for_the_save():
     state, actions = decide(saving_rank_0(state), SignalReceived(signal.SIGINT), NOW + 1)
     assert (state.phase, state.then, state.stop_stage) == (Phase.STOPPING, Then.STOP, StopStage.TERM)
     assert state.deadline == SAVE_SEEN + SAVE_TIMEOUT_S
-    assert shape(actions) == ["signal_received", SignalRanks(0, signal.SIGTERM), "stop_waits_for_save",
-                              "save_in_flight"]
+    assert shape(actions) == [
+        "signal_received",
+        SignalRanks(0, signal.SIGTERM),
+        "stop_waits_for_save",
+        "save_in_flight",
+    ]
     warning = record(actions, "save_in_flight")
     assert warning.level == "warning"
     wait_s = round(SAVE_SEEN + SAVE_TIMEOUT_S - (NOW + 1), 3)
-    assert dict(warning.fields) == {"ranks": [0], "steps": [40], "wait_s": wait_s,
-                                    "message": "saving, press Ctrl-C again to abandon the save"}
+    assert dict(warning.fields) == {
+        "ranks": [0],
+        "steps": [40],
+        "wait_s": wait_s,
+        "message": "saving, press Ctrl-C again to abandon the save",
+    }
 
 
 def test_a_save_finished_after_the_second_sigint_ends_a_clean_stop():
@@ -74,8 +82,10 @@ def test_third_sigint_abandons_the_save_and_the_stop_says_it_was_lost():
     state, _ = decide(state, ChildExited(0, 1, -signal.SIGTERM), NOW + 2)
     state, actions = decide(state, ChildExited(0, 0, -signal.SIGKILL), NOW + 2)
     assert (state.phase, state.exit_code, state.saves_lost) == (Phase.STOPPED, EXIT_SAVE_LOST, ((0, 40),))
-    assert state.reason == ("stopped on request, but the checkpoint save in flight was lost: rank 0 (step 40) went "
-                            "down inside it; the newest complete checkpoint is older")
+    assert state.reason == (
+        "stopped on request, but the checkpoint save in flight was lost: rank 0 (step 40) went "
+        "down inside it; the newest complete checkpoint is older"
+    )
     assert shape(actions) == ["rank_stopped", KillLeftovers(0), "save_lost", "run_stopped"]
     lost = record(actions, "save_lost")
     assert (lost.level, dict(lost.fields)) == ("error", {"attempt": 0, "ranks": [0], "steps": [40]})
@@ -98,8 +108,11 @@ def test_second_sigint_while_stopping_for_a_crash_waits_for_a_save_and_the_third
     state, _ = decide(state, ChildExited(0, 0, 3), NOW)
     state, _ = decide(state, SignalReceived(signal.SIGINT), NOW + 1)
     state, actions = decide(state, SignalReceived(signal.SIGINT), NOW + 2)
-    assert (state.then, state.stop_stage, shape(actions)) == (Then.STOP, StopStage.TERM,
-                                                              ["signal_received", "save_in_flight"])
+    assert (state.then, state.stop_stage, shape(actions)) == (
+        Then.STOP,
+        StopStage.TERM,
+        ["signal_received", "save_in_flight"],
+    )
     state, actions = decide(state, SignalReceived(signal.SIGINT), NOW + 3)
     assert shape(actions) == ["signal_received", SignalRanks(0, signal.SIGKILL)]
 

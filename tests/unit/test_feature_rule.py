@@ -111,13 +111,24 @@ def test_non_finite_values_move_only_pre_val():
 
 def test_env_overrides_yaml():
     """TRAINWARDEN_ASD_* replace the YAML values, with seed 002's 'L1,L2' pair format."""
-    env = {"TRAINWARDEN_ASD_ENABLE": "3", "TRAINWARDEN_ASD_UPPER_THRESH": "500,20",
-           "TRAINWARDEN_ASD_SIGMA_THRESH": " 1000, 50 ", "TRAINWARDEN_ASD_MIN_STEPS": "7",
-           "TRAINWARDEN_ASD_LAYERS": "blocks.0.attn, head"}
+    env = {
+        "TRAINWARDEN_ASD_ENABLE": "3",
+        "TRAINWARDEN_ASD_UPPER_THRESH": "500,20",
+        "TRAINWARDEN_ASD_SIGMA_THRESH": " 1000, 50 ",
+        "TRAINWARDEN_ASD_MIN_STEPS": "7",
+        "TRAINWARDEN_ASD_LAYERS": "blocks.0.attn, head",
+    }
     config, problems = with_env(FeatureValueConfig(level=1, layers=["x"]), env)
     assert problems == []
-    assert config == FeatureValueConfig(level=3, upper_thresh1=500.0, upper_thresh2=20.0, sigma_thresh1=1000.0,
-                                        sigma_thresh2=50.0, min_steps=7, layers=["blocks.0.attn", "head"])
+    assert config == FeatureValueConfig(
+        level=3,
+        upper_thresh1=500.0,
+        upper_thresh2=20.0,
+        sigma_thresh1=1000.0,
+        sigma_thresh2=50.0,
+        min_steps=7,
+        layers=["blocks.0.attn", "head"],
+    )
 
 
 def test_unset_or_empty_env_keeps_yaml():
@@ -126,15 +137,18 @@ def test_unset_or_empty_env_keeps_yaml():
     assert with_env(config, {"TRAINWARDEN_ASD_ENABLE": ""}) == (config, [])
 
 
-@pytest.mark.parametrize(("name", "value", "why"), [
-    ("TRAINWARDEN_ASD_ENABLE", "4", "must be 0, 1, 2 or 3"),
-    ("TRAINWARDEN_ASD_ENABLE", "on", "must be 0, 1, 2 or 3"),
-    ("TRAINWARDEN_ASD_UPPER_THRESH", "1000000", "must be two numbers"),
-    ("TRAINWARDEN_ASD_UPPER_THRESH", "10,1000", "needs L1 > L2 >= 3"),
-    ("TRAINWARDEN_ASD_SIGMA_THRESH", "100,2", "needs L1 > L2 >= 3"),
-    ("TRAINWARDEN_ASD_SIGMA_THRESH", "a,b", "must be two numbers"),
-    ("TRAINWARDEN_ASD_MIN_STEPS", "-1", "must be an integer"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("TRAINWARDEN_ASD_ENABLE", "4", "must be 0, 1, 2 or 3"),
+        ("TRAINWARDEN_ASD_ENABLE", "on", "must be 0, 1, 2 or 3"),
+        ("TRAINWARDEN_ASD_UPPER_THRESH", "1000000", "must be two numbers"),
+        ("TRAINWARDEN_ASD_UPPER_THRESH", "10,1000", "needs L1 > L2 >= 3"),
+        ("TRAINWARDEN_ASD_SIGMA_THRESH", "100,2", "needs L1 > L2 >= 3"),
+        ("TRAINWARDEN_ASD_SIGMA_THRESH", "a,b", "must be two numbers"),
+        ("TRAINWARDEN_ASD_MIN_STEPS", "-1", "must be an integer"),
+    ],
+)
 def test_invalid_env_is_ignored_and_named(name, value, why):
     """An invalid variable leaves the YAML value in force and is described by name, value and reason."""
     config = FeatureValueConfig(level=2)

@@ -33,9 +33,16 @@ from supervisor.observe.progress import JournalRecord
 from supervisor.observe.status import read_status, render, snapshot, write_status
 from worker.contract import RunLayout
 
-POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,
-                kill_grace_s=10.0, sigkill_wait_s=5.0,
-                hang=HangPolicy(phase_timeouts_s={"train": 20.0, "startup": 30.0}, first_heartbeat_s=30.0))
+POLICY = Policy(
+    nproc=2,
+    max_restarts=3,
+    backoff_initial_s=1.0,
+    backoff_factor=2.0,
+    backoff_max_s=5.0,
+    kill_grace_s=10.0,
+    sigkill_wait_s=5.0,
+    hang=HangPolicy(phase_timeouts_s={"train": 20.0, "startup": 30.0}, first_heartbeat_s=30.0),
+)
 T0 = 1000.0  # the supervisor's monotonic clock at Started
 
 
@@ -61,8 +68,15 @@ class Run:
         assert self.state.phase is Phase.STARTING, self.state.phase
         self.feed(RanksLaunched(self.state.attempt, (100, 101), resume_step), at)
 
-    def beat(self, at: float, step: int, *, phase: str = "train", save_s: float | None = None,
-             ranks: tuple[int, ...] = (0, 1)) -> None:
+    def beat(
+        self,
+        at: float,
+        step: int,
+        *,
+        phase: str = "train",
+        save_s: float | None = None,
+        ranks: tuple[int, ...] = (0, 1),
+    ) -> None:
         for rank in ranks:
             key = (self.state.attempt, rank)
             self._seq[key] = self._seq.get(key, 0) + 1
@@ -262,39 +276,60 @@ def test_gap_after_a_finished_run_is_not_counted():
     assert Goodput(previous, wall_now=9000.0).totals()["wall_s"] == pytest.approx(24)
 
 
-@pytest.mark.parametrize("goodput", [
-    None, "x", [], {"productive_s": 5.0}, {name: 1.0 for name in CATEGORIES} | {"lost_s": -1.0},
-    {name: 1.0 for name in CATEGORIES} | {"hang_s": math.nan}, {name: 1.0 for name in CATEGORIES} | {"save_s": True},
-    {name: 1.0 for name in CATEGORIES} | {"restart_s": "3"}, {name: 1.0 for name in CATEGORIES} | {"stopped_s": 1e400},
-    {name: 1.0 for name in CATEGORIES} | {"stopped_s": 10**400},
-])
+@pytest.mark.parametrize(
+    "goodput",
+    [
+        None,
+        "x",
+        [],
+        {"productive_s": 5.0},
+        {name: 1.0 for name in CATEGORIES} | {"lost_s": -1.0},
+        {name: 1.0 for name in CATEGORIES} | {"hang_s": math.nan},
+        {name: 1.0 for name in CATEGORIES} | {"save_s": True},
+        {name: 1.0 for name in CATEGORIES} | {"restart_s": "3"},
+        {name: 1.0 for name in CATEGORIES} | {"stopped_s": 1e400},
+        {name: 1.0 for name in CATEGORIES} | {"stopped_s": 10**400},
+    ],
+)
 def test_malformed_previous_totals_are_dropped_with_the_gap(goodput: Any):
     """Totals with any missing, negative, non-finite or non-number category start afresh (and no gap is counted)."""
     fresh = Goodput({"state": "stopped", "updated_at": 1.0, "goodput": goodput}, wall_now=100.0)
     assert fresh.totals() == {"wall_s": 0.0, **dict.fromkeys(CATEGORIES, 0.0)}
 
 
-@pytest.mark.parametrize("kept", [
-    None, "x", [[0, 0.0], [5, 1.0], [3, 2.0]], [[0, 0.0], [5, 1.0], [5, 2.0]], [[1, 0.0], [5, 1.0]],
-    [[0, 0.0], [5, -1.0]], [[0, 0.0], [5, True]], [[0, 0.0], [5.0, 1.0]], [[0, 0.0, 1]],
-    [[0, 0.0]] * (KEPT_SAVED + 1),
-])
+@pytest.mark.parametrize(
+    "kept",
+    [
+        None,
+        "x",
+        [[0, 0.0], [5, 1.0], [3, 2.0]],
+        [[0, 0.0], [5, 1.0], [5, 2.0]],
+        [[1, 0.0], [5, 1.0]],
+        [[0, 0.0], [5, -1.0]],
+        [[0, 0.0], [5, True]],
+        [[0, 0.0], [5.0, 1.0]],
+        [[0, 0.0, 1]],
+        [[0, 0.0]] * (KEPT_SAVED + 1),
+    ],
+)
 def test_malformed_kept_timeline_keeps_the_carried_productive_time(kept: Any):
     """Without a usable kept timeline, the carried productive time cannot be placed on steps: none of it is lost."""
-    previous = {"state": "stopped", "updated_at": 1.0, "goodput": dict.fromkeys(CATEGORIES, 10.0),
-                "goodput_kept": kept}
+    previous = {"state": "stopped", "updated_at": 1.0, "goodput": dict.fromkeys(CATEGORIES, 10.0), "goodput_kept": kept}
     run = Run(Goodput(previous, wall_now=1.0))
     run.start(resume_step=0)
     assert run.goodput.totals()["lost_s"] == pytest.approx(10)
     assert run.goodput.totals()["productive_s"] == pytest.approx(10)
 
 
-
 def test_carried_points_above_the_total_or_a_later_point_are_lowered_not_dropped():
     """Save time heard of after a point came out of the training before it: such points are lowered, and a resume
     from step 0 still loses all the carried productive time."""
-    previous = {"state": "stopped", "updated_at": 1.0, "goodput": dict.fromkeys(CATEGORIES, 10.0),
-                "goodput_kept": [[0, 0.0], [5, 2.0], [6, 1.0], [8, 99.0]]}
+    previous = {
+        "state": "stopped",
+        "updated_at": 1.0,
+        "goodput": dict.fromkeys(CATEGORIES, 10.0),
+        "goodput_kept": [[0, 0.0], [5, 2.0], [6, 1.0], [8, 99.0]],
+    }
     run = Run(Goodput(previous, wall_now=1.0))
     assert run.goodput.status()["goodput_kept"] == [[0, 0.0], [5, 1.0], [6, 1.0], [8, 10.0]]
     run.start(resume_step=0)
@@ -335,7 +370,8 @@ def test_successor_of_a_supervisor_that_died_mid_run_loses_the_training_past_the
     successor.start(500, resume_step=20, launched=502)
     assert successor.split() == expect(restart_s=5 + 60 + 2, productive_s=20, lost_s=12, save_s=5)  # wall_s 104
     assert ("info", "work_lost", {"attempt": 0, "resume_step": 20, "last_step": 40, "lost_s": 12.0}) in (
-        successor.records)
+        successor.records
+    )
 
 
 def test_successor_of_a_supervisor_that_died_just_after_a_late_save_report_loses_the_training_past_it():
@@ -355,6 +391,7 @@ def test_successor_of_a_supervisor_that_died_mid_run_without_save_reports_loses_
     successor = Run(Goodput(died_at(run, 42), wall_now=5060.0))
     successor.start(500, resume_step=20, launched=502)
     assert successor.split() == expect(restart_s=5 + 60 + 2, productive_s=20, lost_s=17)
+
 
 def test_ranks_without_steps_are_start_up_until_a_clean_end_makes_them_productive():
     """A script that reports no steps (no worker library): its attempt counts once it ends, by how it ended."""
@@ -398,8 +435,13 @@ def test_categories_add_up_to_wall_time_whatever_happens():
             roll = rng.random()
             if roll < 0.6:
                 top = max((r.step or 0) for r in run.state.ranks)
-                run.beat(at, top + rng.choice([0, 1, 3]), phase=rng.choice(["train", "train", "save"]),
-                         save_s=rng.choice([None, at / 10]), ranks=(rng.randrange(2),))
+                run.beat(
+                    at,
+                    top + rng.choice([0, 1, 3]),
+                    phase=rng.choice(["train", "train", "save"]),
+                    save_s=rng.choice([None, at / 10]),
+                    ranks=(rng.randrange(2),),
+                )
             elif roll < 0.7:
                 run.exit(at, rng.randrange(2), rng.choice([0, 1, -9, -15]))
             elif roll < 0.73:
@@ -410,18 +452,43 @@ def test_categories_add_up_to_wall_time_whatever_happens():
 
 def test_describe_renders_one_line_and_refuses_malformed_blocks():
     """The human line for status and the final message; anything malformed is no line at all."""
-    block = {"wall_s": 900.0, "productive_s": 724.0, "lost_s": 41.0, "restart_s": 62.0, "save_s": 20.0,
-             "hang_s": 0.0, "stopped_s": 53.0, "ratio": 0.8044}
-    assert describe(block) == ("goodput 80.4 % (productive 12m04s, lost 41s, restarts 1m02s, saves 20s, hangs 0s, "
-                               "stopped 53s)")
+    block = {
+        "wall_s": 900.0,
+        "productive_s": 724.0,
+        "lost_s": 41.0,
+        "restart_s": 62.0,
+        "save_s": 20.0,
+        "hang_s": 0.0,
+        "stopped_s": 53.0,
+        "ratio": 0.8044,
+    }
+    assert describe(block) == (
+        "goodput 80.4 % (productive 12m04s, lost 41s, restarts 1m02s, saves 20s, hangs 0s, stopped 53s)"
+    )
     assert describe({**block, "ratio": None}).startswith("goodput n/a (")
-    for bad in (None, [], {**block, "lost_s": -1}, {**block, "hang_s": "0"}, {**block, "wall_s": math.inf},
-                {**block, "save_s": 10**400}):
+    for bad in (
+        None,
+        [],
+        {**block, "lost_s": -1},
+        {**block, "hang_s": "0"},
+        {**block, "wall_s": math.inf},
+        {**block, "save_s": 10**400},
+    ):
         assert describe(bad) is None
 
 
-@pytest.mark.parametrize(("seconds", "text"), [(0.4, "0s"), (59.4, "59s"), (60, "1m00s"), (3599, "59m59s"),
-                                                 (3600, "1h00m"), (86399, "23h59m"), (2 * 86400 + 5 * 3600, "2d05h")])
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.4, "0s"),
+        (59.4, "59s"),
+        (60, "1m00s"),
+        (3599, "59m59s"),
+        (3600, "1h00m"),
+        (86399, "23h59m"),
+        (2 * 86400 + 5 * 3600, "2d05h"),
+    ],
+)
 def test_duration_is_as_precise_as_a_glance_needs(seconds: float, text: str):
     """Seconds, then minutes and seconds, hours and minutes, days and hours."""
     assert duration(seconds) == text
@@ -436,7 +503,8 @@ def test_status_render_shows_the_goodput_line_and_skips_a_tampered_one():
     run.exit(7, 1, 0)
     status = {"state": "finished", "attempt": 0, "restarts": 0, "ranks": [], **run.goodput.status()}
     assert "\n  goodput 28.6 % (productive 2s, lost 0s, restarts 5s, saves 0s, hangs 0s, stopped 0s)\n" in (
-        render(status) + "\n")
+        render(status) + "\n"
+    )
     for bad in ({"wall_s": "lots"}, [], None, {**status["goodput"], "ratio": math.nan}):
         text = render({**status, "goodput": bad})
         assert ("goodput n/a" in text) if isinstance(bad, dict) and "ratio" in bad else ("goodput" not in text)
@@ -475,7 +543,8 @@ def test_totals_carry_over_through_the_state_file(tmp_path):
     assert carried.totals()["stopped_s"] == pytest.approx(2, abs=1)  # the gap: the moments since it was written
     assert carried.status()["goodput_kept"] == run.goodput.status()["goodput_kept"]
     assert {k: v for k, v in carried.totals().items() if k not in ("stopped_s", "wall_s")} == {
-        k: pytest.approx(v) for k, v in run.goodput.totals().items() if k not in ("stopped_s", "wall_s")}
+        k: pytest.approx(v) for k, v in run.goodput.totals().items() if k not in ("stopped_s", "wall_s")
+    }
 
 
 def test_time_on_fewer_ranks_than_configured_is_counted_apart_and_carried_over():

@@ -60,13 +60,19 @@ def test_healthy_gpus_have_no_problems_and_nvml_is_shut_down():
 
 
 def test_a_gpu_that_needs_a_reset_or_has_pending_pages_or_remapping_is_named_with_why():
-    nvml = FakeNvml(HEALTHY, {**HEALTHY, "action": 1, "pages_pending": 1}, {**HEALTHY, "remapped": (0, 2, 1, 0)},
-                    {**HEALTHY, "action": 2, "remapped": (0, 0, 0, 1)})
+    nvml = FakeNvml(
+        HEALTHY,
+        {**HEALTHY, "action": 1, "pages_pending": 1},
+        {**HEALTHY, "remapped": (0, 2, 1, 0)},
+        {**HEALTHY, "action": 2, "remapped": (0, 0, 0, 1)},
+    )
     assert gpu_problems(nvml) == [
         "GPU 1: NVML asks for a GPU reset",
         "GPU 1: retired memory pages are pending (an ECC error; takes effect after a reset)",
         "GPU 2: row remapping is pending (needs a reset)",
-        "GPU 3: NVML asks for a node reboot", "GPU 3: row remapping failed"]
+        "GPU 3: NVML asks for a node reboot",
+        "GPU 3: row remapping failed",
+    ]
 
 
 def test_queries_a_gpu_does_not_support_do_not_judge_it():

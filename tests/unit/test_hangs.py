@@ -23,11 +23,16 @@ CALIBRATING = HangPolicy(calibration=ON)
 GAPS = (5.0, 6.0, 8.0)  # calibrated train timeout under ON: 10 * 8 = 80 s
 
 
-def deadline(policy: HangPolicy = POLICY, *, phase: str | None = "train", last_beat: float | None = NOW + 10,
-             expect_beat: bool = True, gaps: tuple[float, ...] = ()) -> float | None:
+def deadline(
+    policy: HangPolicy = POLICY,
+    *,
+    phase: str | None = "train",
+    last_beat: float | None = NOW + 10,
+    expect_beat: bool = True,
+    gaps: tuple[float, ...] = (),
+) -> float | None:
     """`beat_deadline` for an attempt launched at NOW, with keyword defaults for the usual case."""
-    return beat_deadline(policy, phase=phase, last_beat=last_beat, launched_at=NOW, expect_beat=expect_beat,
-                         gaps=gaps)
+    return beat_deadline(policy, phase=phase, last_beat=last_beat, launched_at=NOW, expect_beat=expect_beat, gaps=gaps)
 
 
 # ---- percentile -------------------------------------------------------------------------------
@@ -97,8 +102,14 @@ def test_calibrated_timeout_floor_for_fast_steps():
 
 @pytest.mark.parametrize(
     ("phase", "expected"),
-    [("startup", 900.0), ("train", 300.0), ("save", 1800.0), ("eval", 1800.0), ("done", 900.0),
-     ("shuffle_shards", 900.0)],
+    [
+        ("startup", 900.0),
+        ("train", 300.0),
+        ("save", 1800.0),
+        ("eval", 1800.0),
+        ("done", 900.0),
+        ("shuffle_shards", 900.0),
+    ],
 )
 def test_phase_timeout_defaults(phase, expected):
     """Default timeouts per phase; a phase not configured gets default_timeout_s."""
@@ -114,7 +125,13 @@ def test_phase_timeout_configured_mapping_keeps_other_defaults():
     """Naming some phases overrides or adds those and keeps the defaults of the others."""
     policy = HangPolicy(phase_timeouts_s={"train": 60.0, "checkpoint": 120.0}, default_timeout_s=500.0)
     assert [phase_timeout(policy, p, ()) for p in ("train", "checkpoint", "save", "eval", "startup", "other")] == [
-        60.0, 120.0, 1800.0, 1800.0, 900.0, 500.0]
+        60.0,
+        120.0,
+        1800.0,
+        1800.0,
+        900.0,
+        500.0,
+    ]
 
 
 def test_phase_timeout_train_uses_calibration_once_learned():

@@ -145,8 +145,12 @@ WRITERS: dict[str, tuple[str, Callable[[RunLayout], Any]]] = {
     "state.json": ("supervisor", lambda lo: write_status(lo, {"ranks": []}, durable=False)),
     "pids.json": ("supervisor", lambda lo: record_pids(lo, [])),
     "journal": ("supervisor", lambda lo: open_journal(lo.journal, root=lo.root, echo=None).close()),
-    "heartbeat": ("ranks", lambda lo: Heartbeat(lo.heartbeat(0), root=lo.root, rank=0, attempt=0,
-                                                interval_s=1).beat(1, "train", force=True)),
+    "heartbeat": (
+        "ranks",
+        lambda lo: Heartbeat(lo.heartbeat(0), root=lo.root, rank=0, attempt=0, interval_s=1).beat(
+            1, "train", force=True
+        ),
+    ),
     "rank event log": ("ranks", lambda lo: open_event_log(lo.rank_events(0), root=lo.root)[1].close()),
     "health file": ("", lambda lo: write_health_file(lo, [])),
 }

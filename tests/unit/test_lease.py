@@ -34,8 +34,15 @@ def lease(generation: int = 1, **changes: object) -> Lease:
     return Lease(generation, **{**fields, **changes})
 
 
-def may_claim(held: Lease | None, now: float = NOW + 1, *, here: str = "n2", alive: bool = True,
-              running: bool = True, job: str | None = "7") -> str | None:
+def may_claim(
+    held: Lease | None,
+    now: float = NOW + 1,
+    *,
+    here: str = "n2",
+    alive: bool = True,
+    running: bool = True,
+    job: str | None = "7",
+) -> str | None:
     return claimable(held, now, here=here, pid_alive=lambda _pid: alive, job_running=lambda _job: running, job=job)
 
 
@@ -44,14 +51,17 @@ def test_a_live_holder_keeps_its_lease():
     assert may_claim(lease()) is None
 
 
-@pytest.mark.parametrize(("held", "kwargs", "why"), [
-    (None, {}, "no lease yet"),
-    (lease(state=RELEASED), {}, "released by n1"),
-    (lease(state=ABDICATED), {}, "abdicated by n1"),
-    (lease(), {"now": NOW + 10.5}, "expired 0.5 s ago"),
-    (lease(), {"here": "n1", "alive": False}, "pid 42 on this host, is gone"),
-    (lease(job="6"), {"running": False}, "job 6 has ended"),
-])
+@pytest.mark.parametrize(
+    ("held", "kwargs", "why"),
+    [
+        (None, {}, "no lease yet"),
+        (lease(state=RELEASED), {}, "released by n1"),
+        (lease(state=ABDICATED), {}, "abdicated by n1"),
+        (lease(), {"now": NOW + 10.5}, "expired 0.5 s ago"),
+        (lease(), {"here": "n1", "alive": False}, "pid 42 on this host, is gone"),
+        (lease(job="6"), {"running": False}, "job 6 has ended"),
+    ],
+)
 def test_a_lease_may_be_claimed_once_its_holder_is_surely_gone(held, kwargs, why):
     """Released, abdicated, expired, a dead pid on this host, or the lease of a job that ended."""
     assert why in may_claim(held, **kwargs)
@@ -78,11 +88,13 @@ def test_the_newest_generation_is_the_lease_and_old_ones_are_pruned(tmp_path):
         claim(layout, lease(generation))
     assert newest(layout).generation == 11
     assert sorted(int(name.split(".")[0]) for name in os.listdir(tmp_path / "supervisor" / "lease")) == list(
-        range(4, 12))
+        range(4, 12)
+    )
 
 
-@pytest.mark.parametrize("content", [b"{", b"[]", b'{"generation": 3}', b'{"generation": 2, "host": "n1"}',
-                                     b"\xff" * 10])
+@pytest.mark.parametrize(
+    "content", [b"{", b"[]", b'{"generation": 3}', b'{"generation": 2, "host": "n1"}', b"\xff" * 10]
+)
 def test_an_unreadable_newest_lease_counts_as_abdicated(tmp_path, content):
     """A torn or forged newest file is never trusted: it is an abdicated lease of its generation, claimable."""
     layout = RunLayout(tmp_path)

@@ -21,8 +21,9 @@ from supervisor.rundir.checkpoints import completed_at
 from worker.contract import RunLayout
 
 NOW = 1_700_000_000.0  # wall clock
-POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,
-                kill_grace_s=10.0)
+POLICY = Policy(
+    nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0, kill_grace_s=10.0
+)
 
 
 class Log:
@@ -55,17 +56,39 @@ def samples(status: dict[str, Any], restarts: dict[str, int] | None = None, now:
 def full_status() -> dict[str, Any]:
     """A status as the runner writes it mid-run, with every observer's block."""
     return {
-        "state": "running", "attempt": 2, "restarts": 2, "max_restarts": 3, "updated_at": NOW - 0.5,
-        "ranks": [{"rank": 0, "pid": 10, "step": 120, "heartbeat_age_s": 0.25, "heartbeat_phase": "train",
-                   "returncode": None},
-                  {"rank": 1, "pid": 11, "step": 119, "heartbeat_age_s": None, "heartbeat_phase": None,
-                   "returncode": None}],
-        "failures": [{"attempt": 0, "rank": 1, "kind": "exception", "cause": "ValueError: boom"},
-                     {"attempt": 1, "rank": 0, "kind": "hang", "cause": "hang in train"}],
-        "last_checkpoint": {"step": 100}, "last_checkpoint_at": NOW - 42.0,
+        "state": "running",
+        "attempt": 2,
+        "restarts": 2,
+        "max_restarts": 3,
+        "updated_at": NOW - 0.5,
+        "ranks": [
+            {
+                "rank": 0,
+                "pid": 10,
+                "step": 120,
+                "heartbeat_age_s": 0.25,
+                "heartbeat_phase": "train",
+                "returncode": None,
+            },
+            {"rank": 1, "pid": 11, "step": 119, "heartbeat_age_s": None, "heartbeat_phase": None, "returncode": None},
+        ],
+        "failures": [
+            {"attempt": 0, "rank": 1, "kind": "exception", "cause": "ValueError: boom"},
+            {"attempt": 1, "rank": 0, "kind": "hang", "cause": "hang in train"},
+        ],
+        "last_checkpoint": {"step": 100},
+        "last_checkpoint_at": NOW - 42.0,
         "progress": {"step": 120, "total_steps": 600, "loss": 2.5, "steps_per_s": 4.0, "eta_s": 120.0, "attempt": 2},
-        "goodput": {"wall_s": 100.0, "productive_s": 80.0, "lost_s": 5.0, "restart_s": 10.0, "save_s": 3.0,
-                    "hang_s": 2.0, "stopped_s": 0.0, "ratio": 0.8},
+        "goodput": {
+            "wall_s": 100.0,
+            "productive_s": 80.0,
+            "lost_s": 5.0,
+            "restart_s": 10.0,
+            "save_s": 3.0,
+            "hang_s": 2.0,
+            "stopped_s": 0.0,
+            "ratio": 0.8,
+        },
         "stragglers": [{"rank": 1, "compute_s": 0.2, "median_s": 0.15, "slower_by": 0.33}],
         "rank_compute_s": {"0": 0.1, "1": 0.2, "7": 0.3},  # rank 7 is no rank of this run: not exported
     }
@@ -75,18 +98,25 @@ def test_a_full_status_gives_every_metric_with_its_labels():
     """Each block of the status becomes its metrics: progress, goodput, per-rank gauges, restarts by cause."""
     found = samples(full_status())
     expected = {
-        ("trainwarden_step", ()): 120, ("trainwarden_total_steps", ()): 600, ("trainwarden_loss", ()): 2.5,
-        ("trainwarden_steps_per_second", ()): 4.0, ("trainwarden_eta_seconds", ()): 120.0,
-        ("trainwarden_goodput_ratio", ()): 0.8, ("trainwarden_wall_seconds", ()): 100.0,
+        ("trainwarden_step", ()): 120,
+        ("trainwarden_total_steps", ()): 600,
+        ("trainwarden_loss", ()): 2.5,
+        ("trainwarden_steps_per_second", ()): 4.0,
+        ("trainwarden_eta_seconds", ()): 120.0,
+        ("trainwarden_goodput_ratio", ()): 0.8,
+        ("trainwarden_wall_seconds", ()): 100.0,
         ("trainwarden_goodput_seconds", (("category", "productive"),)): 80.0,
         ("trainwarden_goodput_seconds", (("category", "lost"),)): 5.0,
         ("trainwarden_goodput_seconds", (("category", "stopped"),)): 0.0,
-        ("trainwarden_attempt", ()): 2, ("trainwarden_max_restarts", ()): 3,
-        ("trainwarden_run_state", (("state", "running"),)): 1, ("trainwarden_run_state", (("state", "failed"),)): 0,
+        ("trainwarden_attempt", ()): 2,
+        ("trainwarden_max_restarts", ()): 3,
+        ("trainwarden_run_state", (("state", "running"),)): 1,
+        ("trainwarden_run_state", (("state", "failed"),)): 0,
         ("trainwarden_heartbeat_age_seconds", (("rank", "0"),)): 0.75,  # 0.25 when written, 0.5 s ago
         ("trainwarden_rank_step", (("rank", "1"),)): 119,
         ("trainwarden_rank_compute_seconds", (("rank", "1"),)): 0.2,
-        ("trainwarden_straggler", (("rank", "0"),)): 0, ("trainwarden_straggler", (("rank", "1"),)): 1,
+        ("trainwarden_straggler", (("rank", "0"),)): 0,
+        ("trainwarden_straggler", (("rank", "1"),)): 1,
         ("trainwarden_restarts_total", (("cause", "exception"),)): 1,
         ("trainwarden_restarts_total", (("cause", "hang"),)): 1,
         ("trainwarden_restarts_total", (("cause", "oom"),)): 0,
@@ -103,7 +133,8 @@ def test_a_rank_entry_may_carry_its_own_compute_time():
     """Without the stragglers observer's `rank_compute_s`, a rank entry's own `compute_s` is exported."""
     found = samples({"state": "running", "ranks": [{"rank": 0, "compute_s": 0.5}, {"rank": 1}]})
     assert {k: v for k, v in found.items() if k[0] == "trainwarden_rank_compute_seconds"} == {
-        ("trainwarden_rank_compute_seconds", (("rank", "0"),)): 0.5}
+        ("trainwarden_rank_compute_seconds", (("rank", "0"),)): 0.5
+    }
 
 
 def test_every_state_and_cause_is_a_series_from_the_start():
@@ -111,9 +142,11 @@ def test_every_state_and_cause_is_a_series_from_the_start():
     so rate() and alerts work from the first restart."""
     found = samples({"state": "backoff", "attempt": 0, "restarts": 0})
     assert {labels[0][1]: v for (name, labels), v in found.items() if name == "trainwarden_run_state"} == {
-        phase: int(phase == "backoff") for phase in PHASES}
+        phase: int(phase == "backoff") for phase in PHASES
+    }
     assert {labels[0][1]: v for (name, labels), v in found.items() if name == "trainwarden_restarts_total"} == (
-        dict.fromkeys(CAUSES, 0))
+        dict.fromkeys(CAUSES, 0)
+    )
 
 
 def test_a_status_without_observer_blocks_gives_only_what_it_has():
@@ -121,17 +154,30 @@ def test_a_status_without_observer_blocks_gives_only_what_it_has():
     state, _ = decide(initial_state(POLICY), RanksLaunched(0, (100, 101), None), 1000.0)
     found = samples(snapshot(state, now=1000.0, extra={"last_checkpoint": None}))
     names = {name for name, _ in found}
-    assert names == {"trainwarden_run_state", "trainwarden_attempt", "trainwarden_restarts_total",
-                     "trainwarden_max_restarts"}
+    assert names == {
+        "trainwarden_run_state",
+        "trainwarden_attempt",
+        "trainwarden_restarts_total",
+        "trainwarden_max_restarts",
+    }
 
 
 @pytest.mark.parametrize("junk", [None, "12", True, float("nan"), float("inf"), 10**400, [], {}])
 def test_a_value_that_is_no_finite_number_is_left_out(junk: Any):
     """A value of the wrong type, NaN, infinity or an int too big for a float is left out, without an error."""
-    status = {"state": "running", "attempt": junk, "restarts": junk, "updated_at": junk, "last_checkpoint_at": junk,
-              "ranks": [{"rank": 0, "heartbeat_age_s": junk, "step": junk}, {"rank": junk}, junk],
-              "failures": [junk, {"attempt": junk, "kind": junk}], "progress": {"step": junk, "loss": junk},
-              "goodput": junk, "stragglers": [junk], "last_checkpoint": {"step": junk}}
+    status = {
+        "state": "running",
+        "attempt": junk,
+        "restarts": junk,
+        "updated_at": junk,
+        "last_checkpoint_at": junk,
+        "ranks": [{"rank": 0, "heartbeat_age_s": junk, "step": junk}, {"rank": junk}, junk],
+        "failures": [junk, {"attempt": junk, "kind": junk}],
+        "progress": {"step": junk, "loss": junk},
+        "goodput": junk,
+        "stragglers": [junk],
+        "last_checkpoint": {"step": junk},
+    }
     names = {name for name, _ in samples(status)}
     assert names == {"trainwarden_run_state", "trainwarden_restarts_total", "trainwarden_straggler"}
 
@@ -139,8 +185,15 @@ def test_a_value_that_is_no_finite_number_is_left_out(junk: Any):
 @pytest.mark.parametrize("junk", [None, "text", 3, [1], {"a": 1}])
 def test_blocks_of_the_wrong_shape_are_ignored(junk: Any):
     """A block that is not the mapping or list it should be is ignored: the status is ours, but tolerance is cheap."""
-    status = {"state": junk, "ranks": junk, "failures": junk, "progress": junk, "goodput": junk, "stragglers": junk,
-              "last_checkpoint": junk}
+    status = {
+        "state": junk,
+        "ranks": junk,
+        "failures": junk,
+        "progress": junk,
+        "goodput": junk,
+        "stragglers": junk,
+        "last_checkpoint": junk,
+    }
     assert samples(status)[("trainwarden_run_state", (("state", "running"),))] == 0
 
 
@@ -185,8 +238,15 @@ def test_the_collector_serves_the_newest_published_status():
     registry.register(collector)
     assert generate_latest(registry) == b""
     collector.publish({"state": "running", "attempt": 0, "restarts": 0, "progress": {"step": 5}})
-    collector.publish({"state": "backoff", "attempt": 1, "restarts": 1, "failures": [{"attempt": 0, "kind": "exit"}],
-                       "progress": {"step": 9}})
+    collector.publish(
+        {
+            "state": "backoff",
+            "attempt": 1,
+            "restarts": 1,
+            "failures": [{"attempt": 0, "kind": "exit"}],
+            "progress": {"step": 9},
+        }
+    )
     text = generate_latest(registry).decode()
     assert "trainwarden_step 9.0" in text
     assert 'trainwarden_run_state{state="backoff"} 1.0' in text
@@ -220,8 +280,10 @@ def test_textfile_failures_are_logged_once_until_a_write_succeeds(tmp_path: Path
         exporter.publish({"state": "running"})
     (tmp_path / "gone").mkdir()
     exporter.publish({"state": "running"})
-    assert [(level, event) for level, event, _ in log.records] == [("error", "metrics_textfile_failed"),
-                                                                  ("info", "metrics_textfile_written")]
+    assert [(level, event) for level, event, _ in log.records] == [
+        ("error", "metrics_textfile_failed"),
+        ("info", "metrics_textfile_written"),
+    ]
     assert log.records[0][2]["path"] == str(tmp_path / "gone/trainwarden.prom")
 
 
@@ -232,14 +294,17 @@ def test_metrics_config_defaults_and_values():
     assert config.metrics == MetricsConfig(port=0, textfile="a/b.prom", address="0.0.0.0")
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
-    ("port", 65536, "'metrics.port' must be between 0 (any free port) and 65535"),
-    ("port", -1, "'metrics.port' must be between 0"),
-    ("port", "9100", "'metrics.port' must be an integer"),
-    ("address", "", "'metrics.address' must be an address"),
-    ("textfile", "metrics.txt", "'metrics.textfile' must be a path ending in .prom"),
-    ("textfile", "dir/.prom", "'metrics.textfile' must be a path ending in .prom"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("port", 65536, "'metrics.port' must be between 0 (any free port) and 65535"),
+        ("port", -1, "'metrics.port' must be between 0"),
+        ("port", "9100", "'metrics.port' must be an integer"),
+        ("address", "", "'metrics.address' must be an address"),
+        ("textfile", "metrics.txt", "'metrics.textfile' must be a path ending in .prom"),
+        ("textfile", "dir/.prom", "'metrics.textfile' must be a path ending in .prom"),
+    ],
+)
 def test_metrics_config_out_of_range_is_refused(key: str, value: Any, message: str):
     """A port outside 0-65535, an empty address or a textfile node_exporter would not read is refused by name."""
     with pytest.raises(ConfigError, match=re.escape(message)):

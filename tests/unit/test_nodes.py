@@ -59,7 +59,8 @@ def test_a_lost_node_slurm_keeps_up_cools_down_then_is_usable_again():
     ledger = Ledger().charged(lost("n2", 0.0))
     states = {"n2": "mixed"}
     assert ledger.excluded(108.0, **POLICY, slurm_states=states) == {
-        "n2": "lost: silent; cooling down for another 8m12s"}
+        "n2": "lost: silent; cooling down for another 8m12s"
+    }
     assert ledger.excluded(599.0, **POLICY) == {"n2": "lost: silent; cooling down for another 1s"}
     assert ledger.excluded(600.0, **POLICY, slurm_states=states) == {}
 
@@ -69,11 +70,13 @@ def test_a_lost_node_slurm_marks_down_is_excluded_for_good_and_confirmed_makes_i
     later does not bring it back."""
     ledger = Ledger().charged(lost("n2", 0.0))
     assert ledger.excluded(100 * HOUR, **POLICY, slurm_states={"n2": "down*"}) == {
-        "n2": "for good: lost: silent; Slurm says down*"}
+        "n2": "for good: lost: silent; Slurm says down*"
+    }
     confirmed = ledger.confirmed({"n2": "down*", "n1": "idle"}, 50.0)
     assert confirmed.faults[-1] == NodeFault("n2", 50.0, "lost: silent; Slurm marked it down*", "down")
     assert confirmed.excluded(100 * HOUR, **POLICY, slurm_states={"n2": "idle"}) == {
-        "n2": "for good: lost: silent; Slurm marked it down*"}
+        "n2": "for good: lost: silent; Slurm marked it down*"
+    }
 
 
 def test_confirmed_returns_the_same_ledger_when_nothing_changes():
@@ -93,8 +96,14 @@ def test_a_loss_followed_by_a_failure_is_not_made_for_good_by_slurm():
 
 def test_forgiving_a_node_clears_every_earlier_fault():
     """A forgiven node is usable again whatever it did before; faults after the forgiveness count again."""
-    ledger = (Ledger().charged(lost("n1", 0.0)).confirmed({"n1": "down"}, 1.0)
-              .charged(NodeFault("n2", 2.0, "a")).charged(NodeFault("n2", 3.0, "b")).charged(lost("n3", 4.0)))
+    ledger = (
+        Ledger()
+        .charged(lost("n1", 0.0))
+        .confirmed({"n1": "down"}, 1.0)
+        .charged(NodeFault("n2", 2.0, "a"))
+        .charged(NodeFault("n2", 3.0, "b"))
+        .charged(lost("n3", 4.0))
+    )
     assert set(ledger.excluded(5.0, **POLICY)) == {"n1", "n2", "n3"}
     forgiven = ledger.forgiven("n1", 6.0).forgiven("n2", 6.0).forgiven("n3", 6.0)
     assert forgiven.faults[-1] == NodeFault("n3", 6.0, "forgiven by an operator", "forgiven")
@@ -102,7 +111,8 @@ def test_forgiving_a_node_clears_every_earlier_fault():
     again = forgiven.charged(NodeFault("n2", 8.0, "c"))
     assert again.excluded(9.0, **POLICY) == {}
     assert again.charged(NodeFault("n2", 9.0, "d")).excluded(10.0, **POLICY) == {
-        "n2": "failed 2 times in 3600 s, last: d"}
+        "n2": "failed 2 times in 3600 s, last: d"
+    }
 
 
 def test_a_node_is_excluded_after_max_failures_within_the_window_only():
@@ -117,24 +127,42 @@ def test_a_node_is_excluded_after_max_failures_within_the_window_only():
 
 def test_the_ledger_survives_a_round_trip_through_the_run_dir(tmp_path, layout):
     """A saved ledger loads back equal, kinds included; a run dir without one loads empty."""
-    ledger = (Ledger().charged(lost("n1", 5.0)).charged(NodeFault("n2", 6.0, "x"))
-              .confirmed({"n1": "down"}, 7.0).forgiven("n2", 8.0))
+    ledger = (
+        Ledger()
+        .charged(lost("n1", 5.0))
+        .charged(NodeFault("n2", 6.0, "x"))
+        .confirmed({"n1": "down"}, 7.0)
+        .forgiven("n2", 8.0)
+    )
     ledger.save(layout)
     assert Ledger.load(layout) == ledger
     assert [f["kind"] for f in json.loads(layout.node_ledger.read_text())["faults"]] == [
-        "lost", "failed", "down", "forgiven"]
+        "lost",
+        "failed",
+        "down",
+        "forgiven",
+    ]
     assert Ledger.load(RunLayout(tmp_path / "none")) == Ledger()
 
 
 def test_an_old_ledger_loads_fatal_faults_as_lost_and_the_rest_as_failed(layout):
     """A ledger written before kinds: fatal true is a loss, fatal false or none a failure."""
-    layout.node_ledger.write_text(json.dumps({"faults": [
-        {"node": "n1", "at": 1, "reason": "lost: silent", "fatal": True},
-        {"node": "n2", "at": 2.5, "reason": "x", "fatal": False},
-        {"node": "n3", "at": 3, "reason": "y"},
-    ]}))
-    assert Ledger.load(layout).faults == (NodeFault("n1", 1.0, "lost: silent", "lost"),
-                                          NodeFault("n2", 2.5, "x", "failed"), NodeFault("n3", 3.0, "y", "failed"))
+    layout.node_ledger.write_text(
+        json.dumps(
+            {
+                "faults": [
+                    {"node": "n1", "at": 1, "reason": "lost: silent", "fatal": True},
+                    {"node": "n2", "at": 2.5, "reason": "x", "fatal": False},
+                    {"node": "n3", "at": 3, "reason": "y"},
+                ]
+            }
+        )
+    )
+    assert Ledger.load(layout).faults == (
+        NodeFault("n1", 1.0, "lost: silent", "lost"),
+        NodeFault("n2", 2.5, "x", "failed"),
+        NodeFault("n3", 3.0, "y", "failed"),
+    )
 
 
 def test_an_unknown_kind_is_refused_with_a_clear_error(layout):
@@ -153,13 +181,20 @@ def test_forgiving_a_bad_host_name_is_refused_before_it_reaches_the_ledger(node)
         Ledger().forgiven(node, 1.0)
 
 
-@pytest.mark.parametrize("content", [
-    b"[]", b'{"faults": 3}', b'{"faults": [{"node": 5, "at": 1, "reason": "x"}]}',
-    b'{"faults": [{"node": "n1", "at": "yesterday", "reason": "x"}]}', b'{"faults": [{"node": "\\u0000", "at": 1}]}',
-    b'{"faults": [{"node": "n1", "at": 1, "reason": "x", "fatal": "yes"}]}',
-    b'{"faults": [{"node": "n1", "at": 1, "reason": "x", "kind": ["lost"]}]}',
-    b"\xff\xfe", b'{"faults": [' + b"[" * 5000 + b"]}",
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"[]",
+        b'{"faults": 3}',
+        b'{"faults": [{"node": 5, "at": 1, "reason": "x"}]}',
+        b'{"faults": [{"node": "n1", "at": "yesterday", "reason": "x"}]}',
+        b'{"faults": [{"node": "\\u0000", "at": 1}]}',
+        b'{"faults": [{"node": "n1", "at": 1, "reason": "x", "fatal": "yes"}]}',
+        b'{"faults": [{"node": "n1", "at": 1, "reason": "x", "kind": ["lost"]}]}',
+        b"\xff\xfe",
+        b'{"faults": [' + b"[" * 5000 + b"]}",
+    ],
+)
 def test_a_damaged_ledger_is_refused_with_a_clear_error(layout, content):
     """Any ledger that is not a list of well-formed faults is refused with ValueError or OSError."""
     layout.node_ledger.write_bytes(content)
@@ -179,33 +214,78 @@ def test_the_ledger_keeps_only_the_newest_faults(layout):
 
 def test_rows_list_every_node_worst_first_with_its_counts_and_slurm_state():
     """rows() gives each node ever charged, worst status first then by name, with its counted faults."""
-    ledger = (Ledger().charged(NodeFault("n9", 0.0, "a")).charged(NodeFault("n9", 10.0, "b"))
-              .charged(lost("n4", 20.0)).charged(lost("n3", 30.0)).confirmed({"n3": "drained"}, 31.0)
-              .charged(NodeFault("n1", 40.0, "c")).forgiven("n1", 50.0).charged(NodeFault("n2", 5.0, "d")))
+    ledger = (
+        Ledger()
+        .charged(NodeFault("n9", 0.0, "a"))
+        .charged(NodeFault("n9", 10.0, "b"))
+        .charged(lost("n4", 20.0))
+        .charged(lost("n3", 30.0))
+        .confirmed({"n3": "drained"}, 31.0)
+        .charged(NodeFault("n1", 40.0, "c"))
+        .forgiven("n1", 50.0)
+        .charged(NodeFault("n2", 5.0, "d"))
+    )
     rows = ledger.rows(100.0, **POLICY, slurm_states={"n3": "idle", "n4": "mixed"})
     assert rows == [
-        {"node": "n3", "status": "excluded for good", "reason": "for good: lost: silent; Slurm marked it drained",
-         "faults": 1, "last_fault_at": 30.0, "slurm_state": "idle"},
-        {"node": "n9", "status": "excluded", "reason": "failed 2 times in 3600 s, last: b", "faults": 2,
-         "last_fault_at": 10.0, "slurm_state": None},
-        {"node": "n4", "status": "cooling down", "reason": "lost: silent; cooling down for another 8m40s",
-         "faults": 1, "last_fault_at": 20.0, "slurm_state": "mixed"},
-        {"node": "n1", "status": "usable", "reason": "forgiven by an operator", "faults": 0, "last_fault_at": None,
-         "slurm_state": None},
-        {"node": "n2", "status": "usable", "reason": "last: d", "faults": 1, "last_fault_at": 5.0,
-         "slurm_state": None},
+        {
+            "node": "n3",
+            "status": "excluded for good",
+            "reason": "for good: lost: silent; Slurm marked it drained",
+            "faults": 1,
+            "last_fault_at": 30.0,
+            "slurm_state": "idle",
+        },
+        {
+            "node": "n9",
+            "status": "excluded",
+            "reason": "failed 2 times in 3600 s, last: b",
+            "faults": 2,
+            "last_fault_at": 10.0,
+            "slurm_state": None,
+        },
+        {
+            "node": "n4",
+            "status": "cooling down",
+            "reason": "lost: silent; cooling down for another 8m40s",
+            "faults": 1,
+            "last_fault_at": 20.0,
+            "slurm_state": "mixed",
+        },
+        {
+            "node": "n1",
+            "status": "usable",
+            "reason": "forgiven by an operator",
+            "faults": 0,
+            "last_fault_at": None,
+            "slurm_state": None,
+        },
+        {"node": "n2", "status": "usable", "reason": "last: d", "faults": 1, "last_fault_at": 5.0, "slurm_state": None},
     ]
 
 
 def test_render_rows_prints_one_aligned_line_per_node_under_a_header():
     """render_rows() prints a header and one line per row, columns aligned, the reason last."""
     at = 1_700_000_000.0
-    text = render_rows([
-        {"node": "gpu-node-12", "status": "cooling down", "reason": "lost: silent; cooling down for another 1s",
-         "faults": 1, "last_fault_at": at, "slurm_state": "mixed"},
-        {"node": "n1", "status": "usable", "reason": "forgiven by an operator", "faults": 0,
-         "last_fault_at": None, "slurm_state": None},
-    ])
+    text = render_rows(
+        [
+            {
+                "node": "gpu-node-12",
+                "status": "cooling down",
+                "reason": "lost: silent; cooling down for another 1s",
+                "faults": 1,
+                "last_fault_at": at,
+                "slurm_state": "mixed",
+            },
+            {
+                "node": "n1",
+                "status": "usable",
+                "reason": "forgiven by an operator",
+                "faults": 0,
+                "last_fault_at": None,
+                "slurm_state": None,
+            },
+        ]
+    )
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
     assert text.splitlines() == [
         "NODE         STATUS        FAULTS  LAST FAULT           SLURM  REASON",
@@ -249,12 +329,33 @@ def test_update_ledger_goes_on_without_the_lock_when_another_writer_holds_it(lay
     assert Ledger.load(layout).faults == (lost("n1", 1.0),)
 
 
-@pytest.mark.parametrize(("state", "strong"), [
-    ("down", True), ("down*", True), ("DOWN", True), ("drained", True), ("draining", True), ("drain*", True),
-    ("fail", True), ("failing", True), ("mixed+drain", True), ("idle+drain*", True), ("down~", True),
-    ("idle", False), ("idle*", False), ("idle~", False), ("mixed", False), ("allocated", False),
-    ("allocated+", False), ("completing", False), ("reserved", False), ("unknown", False), ("", False), (None, False),
-])
+@pytest.mark.parametrize(
+    ("state", "strong"),
+    [
+        ("down", True),
+        ("down*", True),
+        ("DOWN", True),
+        ("drained", True),
+        ("draining", True),
+        ("drain*", True),
+        ("fail", True),
+        ("failing", True),
+        ("mixed+drain", True),
+        ("idle+drain*", True),
+        ("down~", True),
+        ("idle", False),
+        ("idle*", False),
+        ("idle~", False),
+        ("mixed", False),
+        ("allocated", False),
+        ("allocated+", False),
+        ("completing", False),
+        ("reserved", False),
+        ("unknown", False),
+        ("", False),
+        (None, False),
+    ],
+)
 def test_slurm_states_that_take_a_node_out_are_strong(state, strong):
     """Down, drain(ed/ing) and fail(ing), as a base state or a +flag, with any suffix mark, are strong."""
     assert is_strong_slurm_state(state) is strong
@@ -274,12 +375,15 @@ def test_with_a_minimum_the_plan_shrinks_to_every_usable_node_and_refuses_below_
         plan_nodes(["n1", "n2", "n3"], {"n2": "lost", "n3": "down"}, 3, minimum=2)
 
 
-@pytest.mark.parametrize(("policy", "said"), [
-    ({"nodes": 2, "spare_nodes": 1}, "--nodes=2-3"),
-    ({"nodes": 2, "spare_nodes": 1, "min_nodes": 1}, "--nodes=1-3"),  # a run that may shrink may start small
-    ({"nodes": 2, "spare_nodes": 0, "min_nodes": 2}, "--nodes=2"),
-    ({"nodes": 2, "spare_nodes": 0, "min_nodes": "1"}, "--nodes=2"),  # the state file is untrusted: a default
-])
+@pytest.mark.parametrize(
+    ("policy", "said"),
+    [
+        ({"nodes": 2, "spare_nodes": 1}, "--nodes=2-3"),
+        ({"nodes": 2, "spare_nodes": 1, "min_nodes": 1}, "--nodes=1-3"),  # a run that may shrink may start small
+        ({"nodes": 2, "spare_nodes": 0, "min_nodes": 2}, "--nodes=2"),
+        ({"nodes": 2, "spare_nodes": 0, "min_nodes": "1"}, "--nodes=2"),  # the state file is untrusted: a default
+    ],
+)
 def test_sbatch_args_name_the_node_range_the_run_can_use(tmp_path, capsys, policy, said):
     """`trainwarden nodes --sbatch-args`: from the smallest the run accepts to nodes + spares."""
     from supervisor.cli import main
@@ -287,8 +391,9 @@ def test_sbatch_args_name_the_node_range_the_run_can_use(tmp_path, capsys, polic
     from supervisor.observe.status import snapshot, write_status
 
     layout = RunLayout(tmp_path)
-    state = initial_state(Policy(nproc=4, max_restarts=0, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=1.0,
-                                 kill_grace_s=1.0))
+    state = initial_state(
+        Policy(nproc=4, max_restarts=0, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=1.0, kill_grace_s=1.0)
+    )
     write_status(layout, snapshot(state, now=0.0, extra={"node_policy": policy}), durable=False)
     assert main(["nodes", "--sbatch-args", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"{said}\n"

@@ -32,8 +32,15 @@ from supervisor.core import (
 from supervisor.observe.notify import Notifier, ServiceReporter, status_line, stop_extension_s
 
 NOW = 1000.0
-POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,
-                kill_grace_s=10.0, sigkill_wait_s=5.0)
+POLICY = Policy(
+    nproc=2,
+    max_restarts=3,
+    backoff_initial_s=1.0,
+    backoff_factor=2.0,
+    backoff_max_s=5.0,
+    kill_grace_s=10.0,
+    sigkill_wait_s=5.0,
+)
 
 
 class Listener:
@@ -138,8 +145,15 @@ def test_without_notify_socket_nothing_is_sent(environ: dict[str, str]) -> None:
     notifier = Notifier.from_environ(environ)
 
     assert not notifier.enabled
-    assert not any([notifier.ready("x"), notifier.status("x"), notifier.stopping(), notifier.watchdog(),
-                    notifier.extend_timeout(1)])
+    assert not any(
+        [
+            notifier.ready("x"),
+            notifier.status("x"),
+            notifier.stopping(),
+            notifier.watchdog(),
+            notifier.extend_timeout(1),
+        ]
+    )
     assert notifier.watchdog_interval() is None
 
 
@@ -174,8 +188,9 @@ def test_unsupported_address_is_disabled_with_a_warning() -> None:
         (None, None, None),
     ],
 )
-def test_watchdog_interval_honours_watchdog_pid(path_listener: Listener, usec: str | None, for_pid: str | None,
-                                                expected: float | None) -> None:
+def test_watchdog_interval_honours_watchdog_pid(
+    path_listener: Listener, usec: str | None, for_pid: str | None, expected: float | None
+) -> None:
     """The ping interval is half WATCHDOG_USEC, and none when WATCHDOG_PID names another process or the value is bad."""
     pid = str(os.getpid()) if for_pid == "OWN" else for_pid
     notifier = notifier_for(path_listener, watchdog_usec=usec, watchdog_pid=pid)
@@ -210,7 +225,8 @@ def test_status_lines_name_phase_attempt_step_and_reason() -> None:
     assert status_line(crashed) == "stopping to relaunch after rank 1 exited with code 3 in attempt 0"
     assert status_line(backoff) == "backoff 2 s before attempt 1 after rank 1 exited with code 3 in attempt 0"
     assert status_line(replace(running, phase=Phase.FAILED, reason="restarts exhausted")) == (
-        "failed: restarts exhausted")
+        "failed: restarts exhausted"
+    )
     assert status_line(replace(running, phase=Phase.FINISHED, restarts=1)) == "finished after 1 restarts"
 
 
@@ -220,7 +236,8 @@ def test_status_line_of_a_final_stop_names_saving_ranks_and_stage() -> None:
     graceful, _ = decide(saving, SignalReceived(signal.SIGTERM), NOW)
     step = graceful.stop_order.step
     assert status_line(graceful) == (
-        f"stopping on request (SIGTERM): checkpoint at step {step}, then exit, rank 0 saving")
+        f"stopping on request (SIGTERM): checkpoint at step {step}, then exit, rank 0 saving"
+    )
 
     stopping, _ = decide(graceful, Tick(), graceful.deadline)  # the stop timeout: SIGTERM to the ranks
     assert status_line(stopping) == "stopping on request, rank 0 saving"
@@ -292,7 +309,8 @@ def test_reporter_extends_stop_timeout_while_ranks_save_on_the_way_down(path_lis
     reporter.observe(graceful, NOW + 100, launched=True)
     teardown = POLICY.kill_grace_s + POLICY.sigkill_wait_s
     assert [m for m in path_listener.messages() if m.startswith("EXTEND")] == [
-        f"EXTEND_TIMEOUT_USEC={round((POLICY.stop_timeout_s - 100 + teardown) * 1_000_000)}"]
+        f"EXTEND_TIMEOUT_USEC={round((POLICY.stop_timeout_s - 100 + teardown) * 1_000_000)}"
+    ]
 
     saving = beat(graceful, 0, 41, phase="save", seq=2, now=NOW + 250)
     escalated, _ = decide(saving, Tick(), NOW + POLICY.stop_timeout_s)
@@ -301,7 +319,8 @@ def test_reporter_extends_stop_timeout_while_ranks_save_on_the_way_down(path_lis
     reporter.observe(done, NOW + 402, launched=True)
     extension = 250 + 1800 - 400 + teardown  # default save timeout: 1800 s
     assert [m for m in path_listener.messages() if m.startswith("EXTEND")] == [
-        f"EXTEND_TIMEOUT_USEC={round(extension * 1_000_000)}"]
+        f"EXTEND_TIMEOUT_USEC={round(extension * 1_000_000)}"
+    ]
 
 
 def test_no_extension_for_a_save_past_its_timeout() -> None:

@@ -7,8 +7,9 @@ from dataclasses import replace
 from supervisor.core import HeartbeatSeen, Policy, RanksLaunched, initial_state
 from supervisor.observe.progress import Counts, Progress
 
-STATE = initial_state(Policy(nproc=2, max_restarts=3, backoff_initial_s=1, backoff_factor=2, backoff_max_s=30,
-                                  kill_grace_s=5))
+STATE = initial_state(
+    Policy(nproc=2, max_restarts=3, backoff_initial_s=1, backoff_factor=2, backoff_max_s=30, kill_grace_s=5)
+)
 
 
 def beat(rank: int, step: int, *, attempt: int = 0, **fields) -> HeartbeatSeen:
@@ -37,11 +38,14 @@ def test_counts_take_agreed_skips_once_and_each_ranks_own_anomalies():
     counts, relaunched = Counts(), replace(STATE, attempt=1)
     counts.observe(beat(0, 5, skipped=2, anomalies=(("non_finite", 1), ("global_norm_spike", 1))), STATE, 1.0)
     counts.observe(beat(1, 5, skipped=2, anomalies=(("non_finite", 1),), last_save_s=0.5), STATE, 1.0)
-    counts.observe(beat(0, 9, attempt=1, skipped=1, anomalies=(("amp_overflow", 1),), last_save_s=0.25),
-                   relaunched, 2.0)
-    assert counts.status() == {"skipped_steps": 3,
-                               "anomalies": {"amp_overflow": 1, "global_norm_spike": 1, "non_finite": 2},
-                               "last_save_s": 0.25}  # the relaunch's own newest save
+    counts.observe(
+        beat(0, 9, attempt=1, skipped=1, anomalies=(("amp_overflow", 1),), last_save_s=0.25), relaunched, 2.0
+    )
+    assert counts.status() == {
+        "skipped_steps": 3,
+        "anomalies": {"amp_overflow": 1, "global_norm_spike": 1, "non_finite": 2},
+        "last_save_s": 0.25,
+    }  # the relaunch's own newest save
 
 
 def test_counts_without_worker_library_fields_are_zero():
@@ -55,10 +59,16 @@ def test_counts_go_on_from_a_previous_supervisors_totals_and_ignore_a_tampered_f
     there counts as nothing."""
     counts = Counts({"skipped_steps": 4, "anomalies": {"non_finite": 2, "global_norm_spike": 1}})
     counts.observe(beat(0, 5, skipped=1, anomalies=(("non_finite", 1),)), STATE, 1.0)
-    assert counts.status() == {"skipped_steps": 5, "anomalies": {"global_norm_spike": 1, "non_finite": 3},
-                               "last_save_s": None}
-    for garbage in ({"skipped_steps": -1, "anomalies": {"x": "many"}}, {"skipped_steps": 1e999, "anomalies": []},
-                    {"skipped_steps": True, "anomalies": {"\x1b[2J": 1}}):
+    assert counts.status() == {
+        "skipped_steps": 5,
+        "anomalies": {"global_norm_spike": 1, "non_finite": 3},
+        "last_save_s": None,
+    }
+    for garbage in (
+        {"skipped_steps": -1, "anomalies": {"x": "many"}},
+        {"skipped_steps": 1e999, "anomalies": []},
+        {"skipped_steps": True, "anomalies": {"\x1b[2J": 1}},
+    ):
         assert Counts(garbage).status() == {"skipped_steps": 0, "anomalies": {}, "last_save_s": None}
 
 

@@ -41,12 +41,15 @@ def test_an_override_creates_a_section_the_file_lacks():
     assert apply_overrides(None, ["script=t.py"]) == {"script": "t.py"}
 
 
-@pytest.mark.parametrize(("override", "key", "value"), [
-    ("worker.resume_training=false", "resume_training", False),
-    ("worker.resume_training='40'", "resume_training", "40"),
-    ("worker.load_checkpoint=null", "load_checkpoint", None),
-    ("worker.heartbeat_interval_s=2", "heartbeat_interval_s", 2.0),
-])
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("worker.resume_training=false", "resume_training", False),
+        ("worker.resume_training='40'", "resume_training", "40"),
+        ("worker.load_checkpoint=null", "load_checkpoint", None),
+        ("worker.heartbeat_interval_s=2", "heartbeat_interval_s", 2.0),
+    ],
+)
 def test_scalar_values_are_yaml(override, key, value):
     """VALUE is read as a YAML scalar: booleans, quoted strings, null, numbers."""
     assert getattr(parse_config({"script": "t.py"}, overrides=[override]).worker, key) == value
@@ -54,8 +57,9 @@ def test_scalar_values_are_yaml(override, key, value):
 
 def test_flow_values_and_a_value_holding_equals_signs():
     """`[--lr, 0.1]` is a list, `{level: 0}` a mapping; everything after the first `=` is the value (`a=b`)."""
-    config = parse_config({"script": "t.py"}, overrides=["args=[--lr, 0.1]", "env.OPTS=a=b",
-                                                         "worker.feature_value_check={level: 0}"])
+    config = parse_config(
+        {"script": "t.py"}, overrides=["args=[--lr, 0.1]", "env.OPTS=a=b", "worker.feature_value_check={level: 0}"]
+    )
     assert (config.args, config.env, config.worker.feature_value_check.level) == (["--lr", "0.1"], {"OPTS": "a=b"}, 0)
 
 
@@ -68,18 +72,22 @@ def test_an_unknown_key_is_refused_naming_the_override():
     """A misspelt key gets the file's "did you mean" message, naming the override instead of the file."""
     assert refusal(JOB, "worker.save_checkpoint_stepz=1") == (
         "--set worker.save_checkpoint_stepz=1: unknown key 'worker.save_checkpoint_stepz' "
-        "(did you mean 'save_checkpoint_steps'?)")
+        "(did you mean 'save_checkpoint_steps'?)"
+    )
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("worker.save_checkpoint_steps=abc", "'worker.save_checkpoint_steps' must be an integer, got 'abc'"),
-    ("worker.save_checkpoint_steps=-1", "'worker.save_checkpoint_steps' must be 0 or more, got -1"),
-    ("restart.backoff_max_s=.inf", "'restart.backoff_max_s' must be a finite number, got inf"),
-    ("hang.phase_timeouts_s.train=0", "'hang.phase_timeouts_s' must be a mapping of phases to seconds > 0"),
-    ("worker.adaptive_spike.window=8", "'worker.adaptive_spike.window' (8) must be at least"),
-    ("script=null", "give exactly one of 'script' (a Python file) or 'command' (a list)"),
-    ("worker=5", "worker must be a mapping of keys to values, got 5"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("worker.save_checkpoint_steps=abc", "'worker.save_checkpoint_steps' must be an integer, got 'abc'"),
+        ("worker.save_checkpoint_steps=-1", "'worker.save_checkpoint_steps' must be 0 or more, got -1"),
+        ("restart.backoff_max_s=.inf", "'restart.backoff_max_s' must be a finite number, got inf"),
+        ("hang.phase_timeouts_s.train=0", "'hang.phase_timeouts_s' must be a mapping of phases to seconds > 0"),
+        ("worker.adaptive_spike.window=8", "'worker.adaptive_spike.window' (8) must be at least"),
+        ("script=null", "give exactly one of 'script' (a Python file) or 'command' (a list)"),
+        ("worker=5", "worker must be a mapping of keys to values, got 5"),
+    ],
+)
 def test_a_bad_value_is_refused_as_in_the_file_naming_the_override(override, message):
     """Types, bounds and the cross-key checks apply to an override as to the file; the error names the override."""
     assert refusal(JOB, override).startswith(f"--set {override}: {message}")
@@ -91,14 +99,17 @@ def test_an_error_in_the_file_still_names_the_file():
     assert refusal(raw, "worker.prefix=x").startswith("job.yaml: unknown key 'worker.save_checkpoint_stepz'")
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("restart.max_restarts", "not KEY=VALUE (e.g. --set worker.save_checkpoint_steps=100)"),
-    ("=5", "KEY must be a dotted path of names (e.g. restart.max_restarts)"),
-    ("worker..prefix=x", "KEY must be a dotted path of names (e.g. restart.max_restarts)"),
-    ("worker.=x", "KEY must be a dotted path of names (e.g. restart.max_restarts)"),
-    ("args=[a", "not valid YAML: "),
-    ("worker.prefix.x=1", "'worker.prefix' is 'demo' in the config, not a section"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("restart.max_restarts", "not KEY=VALUE (e.g. --set worker.save_checkpoint_steps=100)"),
+        ("=5", "KEY must be a dotted path of names (e.g. restart.max_restarts)"),
+        ("worker..prefix=x", "KEY must be a dotted path of names (e.g. restart.max_restarts)"),
+        ("worker.=x", "KEY must be a dotted path of names (e.g. restart.max_restarts)"),
+        ("args=[a", "not valid YAML: "),
+        ("worker.prefix.x=1", "'worker.prefix' is 'demo' in the config, not a section"),
+    ],
+)
 def test_a_malformed_override_is_refused_by_itself(override, message):
     """A `--set` without `=`, with an empty key part, an unparsable value or a path through a scalar is refused."""
     assert refusal(JOB, override).startswith(f"--set {override}: {message}")
@@ -115,10 +126,26 @@ def test_cli_bad_override_exits_78_and_launches_nothing(tmp_path):
     """`trainwarden run job.yaml --set worker.save_checkpoint_stepz=1` exits 78 with one line; no run dir is made."""
     config = tmp_path / "job.yaml"
     config.write_text(f"script: t.py\nrun_dir: {tmp_path / 'run'}\n")
-    done = subprocess.run([sys.executable, "-m", "supervisor", "run", str(config), "--set", "worker.prefix=ok",
-                           "--set", "worker.save_checkpoint_stepz=1"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "supervisor",
+            "run",
+            str(config),
+            "--set",
+            "worker.prefix=ok",
+            "--set",
+            "worker.save_checkpoint_stepz=1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (done.returncode, done.stdout) == (78, "")
-    assert done.stderr == ("trainwarden: config error: --set worker.save_checkpoint_stepz=1: unknown key "
-                           "'worker.save_checkpoint_stepz' (did you mean 'save_checkpoint_steps'?)\n")
+    assert done.stderr == (
+        "trainwarden: config error: --set worker.save_checkpoint_stepz=1: unknown key "
+        "'worker.save_checkpoint_stepz' (did you mean 'save_checkpoint_steps'?)\n"
+    )
     assert not (tmp_path / "run").exists()

@@ -33,8 +33,18 @@ def line(event: str, seconds: float, **fields: Any) -> str:
 
 def step(rank: int, n: int, seconds: float, *, skipped: bool = False, loss: float = 2.0) -> str:
     """A rank's `step` event as the worker library writes it."""
-    return line("step", seconds, rank=rank, attempt=0, step=n, batch=n - 1 + skipped, skipped=skipped, loss=loss,
-                grad_norm=0.8, step_time_s=0.1)
+    return line(
+        "step",
+        seconds,
+        rank=rank,
+        attempt=0,
+        step=n,
+        batch=n - 1 + skipped,
+        skipped=skipped,
+        loss=loss,
+        grad_norm=0.8,
+        step_time_s=0.1,
+    )
 
 
 def write(path: Path, text: str) -> None:
@@ -45,13 +55,18 @@ def write(path: Path, text: str) -> None:
 def small_run(root: Path) -> RunLayout:
     """Two ranks, 40 steps; rank 1 killed after step 30, relaunched from step 20 at t=5; step 15's batch skipped."""
     layout = RunLayout(root)
-    write(layout.journal, "".join([
-        line("supervisor_started", 0.0, pid=1),
-        line("ranks_launched", 0.1, attempt=0, pids=[2, 3], resume_step=None),
-        line("rank_crashed", 4.0, rank=1, attempt=0, step=30, returncode=-9, description="killed by SIGKILL"),
-        line("ranks_launched", 5.0, attempt=1, pids=[4, 5], resume_step=20),
-        line("run_finished", 9.0, attempt=1, restarts=1),
-    ]))
+    write(
+        layout.journal,
+        "".join(
+            [
+                line("supervisor_started", 0.0, pid=1),
+                line("ranks_launched", 0.1, attempt=0, pids=[2, 3], resume_step=None),
+                line("rank_crashed", 4.0, rank=1, attempt=0, step=30, returncode=-9, description="killed by SIGKILL"),
+                line("ranks_launched", 5.0, attempt=1, pids=[4, 5], resume_step=20),
+                line("run_finished", 9.0, attempt=1, restarts=1),
+            ]
+        ),
+    )
     for rank in (0, 1):
         events = []
         for n in range(1, 31):  # attempt 0: steps at 1.0 + 0.1 n; batch 14 is skipped before step 15
@@ -73,8 +88,16 @@ def test_a_run_dir_becomes_its_series_and_events(tmp_path: Path) -> None:
     timeline = read_timeline(small_run(tmp_path))
 
     assert timeline.start == T0
-    assert timeline.counts == {"crash": 1, "hang": 0, "rollback": 0, "skipped": 1, "checkpoint": 3, "stop": 0,
-                               "launch": 2, "straggler": 0}
+    assert timeline.counts == {
+        "crash": 1,
+        "hang": 0,
+        "rollback": 0,
+        "skipped": 1,
+        "checkpoint": 3,
+        "stop": 0,
+        "launch": 2,
+        "straggler": 0,
+    }
     assert timeline.summary() == "40 steps, 1 crash, 1 skipped step, 3 checkpoints"
     (crash,) = [m for m in timeline.marks if m.kind == "crash"]
     assert (crash.rank, crash.step, crash.label, crash.t) == (1, 30, "rank 1 @ step 30", 4.0)
@@ -154,8 +177,7 @@ def test_garbage_lines_are_skipped_and_counted(tmp_path: Path) -> None:
     """Torn, non-object, oversized, deeply nested and ill-typed lines are skipped; odd fields are ignored; the
     readable events between them still count."""
     layout = RunLayout(tmp_path)
-    good = [line("step", 1.0, step=1, skipped=False, loss=1.0, step_time_s=0.1),
-            line("checkpoint_saved", 1.5, step=1)]
+    good = [line("step", 1.0, step=1, skipped=False, loss=1.0, step_time_s=0.1), line("checkpoint_saved", 1.5, step=1)]
     garbage = "\n".join(GARBAGE).encode() + b"\n\xff\xfe not UTF-8\n"
     layout.rank_events(0).parent.mkdir(parents=True)
     layout.rank_events(0).write_bytes(good[0].encode() + garbage + good[1].encode() + b'{"event": "step", "ti')
@@ -166,8 +188,7 @@ def test_garbage_lines_are_skipped_and_counted(tmp_path: Path) -> None:
 
     assert timeline.steps == 3  # the odd-typed step 2 and NaN-loss step 3 lines are valid events
     assert [(round(x, 3), y) for x, y in zip(timeline.loss.x, timeline.loss.y, strict=True)] == [(1.0, 1.0)]
-    assert [(m.kind, m.label) for m in timeline.marks] == [
-        ("crash", ""), ("checkpoint", "step 1"), ("launch", "fresh")]
+    assert [(m.kind, m.label) for m in timeline.marks] == [("crash", ""), ("checkpoint", "step 1"), ("launch", "fresh")]
     assert timeline.counts["checkpoint"] == 1 and timeline.counts["skipped"] == 0
     assert timeline.notes == ("19 unreadable line(s) skipped",)  # 9 in each file, and rank 0's torn tail
 
@@ -187,8 +208,9 @@ def test_only_the_newest_part_of_an_oversized_log_is_read(tmp_path: Path, monkey
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_hostile_file_in_place_of_a_log_is_not_followed_nor_waited_on(kind: str, tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hostile_file_in_place_of_a_log_is_not_followed_nor_waited_on(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A FIFO, directory, symlink, huge sparse file or device where the journal and a rank log go: the timeline is
     read within a bounded time, with a note for what was refused, and the other rank's steps are still there."""
     monkeypatch.setattr(plot, "MAX_LOG_BYTES", 8 << 20)  # the huge file's newest 8 MiB of zeros, not 256
@@ -220,8 +242,9 @@ def test_a_symlinked_rank_dir_is_not_followed(tmp_path: Path) -> None:
     assert any(note.startswith("ranks/rank_0/events.jsonl: not read") for note in timeline.notes)
 
 
-def test_plot_without_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_without_matplotlib_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Where matplotlib cannot be imported, `trainwarden plot` prints one line naming the extra and exits 1."""
     small_run(tmp_path)
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
@@ -233,12 +256,14 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypa
     assert not (tmp_path / "plot.png").exists()
 
 
-def test_plot_of_a_folder_that_is_no_run_dir_fails_with_a_message(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_of_a_folder_that_is_no_run_dir_fails_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A directory without supervisor/ or ranks/ is refused in one line, exit 1, nothing written."""
     assert main(["plot", str(tmp_path)]) == 1
-    assert capsys.readouterr().err == (f"trainwarden: {tmp_path} is not a trainwarden run dir (no supervisor/ or "
-                                       f"ranks/ folder in it)\n")
+    assert capsys.readouterr().err == (
+        f"trainwarden: {tmp_path} is not a trainwarden run dir (no supervisor/ or ranks/ folder in it)\n"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

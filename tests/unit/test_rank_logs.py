@@ -16,26 +16,49 @@ def write_log(layout: RunLayout, rank: int, events: list[dict], tail: str = "") 
     path.write_text("".join(json.dumps(e) + "\n" for e in events) + tail, encoding="utf-8")
 
 
-ABORT_0 = {"event": "anomaly_abort", "attempt": 0, "step": 9, "batch": 11, "first_anomaly_step": 9,
-           "first_anomaly_batch": 9}
-ABORT_1 = {"event": "anomaly_abort", "attempt": 1, "step": 30, "batch": 52, "first_anomaly_step": 30,
-           "first_anomaly_batch": 50}
+ABORT_0 = {
+    "event": "anomaly_abort",
+    "attempt": 0,
+    "step": 9,
+    "batch": 11,
+    "first_anomaly_step": 9,
+    "first_anomaly_batch": 9,
+}
+ABORT_1 = {
+    "event": "anomaly_abort",
+    "attempt": 1,
+    "step": 30,
+    "batch": 52,
+    "first_anomaly_step": 30,
+    "first_anomaly_batch": 50,
+}
 
 
 def test_last_event_finds_the_newest_event_of_its_name_and_attempt(tmp_path: Path):
     """Of several events named alike in one attempt, the newest is returned whole."""
     layout = RunLayout(tmp_path)
     older = {**ABORT_0, "step": 5}
-    write_log(layout, 0, [older, {"event": "step", "attempt": 0, "step": 8}, ABORT_0,
-                          {"event": "rank_finished", "attempt": 0, "step": 9}])
+    write_log(
+        layout,
+        0,
+        [
+            older,
+            {"event": "step", "attempt": 0, "step": 8},
+            ABORT_0,
+            {"event": "rank_finished", "attempt": 0, "step": 9},
+        ],
+    )
     assert last_event(layout, 0, 0, "anomaly_abort") == ABORT_0
 
 
 def test_last_event_skips_other_attempts(tmp_path: Path):
     """An event of a later or earlier attempt is not taken for the asked attempt's."""
     layout = RunLayout(tmp_path)
-    write_log(layout, 0, [ABORT_0, {"event": "step", "attempt": 1, "step": 1}, ABORT_1,
-                          {"event": "step", "attempt": 2, "step": 1}])
+    write_log(
+        layout,
+        0,
+        [ABORT_0, {"event": "step", "attempt": 1, "step": 1}, ABORT_1, {"event": "step", "attempt": 2, "step": 1}],
+    )
     assert last_event(layout, 0, 0, "anomaly_abort") == ABORT_0
     assert last_event(layout, 0, 1, "anomaly_abort") == ABORT_1
     assert last_event(layout, 0, 2, "anomaly_abort") is None
@@ -98,9 +121,16 @@ def test_last_event_beyond_the_tail_is_not_found(tmp_path: Path):
 def test_last_step_is_the_newest_step_event_of_the_attempt(tmp_path: Path):
     """`last_step` is the `step` field of the attempt's newest `step` event, as an int."""
     layout = RunLayout(tmp_path)
-    write_log(layout, 0, [{"event": "step", "attempt": 0, "step": 4}, {"event": "step", "attempt": 0, "step": 5},
-                          {"event": "checkpoint_saved", "attempt": 0, "step": 6},
-                          {"event": "step", "attempt": 1, "step": 2}])
+    write_log(
+        layout,
+        0,
+        [
+            {"event": "step", "attempt": 0, "step": 4},
+            {"event": "step", "attempt": 0, "step": 5},
+            {"event": "checkpoint_saved", "attempt": 0, "step": 6},
+            {"event": "step", "attempt": 1, "step": 2},
+        ],
+    )
     assert last_step(layout, 0, 0) == 5
     assert last_step(layout, 0, 1) == 2
     assert last_step(layout, 0, 2) is None

@@ -27,16 +27,44 @@ from worker.files import parse_json
 from worker.orders import StopOrders
 
 # A fixed budget per property, so the whole file runs in CI in seconds, the same examples every time.
-FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
-SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20))
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=5)
-                    | st.dictionaries(st.text(max_size=12), inner, max_size=6), max_leaves=25)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=25,
+)
 HEARTBEAT_KEYS = ("attempt", "rank", "seq", "step", "phase", "step_time_s", "pid", "time")
-HOSTILE_TEXT = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "1" * 400, "[" * 2000, '{"a":1,"a":2}',
-                                "\ud800", "\x00", "null", "[]", '"x"', "-1", "true"])
+HOSTILE_TEXT = st.sampled_from(
+    [
+        "NaN",
+        "Infinity",
+        "-Infinity",
+        "1e999",
+        "1" * 400,
+        "[" * 2000,
+        '{"a":1,"a":2}',
+        "\ud800",
+        "\x00",
+        "null",
+        "[]",
+        '"x"',
+        "-1",
+        "true",
+    ]
+)
 
 
 def _raw(text: str) -> bytes:
@@ -53,7 +81,8 @@ def contents(keys: tuple[str, ...]) -> st.SearchStrategy[bytes]:
     any JSON, JSON that is not strict, and raw bytes."""
     as_json = (records(keys) | JSON).map(lambda value: json.dumps(value).encode())
     spliced = st.tuples(records(keys), st.sampled_from(keys), HOSTILE_TEXT).map(
-        lambda t: json.dumps({**t[0], t[1]: 0}).replace(f'"{t[1]}": 0', f'"{t[1]}": {t[2]}'))
+        lambda t: json.dumps({**t[0], t[1]: 0}).replace(f'"{t[1]}": 0', f'"{t[1]}": {t[2]}')
+    )
     return as_json | spliced.map(_raw) | HOSTILE_TEXT.map(_raw) | st.binary(max_size=300)
 
 
@@ -106,8 +135,7 @@ def test_rank_event_log_readers_never_raise(run: RunLayout, lines: list[bytes]) 
 
 
 @FUZZ
-@given(data=st.binary(max_size=64) | HOSTILE_TEXT.map(_raw)
-       | st.text(max_size=30).map(str.encode))
+@given(data=st.binary(max_size=64) | HOSTILE_TEXT.map(_raw) | st.text(max_size=30).map(str.encode))
 def test_stop_file_parser_gives_a_request_or_says_why_not(data: bytes) -> None:
     """Any stop file content is a well-formed request or StopFileUnparsable; control bytes never mean 'stop now'."""
     try:
@@ -119,16 +147,38 @@ def test_stop_file_parser_gives_a_request_or_says_why_not(data: bytes) -> None:
     assert all(c.isprintable() or c.isspace() for c in text)
 
 
-STATUS_KEYS = ("state", "attempt", "restarts", "max_restarts", "ranks", "run_dir", "supervisor_pid", "updated_at",
-               "last_checkpoint", "resumed_from", "passed_over", "heartbeats", "hang", "rollback", "stop_order",
-               "last_failure", "cause", "failures", "reason", "calibration")
+STATUS_KEYS = (
+    "state",
+    "attempt",
+    "restarts",
+    "max_restarts",
+    "ranks",
+    "run_dir",
+    "supervisor_pid",
+    "updated_at",
+    "last_checkpoint",
+    "resumed_from",
+    "passed_over",
+    "heartbeats",
+    "hang",
+    "rollback",
+    "stop_order",
+    "last_failure",
+    "cause",
+    "failures",
+    "reason",
+    "calibration",
+)
 
 
 @FUZZ
-@given(data=contents(STATUS_KEYS), ranks=st.lists(records(("rank", "pid", "step", "heartbeat_age_s",
-                                                           "heartbeat_phase", "returncode")), max_size=3))
-def test_state_file_reader_gives_a_renderable_status_or_status_error(run: RunLayout, data: bytes,
-                                                                     ranks: list[dict[str, Any]]) -> None:
+@given(
+    data=contents(STATUS_KEYS),
+    ranks=st.lists(records(("rank", "pid", "step", "heartbeat_age_s", "heartbeat_phase", "returncode")), max_size=3),
+)
+def test_state_file_reader_gives_a_renderable_status_or_status_error(
+    run: RunLayout, data: bytes, ranks: list[dict[str, Any]]
+) -> None:
     """Any state.json is a status `render` can print, or StatusError; calibration reads only positive numbers."""
     with contextlib.suppress(ValueError):
         record = parse_json(data)
@@ -142,10 +192,13 @@ def test_state_file_reader_gives_a_renderable_status_or_status_error(run: RunLay
 
 
 @FUZZ
-@given(data=contents(("supervisor_pid", "processes", "pid", "create_time", "name")),
-       processes=st.lists(records(("pid", "create_time", "name")), max_size=4))
-def test_pids_file_reader_kills_nothing_that_is_not_of_this_run(run: RunLayout, data: bytes,
-                                                                processes: list[dict[str, Any]]) -> None:
+@given(
+    data=contents(("supervisor_pid", "processes", "pid", "create_time", "name")),
+    processes=st.lists(records(("pid", "create_time", "name")), max_size=4),
+)
+def test_pids_file_reader_kills_nothing_that_is_not_of_this_run(
+    run: RunLayout, data: bytes, processes: list[dict[str, Any]]
+) -> None:
     """Forged pids.json records (this process's pid, pid 1, garbage) never lead to a kill."""
     forged = [{"pid": 1, "create_time": 0.0}, *processes]
     _write(run.pids_file, data if processes == [] else json.dumps({"processes": forged}).encode())

@@ -16,21 +16,24 @@ def test_default_policy_values():
 def test_first_abort_rolls_back_and_skips_past_the_streak():
     """A first abort resumes at most `rollback_steps` before the streak and skips to `skip_after_steps` past it."""
     assert plan_rollback(POLICY, None, FIRST) == Rollback(
-        abort=FIRST, tries=1, resume_at_most=400, skip_to_batch=529 + 1 + 200, skip_after=200)
+        abort=FIRST, tries=1, resume_at_most=400, skip_to_batch=529 + 1 + 200, skip_after=200
+    )
 
 
 def test_first_abort_near_the_start_clamps_resume_at_zero():
     """A streak starting fewer than `rollback_steps` into the run resumes at most from step 0."""
     abort = AbortInfo(first_step=30, abort_step=39, first_batch=30, abort_batch=39)
     assert plan_rollback(POLICY, None, abort) == Rollback(
-        abort=abort, tries=1, resume_at_most=0, skip_to_batch=240, skip_after=200)
+        abort=abort, tries=1, resume_at_most=0, skip_to_batch=240, skip_after=200
+    )
 
 
 def test_first_abort_with_zero_distances():
     """With both distances 0 the run resumes at most at the streak's first step and skips just past the abort."""
     policy = AnomalyPolicy(rollback_steps=0, skip_after_steps=0)
     assert plan_rollback(policy, None, FIRST) == Rollback(
-        abort=FIRST, tries=1, resume_at_most=500, skip_to_batch=530, skip_after=0)
+        abort=FIRST, tries=1, resume_at_most=500, skip_to_batch=530, skip_after=0
+    )
 
 
 def test_same_region_widens_distances_and_counts_second_try():
@@ -38,7 +41,8 @@ def test_same_region_widens_distances_and_counts_second_try():
     previous = plan_rollback(POLICY, None, FIRST)
     again = AbortInfo(first_step=450, abort_step=459, first_batch=780, abort_batch=789)
     assert plan_rollback(POLICY, previous, again) == Rollback(
-        abort=again, tries=2, resume_at_most=450 - 200, skip_to_batch=789 + 1 + 400, skip_after=400)
+        abort=again, tries=2, resume_at_most=450 - 200, skip_to_batch=789 + 1 + 400, skip_after=400
+    )
 
 
 def test_third_try_in_same_region_widens_again():
@@ -47,16 +51,19 @@ def test_third_try_in_same_region_widens_again():
     second = plan_rollback(POLICY, first, AbortInfo(450, 459, 780, 789))
     third_abort = AbortInfo(first_step=1000, abort_step=1004, first_batch=1500, abort_batch=1504)
     assert plan_rollback(POLICY, second, third_abort) == Rollback(
-        abort=third_abort, tries=3, resume_at_most=600, skip_to_batch=1504 + 1 + 800, skip_after=800)
+        abort=third_abort, tries=3, resume_at_most=600, skip_to_batch=1504 + 1 + 800, skip_after=800
+    )
 
 
 def test_region_boundary_is_skip_target_plus_skip_window():
     """A streak one batch inside the previous skip target + skip window is the same region; at it, a new one."""
     previous = plan_rollback(POLICY, None, FIRST)  # skip_to_batch 730, skip_after 200: the region ends at 930
-    inside = plan_rollback(POLICY, previous, AbortInfo(first_step=600, abort_step=609, first_batch=929,
-                                                        abort_batch=938))
-    outside = plan_rollback(POLICY, previous, AbortInfo(first_step=600, abort_step=609, first_batch=930,
-                                                         abort_batch=939))
+    inside = plan_rollback(
+        POLICY, previous, AbortInfo(first_step=600, abort_step=609, first_batch=929, abort_batch=938)
+    )
+    outside = plan_rollback(
+        POLICY, previous, AbortInfo(first_step=600, abort_step=609, first_batch=930, abort_batch=939)
+    )
     assert (inside.tries, inside.skip_after) == (2, 400)
     assert (outside.tries, outside.skip_after) == (1, 200)
 
@@ -67,7 +74,8 @@ def test_later_different_region_resets_tries():
     second = plan_rollback(POLICY, previous, AbortInfo(450, 459, 780, 789))
     later = AbortInfo(first_step=3000, abort_step=3009, first_batch=5000, abort_batch=5009)
     assert plan_rollback(POLICY, second, later) == Rollback(
-        abort=later, tries=1, resume_at_most=2900, skip_to_batch=5210, skip_after=200)
+        abort=later, tries=1, resume_at_most=2900, skip_to_batch=5210, skip_after=200
+    )
 
 
 def test_beyond_max_tries_gives_up():
@@ -76,8 +84,10 @@ def test_beyond_max_tries_gives_up():
     second = plan_rollback(POLICY, first, AbortInfo(450, 459, 780, 789))
     third = plan_rollback(POLICY, second, AbortInfo(1000, 1004, 1500, 1504))
     assert third.tries == 3
-    assert plan_rollback(POLICY, third, AbortInfo(first_step=1500, abort_step=1509, first_batch=2400,
-                                                  abort_batch=2409)) is None
+    assert (
+        plan_rollback(POLICY, third, AbortInfo(first_step=1500, abort_step=1509, first_batch=2400, abort_batch=2409))
+        is None
+    )
 
 
 def test_max_tries_one_gives_up_on_the_second_streak_of_a_region():
@@ -100,8 +110,13 @@ def test_huge_widen_factor_caps_distances_instead_of_overflowing():
     """A widen_factor of 1e308 caps both widened distances at MAX_WINDOW_STEPS (2**53) rather than raising."""
     policy = AnomalyPolicy(rollback_steps=100, skip_after_steps=200, max_tries=2**53, widen_factor=1e308)
     second = plan_rollback(policy, plan_rollback(policy, None, FIRST), AbortInfo(450, 459, 780, 789))
-    assert second == Rollback(abort=AbortInfo(450, 459, 780, 789), tries=2, resume_at_most=0,
-                              skip_to_batch=789 + 1 + MAX_WINDOW_STEPS, skip_after=MAX_WINDOW_STEPS)
+    assert second == Rollback(
+        abort=AbortInfo(450, 459, 780, 789),
+        tries=2,
+        resume_at_most=0,
+        skip_to_batch=789 + 1 + MAX_WINDOW_STEPS,
+        skip_after=MAX_WINDOW_STEPS,
+    )
 
 
 def test_tries_near_max_tries_plan_capped_then_give_up():
@@ -119,4 +134,5 @@ def test_zero_distances_stay_zero_under_a_huge_widen_factor():
     previous = Rollback(abort=FIRST, tries=10**5, resume_at_most=500, skip_to_batch=530, skip_after=0)
     again = AbortInfo(first_step=500, abort_step=509, first_batch=520, abort_batch=529)
     assert plan_rollback(policy, previous, again) == Rollback(
-        abort=again, tries=10**5 + 1, resume_at_most=500, skip_to_batch=530, skip_after=0)
+        abort=again, tries=10**5 + 1, resume_at_most=500, skip_to_batch=530, skip_after=0
+    )

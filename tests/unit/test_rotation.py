@@ -35,8 +35,9 @@ steps = st.lists(st.integers(min_value=1, max_value=10_000), unique=True, max_si
 def test_rotation_never_deletes_what_must_stay(complete, data, keep_max):
     """For any history: the newest healthy, the protected and the newest keep_max survive; only complete ones go."""
     healthy = set(data.draw(st.lists(st.sampled_from(complete), unique=True) if complete else st.just([])))
-    protected = set(data.draw(st.lists(st.sampled_from(complete), unique=True, max_size=2) if complete
-                              else st.just([])))
+    protected = set(
+        data.draw(st.lists(st.sampled_from(complete), unique=True, max_size=2) if complete else st.just([]))
+    )
     deleted = set(rotation(complete, healthy, keep_max=keep_max, protected=protected))
     assert deleted <= set(complete)
     assert not deleted & protected

@@ -32,8 +32,9 @@ from worker.manifest import (
 )
 
 
-def save_sharded(store: CheckpointStore, step: int, world_size: int = 2, *, manifest: bool = True,
-                 unhealthy: tuple[int, ...] = ()) -> Path:
+def save_sharded(
+    store: CheckpointStore, step: int, world_size: int = 2, *, manifest: bool = True, unhealthy: tuple[int, ...] = ()
+) -> Path:
     """What a finished sharded save leaves: every rank's shard, state and record, DCP's .metadata, the manifest."""
     directory = store.sharded_dir(step, PREFIX)
     directory.mkdir(parents=True, exist_ok=True)
@@ -46,8 +47,13 @@ def save_sharded(store: CheckpointStore, step: int, world_size: int = 2, *, mani
             (directory / name).write_bytes(data)
             files[name] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
         bad = rank in unhealthy
-        record = {"rank": rank, "step": step, "files": files, "is_health": int(bad),
-                  "health_reasons": ["non-finite parameter"] if bad else []}
+        record = {
+            "rank": rank,
+            "step": step,
+            "files": files,
+            "is_health": int(bad),
+            "health_reasons": ["non-finite parameter"] if bad else [],
+        }
         (directory / f"rank_{rank}.json").write_text(json.dumps(record))
         records.append(record)
     if manifest:
@@ -101,7 +107,9 @@ def test_unhealthy_sharded_checkpoints_are_skipped_only_when_health_is_required(
     assert choose_explicit(store, 2, PREFIX, 20).step == 20  # named: used, healthy or not
     entries = health_entries(store, 2, PREFIX, [10, 20])
     assert [(e["ckpt_name"], e["is_health"], e["unhealthy_ranks"]) for e in entries] == [
-        ("demo-10.dcp", 0, []), ("demo-20.dcp", 1, [1])]
+        ("demo-10.dcp", 0, []),
+        ("demo-20.dcp", 1, [1]),
+    ]
     assert completed_at(store, 2, PREFIX, 20) == os.stat(store.sharded_dir(20, PREFIX) / MANIFEST).st_mtime
 
 
@@ -162,8 +170,16 @@ def test_per_rank_and_sharded_checkpoints_side_by_side_are_both_candidates(tmp_p
 
 
 def test_our_file_names(tmp_path: Path) -> None:
-    for name in ("__0_0.distcp", "__12_0.distcp", ".metadata", ".metadata.tmp", "rank_3.pt", "rank_3.json",
-                 "MANIFEST.json", ".rank_0.pt.a1b2c3d4.tmp"):
+    for name in (
+        "__0_0.distcp",
+        "__12_0.distcp",
+        ".metadata",
+        ".metadata.tmp",
+        "rank_3.pt",
+        "rank_3.json",
+        "MANIFEST.json",
+        ".rank_0.pt.a1b2c3d4.tmp",
+    ):
         assert is_our_file(name), name
     for name in ("x.distcp", "rank_a.pt", "../rank_0.pt", "notes.txt", ".hidden", "MANIFEST.json.bak"):
         assert not is_our_file(name), name

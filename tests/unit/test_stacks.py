@@ -50,8 +50,10 @@ def test_last_step_reads_the_newest_step_of_the_attempt_past_torn_lines(tmp_path
     path = layout.rank_events(1)
     path.parent.mkdir(parents=True)
     lines = [json.dumps({"event": "step", "attempt": 0, "step": s}) for s in range(1, 40)]
-    lines += [json.dumps({"event": "checkpoint_saved", "attempt": 0, "step": 39}),
-              json.dumps({"event": "step", "attempt": 1, "step": 5})]
+    lines += [
+        json.dumps({"event": "checkpoint_saved", "attempt": 0, "step": 39}),
+        json.dumps({"event": "step", "attempt": 1, "step": 5}),
+    ]
     path.write_text("\n".join(lines) + '\n{"event": "step", "attempt": 0, "st')
     assert last_step(layout, 1, attempt=0) == 39
     assert last_step(layout, 1, attempt=1) == 5

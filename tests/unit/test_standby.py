@@ -31,8 +31,7 @@ class Model:
 def test_top_level_imports_are_read_from_the_text_without_running_it(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT + "raise SystemExit('never run')\n")
-    assert script_imports(script) == ["os", "json", "torch.distributed", "torch.nn", "numpy", "local_helpers",
-                                      "email"]
+    assert script_imports(script) == ["os", "json", "torch.distributed", "torch.nn", "numpy", "local_helpers", "email"]
 
 
 def test_auto_prewarms_torch_and_installed_modules_but_not_the_projects_own(tmp_path: Path) -> None:

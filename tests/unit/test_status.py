@@ -32,8 +32,9 @@ from supervisor.observe.status import (
 from worker.contract import RunLayout
 
 NOW = 1000.0
-POLICY = Policy(nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0,
-                kill_grace_s=10.0)
+POLICY = Policy(
+    nproc=2, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0, kill_grace_s=10.0
+)
 SOLO = replace(POLICY, nproc=1)
 
 
@@ -54,10 +55,8 @@ def test_snapshot_of_running_state_with_heartbeat():
         "restarts": 0,
         "max_restarts": 3,
         "ranks": [
-            {"rank": 0, "pid": 100, "step": None, "heartbeat_age_s": None, "heartbeat_phase": None,
-             "returncode": None},
-            {"rank": 1, "pid": 101, "step": 30, "heartbeat_age_s": 2.5, "heartbeat_phase": "train",
-             "returncode": None},
+            {"rank": 0, "pid": 100, "step": None, "heartbeat_age_s": None, "heartbeat_phase": None, "returncode": None},
+            {"rank": 1, "pid": 101, "step": 30, "heartbeat_age_s": 2.5, "heartbeat_phase": "train", "returncode": None},
         ],
         "heartbeats": "on",
         "heartbeat_mode": "auto",
@@ -150,8 +149,10 @@ def test_read_status_non_object_json_raises(tmp_path, content):
 
 def test_render_says_heartbeats_off():
     """With no heartbeat seen, the summary says hang detection is off and each rank has no heartbeat."""
-    status = {**snapshot(running(), now=NOW, extra={"run_dir": "runs/x", "last_checkpoint": None}),
-              "supervisor_alive": True}
+    status = {
+        **snapshot(running(), now=NOW, extra={"run_dir": "runs/x", "last_checkpoint": None}),
+        "supervisor_alive": True,
+    }
     text = render(status)
     assert text.splitlines() == [
         "run runs/x: running, attempt 0, restarts 0/3",
@@ -166,8 +167,10 @@ def test_render_with_heartbeats_and_failure():
     """With heartbeats, a checkpoint and a failure, the summary shows them and no heartbeats-off line."""
     state, _ = decide(running(resume_step=25), HeartbeatSeen(0, 0, seq=2, step=40, phase="train"), NOW)
     state, _ = decide(state, ChildExited(0, 1, 3), NOW)
-    status = {**snapshot(state, now=NOW + 1.5, extra={"run_dir": "runs/x", "last_checkpoint": {"step": 25}}),
-              "supervisor_alive": True}
+    status = {
+        **snapshot(state, now=NOW + 1.5, extra={"run_dir": "runs/x", "last_checkpoint": {"step": 25}}),
+        "supervisor_alive": True,
+    }
     assert render(status).splitlines() == [
         "run runs/x: stopping, attempt 0, restarts 0/3",
         "  last checkpoint: step 25; resumed from step 25",
@@ -193,8 +196,17 @@ def test_snapshot_carries_the_cause_and_the_failure_history():
     status = snapshot(crash_looping(), now=NOW + 4, extra={})
     assert status["cause"] == "ValueError: boom (train.py:12 in step)"
     assert status["failures"] == [
-        {"attempt": a, "rank": 0, "step": 40, "resume_step": 25, "progressed": True, "kind": "exception",
-         "cause": "ValueError: boom (train.py:12 in step)"} for a in (0, 1)]
+        {
+            "attempt": a,
+            "rank": 0,
+            "step": 40,
+            "resume_step": 25,
+            "progressed": True,
+            "kind": "exception",
+            "cause": "ValueError: boom (train.py:12 in step)",
+        }
+        for a in (0, 1)
+    ]
 
 
 def test_snapshot_shows_only_the_newest_failures():
@@ -207,8 +219,10 @@ def test_snapshot_shows_only_the_newest_failures():
 
 def test_render_lists_failed_attempts_after_the_cause():
     """With more than one failed attempt, the summary lists each one's rank, step and cause under the cause."""
-    status = {**snapshot(crash_looping(), now=NOW + 4, extra={"run_dir": "runs/x", "last_checkpoint": None}),
-              "supervisor_alive": True}
+    status = {
+        **snapshot(crash_looping(), now=NOW + 4, extra={"run_dir": "runs/x", "last_checkpoint": None}),
+        "supervisor_alive": True,
+    }
     assert render(status).splitlines()[-5:] == [
         "  last failure: rank 0 exited with code 1 in attempt 1",
         "  cause: ValueError: boom (train.py:12 in step)",
@@ -233,8 +247,12 @@ def test_render_flags_stale_state_of_dead_supervisor():
 
 def test_render_terminal_state_not_flagged_stale():
     """A finished run's status is not called stale, and its reason is shown."""
-    status = {**snapshot(running(), now=NOW, extra={"supervisor_pid": 4242}), "supervisor_alive": False,
-              "state": "failed", "reason": "restarts exhausted"}
+    status = {
+        **snapshot(running(), now=NOW, extra={"supervisor_pid": 4242}),
+        "supervisor_alive": False,
+        "state": "failed",
+        "reason": "restarts exhausted",
+    }
     lines = render(status).splitlines()
     assert not any("stale" in line for line in lines)
     assert lines[-1] == "  reason: restarts exhausted"
@@ -279,11 +297,18 @@ def test_a_supervisor_that_abdicated_is_said_to_have_handed_over(tmp_path):
 
 def test_render_says_when_a_multi_node_run_goes_on_shrunk():
     """slurm.min_nodes: an attempt on fewer nodes than configured is one line under the job's."""
-    extra = {"run_dir": "runs/x", "last_checkpoint": None, "slurm_job": "42", "world_size": 2, "full_world_size": 4,
-             "nodes": [{"node": "n1", "group_rank": 0, "state": "running", "ranks": [0, 1]}]}
+    extra = {
+        "run_dir": "runs/x",
+        "last_checkpoint": None,
+        "slurm_job": "42",
+        "world_size": 2,
+        "full_world_size": 4,
+        "nodes": [{"node": "n1", "group_rank": 0, "state": "running", "ranks": [0, 1]}],
+    }
     lines = render({**snapshot(running(), now=NOW, extra=extra), "supervisor_alive": True}).splitlines()
     assert lines[lines.index("  slurm job 42") + 1] == (
-        "  shrunk: 2 of 4 ranks (slurm.min_nodes; a job with every node grows back)")
+        "  shrunk: 2 of 4 ranks (slurm.min_nodes; a job with every node grows back)"
+    )
     extra.update(world_size=4)
     assert "shrunk" not in render({**snapshot(running(), now=NOW, extra=extra), "supervisor_alive": True})
 
@@ -294,8 +319,13 @@ def test_history_of_a_supervisor_that_died_mid_run_round_trips_through_the_state
     state = running()
     for attempt in range(3):
         state = replace(state, attempt=attempt, restarts=attempt, phase=Phase.RUNNING, ranks=state.ranks)
-        state, _ = decide(state, ChildExited(attempt, 1, 1, cause=Cause(CauseKind.EXCEPTION, f"boom in /tmp/x{attempt}",
-                                                                             "boom in TMP"), step=7), NOW)
+        state, _ = decide(
+            state,
+            ChildExited(
+                attempt, 1, 1, cause=Cause(CauseKind.EXCEPTION, f"boom in /tmp/x{attempt}", "boom in TMP"), step=7
+            ),
+            NOW,
+        )
     status = json.loads(json.dumps(snapshot(state, now=NOW, extra={})))
     history = read_history(status)
     assert history is not None and history.attempt == 2 and history.restarts == 2
@@ -304,20 +334,53 @@ def test_history_of_a_supervisor_that_died_mid_run_round_trips_through_the_state
     assert (carried.attempt, carried.restarts, carried.failures) == (3, 2, state.failures)
 
 
-@pytest.mark.parametrize("garbage", [
-    {"state": "failed", "history": {"attempt": 2, "restarts": 2, "failures": []}},  # an ended run starts afresh
-    {"state": "running"},
-    {"state": "running", "history": []},
-    {"state": "running", "history": {"attempt": -1, "restarts": 0, "failures": []}},
-    {"state": "running", "history": {"attempt": 1, "restarts": True, "failures": []}},
-    {"state": "running", "history": {"attempt": 1, "restarts": 0, "failures": [{"attempt": 0}]}},
-    {"state": "running", "history": {"attempt": 1, "restarts": 0, "failures": [
-        {"attempt": 0, "rank": 0, "step": None, "resume_step": None, "progressed": None, "kind": "nonsense",
-         "cause": "x"}]}},
-    {"state": "running", "history": {"attempt": 1, "restarts": 0, "failures": [
-        {"attempt": 0, "rank": 0, "step": None, "resume_step": None, "progressed": None, "kind": "exit",
-         "cause": "x" * 100000}]}},
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        {"state": "failed", "history": {"attempt": 2, "restarts": 2, "failures": []}},  # an ended run starts afresh
+        {"state": "running"},
+        {"state": "running", "history": []},
+        {"state": "running", "history": {"attempt": -1, "restarts": 0, "failures": []}},
+        {"state": "running", "history": {"attempt": 1, "restarts": True, "failures": []}},
+        {"state": "running", "history": {"attempt": 1, "restarts": 0, "failures": [{"attempt": 0}]}},
+        {
+            "state": "running",
+            "history": {
+                "attempt": 1,
+                "restarts": 0,
+                "failures": [
+                    {
+                        "attempt": 0,
+                        "rank": 0,
+                        "step": None,
+                        "resume_step": None,
+                        "progressed": None,
+                        "kind": "nonsense",
+                        "cause": "x",
+                    }
+                ],
+            },
+        },
+        {
+            "state": "running",
+            "history": {
+                "attempt": 1,
+                "restarts": 0,
+                "failures": [
+                    {
+                        "attempt": 0,
+                        "rank": 0,
+                        "step": None,
+                        "resume_step": None,
+                        "progressed": None,
+                        "kind": "exit",
+                        "cause": "x" * 100000,
+                    }
+                ],
+            },
+        },
+    ],
+)
 def test_history_that_is_not_sane_or_of_an_ended_run_is_not_carried(garbage):
     """Garbage (or a tampered file) loses the history, never the run; an ended run's history is not carried."""
     assert read_history(garbage) is None
@@ -326,23 +389,43 @@ def test_history_that_is_not_sane_or_of_an_ended_run_is_not_carried(garbage):
 def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look():
     """1,024 nodes x 8 ranks: one line for the ranks (counts, steps, heartbeat ages), the quietest and failed
     ranks, the most compute, one line for the nodes by state and the nodes not running; not 9,000 lines."""
-    ranks = [{"rank": r, "pid": 1000 + r, "step": 500 + r % 3, "heartbeat_age_s": 0.5, "heartbeat_phase": "train",
-              "returncode": None} for r in range(8192)]
+    ranks = [
+        {
+            "rank": r,
+            "pid": 1000 + r,
+            "step": 500 + r % 3,
+            "heartbeat_age_s": 0.5,
+            "heartbeat_phase": "train",
+            "returncode": None,
+        }
+        for r in range(8192)
+    ]
     ranks[4000] = {**ranks[4000], "heartbeat_age_s": 9.5, "step": 480}
     ranks[17] = {**ranks[17], "returncode": -9}
-    nodes = [{"node": f"n{i:04d}", "state": "running", "ranks": list(range(8 * i, 8 * i + 8)),
-              "heartbeat_age_s": 0.4} for i in range(1024)]
+    nodes = [
+        {"node": f"n{i:04d}", "state": "running", "ranks": list(range(8 * i, 8 * i + 8)), "heartbeat_age_s": 0.4}
+        for i in range(1024)
+    ]
     nodes[2] = {**nodes[2], "state": "lost"}
     nodes += [{"node": "spare1", "state": "spare"}, {"node": "bad", "state": "excluded", "why": "failed 3 times"}]
-    status = {"state": "running", "attempt": 0, "restarts": 0, "max_restarts": 3, "run_dir": "runs/big",
-              "supervisor_alive": True, "ranks": ranks, "nodes": nodes, "slurm_job": "7",
-              "rank_compute_s": {str(r): 0.1 for r in range(8192)} | {"123": 0.9}}
+    status = {
+        "state": "running",
+        "attempt": 0,
+        "restarts": 0,
+        "max_restarts": 3,
+        "run_dir": "runs/big",
+        "supervisor_alive": True,
+        "ranks": ranks,
+        "nodes": nodes,
+        "slurm_job": "7",
+        "rank_compute_s": {str(r): 0.1 for r in range(8192)} | {"123": 0.9},
+    }
     lines = render(status).splitlines()
     assert len(lines) < 30, lines
-    assert ("  ranks: 8192, 8191 running, 1 failed; steps 480-502; heartbeat ages: median 0.5 s, oldest 9.5 s"
-            in lines)
+    assert "  ranks: 8192, 8191 running, 1 failed; steps 480-502; heartbeat ages: median 0.5 s, oldest 9.5 s" in lines
     assert lines.index("  rank 17: pid 1017, step 502, heartbeat 0.5 s ago (train), exit -9") < lines.index(
-        "  rank 4000: pid 5000, step 480, heartbeat 9.5 s ago (train)")
+        "  rank 4000: pid 5000, step 480, heartbeat 9.5 s ago (train)"
+    )
     assert any(line.startswith("  most compute per step: rank 123 0.9 s") for line in lines)
     assert "  nodes: 1 excluded, 1 lost, 1023 running, 1 spare" in lines
     assert "  node n0002: lost, ranks 16-23, agent heard 0.4 s ago" in lines

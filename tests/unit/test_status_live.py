@@ -54,7 +54,8 @@ def test_nothing_launched_yet_says_nothing_about_heartbeats():
 def test_a_plain_script_still_says_hang_detection_is_off():
     """Ranks launched, none of the run ever beat, heartbeat mode auto: the line stays, it is true."""
     assert "  heartbeats: none seen (script does not use the worker library?): hang detection is off" in (
-        render(shown(running())).splitlines())
+        render(shown(running())).splitlines()
+    )
 
 
 def test_required_heartbeats_not_seen_yet_do_not_say_hang_detection_is_off():

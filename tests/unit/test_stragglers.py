@@ -13,16 +13,18 @@ from supervisor.observe.stragglers import Stragglers
 NOW = 1000.0
 SUSTAIN_S = 30.0
 FAST, SLOW = 0.030, 0.045  # SLOW is 50 % slower: past the default 20 % margin
-STATE = initial_state(Policy(nproc=3, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0,
-                             backoff_max_s=60.0, kill_grace_s=10.0))
+STATE = initial_state(
+    Policy(nproc=3, max_restarts=3, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=60.0, kill_grace_s=10.0)
+)
 
 
 def beat(rank: int, compute_s: float | None, *, attempt: int = 0, seq: int = 1) -> HeartbeatSeen:
     return HeartbeatSeen(attempt=attempt, rank=rank, seq=seq, step=10, phase="train", compute_s=compute_s)
 
 
-def feed(observer: Stragglers, at: float, figures: dict[int, float | None], state: State = STATE,
-         attempt: int = 0) -> list[JournalRecord]:
+def feed(
+    observer: Stragglers, at: float, figures: dict[int, float | None], state: State = STATE, attempt: int = 0
+) -> list[JournalRecord]:
     """One beat from each rank at time `at`, with its compute_s; the journal records they produced."""
     records = []
     for rank, compute_s in figures.items():
@@ -34,8 +36,9 @@ def named(records: list[JournalRecord], name: str) -> list[dict[str, Any]]:
     return [fields for _, event, fields in records if event == name]
 
 
-def run(observer: Stragglers, start: float, end: float, figures: dict[int, float | None], every: float = 0.5,
-        **options: Any) -> list[JournalRecord]:
+def run(
+    observer: Stragglers, start: float, end: float, figures: dict[int, float | None], every: float = 0.5, **options: Any
+) -> list[JournalRecord]:
     """Beats from every rank each `every` seconds in [start, end]."""
     records, at = [], start
     while at <= end + 1e-9:
@@ -51,8 +54,7 @@ def test_a_rank_slower_than_its_peers_is_flagged_only_after_sustain_s():
     assert observer.status()["stragglers"] == []
     records = feed(observer, NOW + SUSTAIN_S, {0: FAST, 1: SLOW, 2: FAST})
     assert [(level, event) for level, event, _ in records] == [("warning", "straggler_flagged")]
-    assert records[0][2] == {"rank": 1, "compute_s": SLOW, "median_s": FAST, "slower_by": 0.5,
-                             "sustained_s": SUSTAIN_S}
+    assert records[0][2] == {"rank": 1, "compute_s": SLOW, "median_s": FAST, "slower_by": 0.5, "sustained_s": SUSTAIN_S}
 
 
 def test_only_the_slow_rank_is_flagged():
@@ -62,7 +64,8 @@ def test_only_the_slow_rank_is_flagged():
     assert [fields["rank"] for fields in named(records, "straggler_flagged")] == [1]
     assert observer.status() == {
         "stragglers": [{"rank": 1, "compute_s": SLOW, "median_s": FAST, "slower_by": 0.5}],
-        "rank_compute_s": {"0": FAST, "1": SLOW, "2": FAST}}
+        "rank_compute_s": {"0": FAST, "1": SLOW, "2": FAST},
+    }
 
 
 def test_with_two_ranks_the_slow_one_is_compared_with_the_other():

@@ -33,10 +33,12 @@ def plan(order: tuple[str, ...] = (HERE,)) -> Succession:
     return Succession(1, TTL, order, ("run", "job.yaml"), "/", {"PATH": "/bin"})
 
 
-def stand(layout: RunLayout, order: tuple[str, ...] = (HERE,), *, reachable: bool = True,
-          wait_s: float = 5.0) -> Lease | None:
-    return stand_for_successor(layout, plan(order), here=HERE, deadline=time.monotonic() + wait_s,
-                               reachable=lambda: reachable)[0]
+def stand(
+    layout: RunLayout, order: tuple[str, ...] = (HERE,), *, reachable: bool = True, wait_s: float = 5.0
+) -> Lease | None:
+    return stand_for_successor(
+        layout, plan(order), here=HERE, deadline=time.monotonic() + wait_s, reachable=lambda: reachable
+    )[0]
 
 
 def test_the_first_candidate_claims_the_next_generation_once_the_lease_lapsed(tmp_path):
@@ -59,8 +61,10 @@ def test_a_candidate_waits_while_the_supervisor_still_renews(tmp_path):
     """A fresh lease of a live supervisor (only this agent's link broke): no claim, until the deadline."""
     layout = RunLayout(tmp_path)
     claim(layout, held(1, "batch-host", age=-60))  # renewed "in the future": fresh throughout the wait
-    assert stand_for_successor(layout, plan(), here=HERE, deadline=time.monotonic() + 0.3,
-                               reachable=lambda: True) == (None, "the supervisor's lease did not lapse")
+    assert stand_for_successor(layout, plan(), here=HERE, deadline=time.monotonic() + 0.3, reachable=lambda: True) == (
+        None,
+        "the supervisor's lease did not lapse",
+    )
 
 
 def test_a_later_candidate_waits_its_turn_and_finds_the_first_one_took_over(tmp_path):

@@ -40,8 +40,12 @@ def test_seed_000_keys_parse_in_worker_section():
     config = parse_config({"script": "t.py", "worker": SEED_000})
     assert config.worker == WorkerConfig(
         use_skip_data_by_global_norm=True,
-        monitor_config=MonitorConfig(monitor_on=True, check_for_global_norm=False, global_norm_spike_threshold=3.0,
-                                     global_norm_spike_count_threshold=10),
+        monitor_config=MonitorConfig(
+            monitor_on=True,
+            check_for_global_norm=False,
+            global_norm_spike_threshold=3.0,
+            global_norm_spike_count_threshold=10,
+        ),
     )
 
 
@@ -50,11 +54,15 @@ def test_seed_000_defaults():
     adaptive spike rule is on (6 sigma over the last 128 normal steps)."""
     config = parse_config({"script": "t.py"})
     assert config.worker.use_skip_data_by_global_norm is False
-    assert config.worker.monitor_config == MonitorConfig(monitor_on=True, check_for_global_norm=False,
-                                                         global_norm_spike_threshold=3.0,
-                                                         global_norm_spike_count_threshold=10)
-    assert config.worker.adaptive_spike == AdaptiveConfig(enabled=True, sigmas=6.0, window=128, min_samples=64,
-                                                          include_loss=False)
+    assert config.worker.monitor_config == MonitorConfig(
+        monitor_on=True,
+        check_for_global_norm=False,
+        global_norm_spike_threshold=3.0,
+        global_norm_spike_count_threshold=10,
+    )
+    assert config.worker.adaptive_spike == AdaptiveConfig(
+        enabled=True, sigmas=6.0, window=128, min_samples=64, include_loss=False
+    )
 
 
 def test_partial_monitor_config_keeps_other_defaults():
@@ -68,8 +76,9 @@ def test_adaptive_spike_keys_parse():
     """The `adaptive_spike` keys parse into the AdaptiveConfig."""
     raw = {"enabled": True, "sigmas": 4, "window": 32, "min_samples": 16, "include_loss": True}
     config = parse_config({"script": "t.py", "worker": {"adaptive_spike": raw}})
-    assert config.worker.adaptive_spike == AdaptiveConfig(enabled=True, sigmas=4.0, window=32, min_samples=16,
-                                                          include_loss=True)
+    assert config.worker.adaptive_spike == AdaptiveConfig(
+        enabled=True, sigmas=4.0, window=32, min_samples=16, include_loss=True
+    )
 
 
 def test_unknown_monitor_config_key_refused_by_dotted_name():
@@ -81,8 +90,10 @@ def test_unknown_monitor_config_key_refused_by_dotted_name():
 def test_misspelt_monitor_config_key_refused_with_suggestion():
     """A misspelt `monitor_config` key is refused with the close known key suggested."""
     message = refusal({"worker": {"monitor_config": {"global_norm_spike_treshold": 2.0}}})
-    assert "unknown key 'worker.monitor_config.global_norm_spike_treshold' (did you mean " \
-           "'global_norm_spike_threshold'?)" in message
+    assert (
+        "unknown key 'worker.monitor_config.global_norm_spike_treshold' (did you mean "
+        "'global_norm_spike_threshold'?)" in message
+    )
 
 
 def test_wrong_type_in_monitor_config_refused_by_dotted_name():
@@ -100,16 +111,28 @@ def test_monitor_config_not_a_mapping_refused():
 @pytest.mark.parametrize(
     ("section", "raw", "expected"),
     [
-        ("worker", {"monitor_config": {"global_norm_spike_threshold": 0}},
-         "'worker.monitor_config.global_norm_spike_threshold' must be more than 0, got 0"),
-        ("worker", {"monitor_config": {"global_norm_spike_threshold": -1.5}},
-         "'worker.monitor_config.global_norm_spike_threshold' must be more than 0, got -1.5"),
-        ("worker", {"monitor_config": {"global_norm_spike_count_threshold": 0}},
-         "'worker.monitor_config.global_norm_spike_count_threshold' must be a positive integer, got 0"),
+        (
+            "worker",
+            {"monitor_config": {"global_norm_spike_threshold": 0}},
+            "'worker.monitor_config.global_norm_spike_threshold' must be more than 0, got 0",
+        ),
+        (
+            "worker",
+            {"monitor_config": {"global_norm_spike_threshold": -1.5}},
+            "'worker.monitor_config.global_norm_spike_threshold' must be more than 0, got -1.5",
+        ),
+        (
+            "worker",
+            {"monitor_config": {"global_norm_spike_count_threshold": 0}},
+            "'worker.monitor_config.global_norm_spike_count_threshold' must be a positive integer, got 0",
+        ),
         ("worker", {"adaptive_spike": {"sigmas": 0}}, "'worker.adaptive_spike.sigmas' must be more than 0, got 0"),
         ("worker", {"adaptive_spike": {"window": 1}}, "'worker.adaptive_spike.window' must be at least 2, got 1"),
-        ("worker", {"adaptive_spike": {"min_samples": 1}},
-         "'worker.adaptive_spike.min_samples' must be at least 2, got 1"),
+        (
+            "worker",
+            {"adaptive_spike": {"min_samples": 1}},
+            "'worker.adaptive_spike.min_samples' must be at least 2, got 1",
+        ),
         ("anomaly", {"rollback_steps": -1}, "'anomaly.rollback_steps' must be 0 or more, got -1"),
         ("anomaly", {"skip_after_steps": -1}, "'anomaly.skip_after_steps' must be 0 or more, got -1"),
         ("anomaly", {"max_tries": 0}, "'anomaly.max_tries' must be at least 1, got 0"),
@@ -139,8 +162,12 @@ def test_smallest_allowed_anomaly_values_accepted(section, raw):
 
 def test_anomaly_section_parsed_into_policy():
     """The `anomaly:` keys become the AnomalyPolicy the core's Policy carries."""
-    config = parse_config({"script": "t.py", "anomaly": {"rollback_steps": 50, "skip_after_steps": 300,
-                                                         "max_tries": 2, "widen_factor": 3}})
+    config = parse_config(
+        {
+            "script": "t.py",
+            "anomaly": {"rollback_steps": 50, "skip_after_steps": 300, "max_tries": 2, "widen_factor": 3},
+        }
+    )
     expected = AnomalyPolicy(rollback_steps=50, skip_after_steps=300, max_tries=2, widen_factor=3.0)
     assert config.anomaly == expected
     assert config.policy().anomaly == expected
@@ -167,8 +194,12 @@ def test_worker_config_round_trips_nested_sections(monkeypatch):
     config = WorkerConfig(
         save_checkpoint_steps=7,
         use_skip_data_by_global_norm=True,
-        monitor_config=MonitorConfig(monitor_on=False, check_for_global_norm=True, global_norm_spike_threshold=2.5,
-                                     global_norm_spike_count_threshold=4),
+        monitor_config=MonitorConfig(
+            monitor_on=False,
+            check_for_global_norm=True,
+            global_norm_spike_threshold=2.5,
+            global_norm_spike_count_threshold=4,
+        ),
         adaptive_spike=AdaptiveConfig(enabled=True, sigmas=3.0, window=16, min_samples=8, include_loss=True),
     )
     monkeypatch.setenv(ENV_WORKER_CONFIG, config.to_env())
@@ -179,17 +210,28 @@ def test_worker_config_to_env_nests_sections_as_objects():
     """`to_env` writes the nested sections as JSON objects under their seed names."""
     raw = json.loads(WorkerConfig(use_skip_data_by_global_norm=True).to_env())
     assert raw["use_skip_data_by_global_norm"] is True
-    assert raw["monitor_config"] == {"monitor_on": True, "check_for_global_norm": False,
-                                     "global_norm_spike_threshold": 3.0, "global_norm_spike_count_threshold": 10}
-    assert raw["adaptive_spike"] == {"enabled": True, "sigmas": 6.0, "window": 128, "min_samples": 64,
-                                     "include_loss": False}
+    assert raw["monitor_config"] == {
+        "monitor_on": True,
+        "check_for_global_norm": False,
+        "global_norm_spike_threshold": 3.0,
+        "global_norm_spike_count_threshold": 10,
+    }
+    assert raw["adaptive_spike"] == {
+        "enabled": True,
+        "sigmas": 6.0,
+        "window": 128,
+        "min_samples": 64,
+        "include_loss": False,
+    }
 
 
 def test_worker_config_from_env_ignores_unknown_nested_keys(monkeypatch):
     """Unknown keys inside a nested section are ignored; the known ones are kept and the rest default."""
-    raw = {"use_skip_data_by_global_norm": True,
-           "monitor_config": {"global_norm_spike_count_threshold": 3, "future_knob": 1},
-           "adaptive_spike": {"enabled": True, "future_knob": "x"}}
+    raw = {
+        "use_skip_data_by_global_norm": True,
+        "monitor_config": {"global_norm_spike_count_threshold": 3, "future_knob": 1},
+        "adaptive_spike": {"enabled": True, "future_knob": "x"},
+    }
     monkeypatch.setenv(ENV_WORKER_CONFIG, json.dumps(raw))
     assert WorkerConfig.from_env() == WorkerConfig(
         use_skip_data_by_global_norm=True,
@@ -211,8 +253,10 @@ def test_adaptive_window_smaller_than_min_samples_refused():
     assert "worker.adaptive_spike" in message
 
 
-@pytest.mark.parametrize(("value", "expected"), [("true", True), ("false", False),
-                                                  ("demo_rank_0-40.ckpt", "demo_rank_0-40.ckpt"), ("'40'", "40")])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("true", True), ("false", False), ("demo_rank_0-40.ckpt", "demo_rank_0-40.ckpt"), ("'40'", "40")],
+)
 def test_resume_training_takes_a_flag_or_a_checkpoint_name(tmp_path, value, expected):
     """Seed 001's `resume_training` is true, false, or the name (or step) of the checkpoint to resume from."""
     path = tmp_path / "job.yaml"
@@ -228,8 +272,10 @@ def test_resume_training_with_a_name_that_is_no_checkpoint_is_refused(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize(("name", "step"), [("demo_rank_0-40.ckpt", 40), ("x_rank_3-7.json", 7), ("12", 12),
-                                             ("latest", None), ("demo-40.ckpt", None)])
+@pytest.mark.parametrize(
+    ("name", "step"),
+    [("demo_rank_0-40.ckpt", 40), ("x_rank_3-7.json", 7), ("12", 12), ("latest", None), ("demo-40.ckpt", None)],
+)
 def test_parse_checkpoint_name(name, step):
     """A rank's checkpoint file name or a bare step number give the step; anything else gives None."""
     assert parse_checkpoint_name(name) == step
@@ -241,30 +287,45 @@ def test_parse_checkpoint_name(name, step):
 def test_feature_value_check_section_parses(tmp_path):
     """The `feature_value_check` section parses from YAML into the FeatureValueConfig, integers becoming floats."""
     path = tmp_path / "job.yaml"
-    path.write_text("script: t.py\nworker:\n  feature_value_check: {level: 2, upper_thresh1: 5000, upper_thresh2: 50,\n"
-                    "    sigma_thresh1: 900, sigma_thresh2: 30, min_steps: 10, layers: [blocks.0.attn, Dropout]}\n")
+    path.write_text(
+        "script: t.py\nworker:\n  feature_value_check: {level: 2, upper_thresh1: 5000, upper_thresh2: 50,\n"
+        "    sigma_thresh1: 900, sigma_thresh2: 30, min_steps: 10, layers: [blocks.0.attn, Dropout]}\n"
+    )
     assert load_config(path).worker.feature_value_check == FeatureValueConfig(
-        level=2, upper_thresh1=5000.0, upper_thresh2=50.0, sigma_thresh1=900.0, sigma_thresh2=30.0, min_steps=10,
-        layers=["blocks.0.attn", "Dropout"])
+        level=2,
+        upper_thresh1=5000.0,
+        upper_thresh2=50.0,
+        sigma_thresh1=900.0,
+        sigma_thresh2=30.0,
+        min_steps=10,
+        layers=["blocks.0.attn", "Dropout"],
+    )
 
 
 def test_feature_value_check_defaults_to_level_1_with_seed_002_thresholds():
     """Without the section: level 1 (log only), seed 002's thresholds, 100 minimum steps, norm layers only."""
     assert parse_config({"script": "t.py"}).worker.feature_value_check == FeatureValueConfig(
-        level=1, upper_thresh1=1e6, upper_thresh2=1e4, sigma_thresh1=1e5, sigma_thresh2=5e3, min_steps=100, layers=[])
+        level=1, upper_thresh1=1e6, upper_thresh2=1e4, sigma_thresh1=1e5, sigma_thresh2=5e3, min_steps=100, layers=[]
+    )
 
 
-@pytest.mark.parametrize(("section", "expected"), [
-    ({"level": 4}, "'worker.feature_value_check.level' must be 0, 1, 2 or 3"),
-    ({"level": True}, "'worker.feature_value_check.level' must be an integer"),
-    ({"upper_thresh2": 2}, "'worker.feature_value_check.upper_thresh2' must be at least 3"),
-    ({"sigma_thresh1": 1}, "'worker.feature_value_check.sigma_thresh1' must be at least 3"),
-    ({"min_steps": -1}, "'worker.feature_value_check.min_steps' must be 0 or more"),
-    ({"layers": "norm"}, "'worker.feature_value_check.layers' must be a list"),
-    ({"upper_thresh1": 100, "upper_thresh2": 100}, "'worker.feature_value_check.upper_thresh1' (100) must be greater"),
-    ({"sigma_thresh2": 200000}, "'worker.feature_value_check.sigma_thresh1' (100000) must be greater"),
-    ({"levle": 2}, "unknown key 'worker.feature_value_check.levle' (did you mean 'level'?)"),
-])
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        ({"level": 4}, "'worker.feature_value_check.level' must be 0, 1, 2 or 3"),
+        ({"level": True}, "'worker.feature_value_check.level' must be an integer"),
+        ({"upper_thresh2": 2}, "'worker.feature_value_check.upper_thresh2' must be at least 3"),
+        ({"sigma_thresh1": 1}, "'worker.feature_value_check.sigma_thresh1' must be at least 3"),
+        ({"min_steps": -1}, "'worker.feature_value_check.min_steps' must be 0 or more"),
+        ({"layers": "norm"}, "'worker.feature_value_check.layers' must be a list"),
+        (
+            {"upper_thresh1": 100, "upper_thresh2": 100},
+            "'worker.feature_value_check.upper_thresh1' (100) must be greater",
+        ),
+        ({"sigma_thresh2": 200000}, "'worker.feature_value_check.sigma_thresh1' (100000) must be greater"),
+        ({"levle": 2}, "unknown key 'worker.feature_value_check.levle' (did you mean 'level'?)"),
+    ],
+)
 def test_bad_feature_value_check_refused_by_key(section, expected):
     """Out-of-range levels and thresholds, L1 not above L2, and unknown keys are refused by their dotted name."""
     assert expected in refusal({"worker": {"feature_value_check": section}})
@@ -291,4 +352,5 @@ def test_weights_only_defaults_to_true_and_false_reaches_the_worker(monkeypatch)
 def test_weights_only_that_is_not_a_boolean_is_refused():
     """A `weights_only` given as the string 'false' is refused by key rather than read as true."""
     assert refusal({"worker": {"weights_only": "false"}}) == (
-        "job.yaml: 'worker.weights_only' must be true or false, got 'false'")
+        "job.yaml: 'worker.weights_only' must be true or false, got 'false'"
+    )

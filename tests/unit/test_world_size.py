@@ -25,8 +25,15 @@ def save(store: CheckpointStore, step: int, ranks: tuple[int, ...], world_size: 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         written = {} if world_size is None else {"world_size": world_size}
-        record = {"step": step, "file": path.name, "size": len(data), "crc32": f"{zlib.crc32(data):08x}",
-                  **written, "is_health": 0, "health_reasons": []}
+        record = {
+            "step": step,
+            "file": path.name,
+            "size": len(data),
+            "crc32": f"{zlib.crc32(data):08x}",
+            **written,
+            "is_health": 0,
+            "health_reasons": [],
+        }
         store.record(rank, step, PREFIX).write_text(json.dumps(record))
 
 
@@ -46,12 +53,14 @@ def test_four_rank_checkpoints_refuse_a_two_rank_resume_naming_both_sizes_and_th
     assert mismatch.message() == (
         f"the checkpoints in {own[0].root} were written by 4 ranks (newest: step 20), but this job runs 2 "
         "(nproc_per_node: 2); use a new --run-dir (this one stays as it is), or set worker.resume_training: false "
-        "to start from scratch here")
+        "to start from scratch here"
+    )
 
 
 @pytest.mark.parametrize(("written", "ranks", "world"), [(FOUR, FOUR, 2), ((0, 1), (0, 1), 4)])
 def test_records_from_before_world_sizes_were_recorded_are_counted_by_rank_dirs(
-        tmp_path: Path, written: tuple[int, ...], ranks: tuple[int, ...], world: int) -> None:
+    tmp_path: Path, written: tuple[int, ...], ranks: tuple[int, ...], world: int
+) -> None:
     """Without `world_size` in the records, the rank dirs holding the step tell: more ranks or fewer, refused."""
     own = stores(tmp_path)
     save(own[0], 10, ranks)
@@ -67,7 +76,8 @@ def test_a_checkpoint_of_this_world_size_is_resumed_and_newer_others_are_passed_
 
     assert world_size_mismatch(own, 2, PREFIX) is None
     assert choose_resume(own, 2, PREFIX) == Choice(
-        20, ((500, "written by 4 ranks (rank 0's record says); this run has 2"),), own[0])
+        20, ((500, "written by 4 ranks (rank 0's record says); this run has 2"),), own[0]
+    )
 
 
 def test_a_four_rank_checkpoint_from_before_is_passed_over_by_a_two_rank_relaunch(tmp_path: Path) -> None:
@@ -75,7 +85,8 @@ def test_a_four_rank_checkpoint_from_before_is_passed_over_by_a_two_rank_relaunc
     own = stores(tmp_path)
     save(own[0], 30, FOUR)
     assert choose_resume(own, 2, PREFIX) == Choice(
-        None, ((30, "written by more than 2 ranks (rank 2 has it too); this run has 2"),))
+        None, ((30, "written by more than 2 ranks (rank 2 has it too); this run has 2"),)
+    )
 
 
 def test_a_torn_newest_save_is_not_taken_for_another_world_size(tmp_path: Path) -> None:

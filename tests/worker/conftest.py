@@ -30,16 +30,18 @@ from worker.feature_rule import (
 )
 from worker.warden import Warden
 
-GUARDED = WorkerConfig(use_skip_data_by_global_norm=True,
-                       monitor_config=MonitorConfig(global_norm_spike_count_threshold=3))
+GUARDED = WorkerConfig(
+    use_skip_data_by_global_norm=True, monitor_config=MonitorConfig(global_norm_spike_count_threshold=3)
+)
 MAX_NORM = 1.0
 
 
 class Loop:
     """A tiny model (by default one Linear layer, 4 in, 2 out) with AdamW and StepLR, trained one batch at a time."""
 
-    def __init__(self, config: WorkerConfig, model: Callable[[], torch.nn.Module] | None = None,
-                 **warden_options: Any) -> None:
+    def __init__(
+        self, config: WorkerConfig, model: Callable[[], torch.nn.Module] | None = None, **warden_options: Any
+    ) -> None:
         torch.manual_seed(0)
         self.model = model() if model is not None else torch.nn.Linear(4, 2)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
@@ -67,22 +69,43 @@ class Loop:
 
     def snapshot(self) -> dict[str, Any]:
         """Deep copies of the model's, the optimizer's and the scheduler's state."""
-        return copy.deepcopy({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                              "scheduler": self.scheduler.state_dict()})
+        return copy.deepcopy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+            }
+        )
 
 
 @pytest.fixture
 def loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A factory of `Loop`s running as rank 0 of attempt 0 in `tmp_path` with the given faults armed."""
-    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", ENV_ATTEMPT, ENV_RESUME_STEP, ENV_RESUME_DIR,
-                 ENV_SKIP_TO_BATCH, ENV_WORKER_CONFIG, ENV_ASD_ENABLE, ENV_ASD_UPPER_THRESH, ENV_ASD_SIGMA_THRESH,
-                 ENV_ASD_MIN_STEPS, ENV_ASD_LAYERS):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "TORCHELASTIC_RESTART_COUNT",
+        ENV_ATTEMPT,
+        ENV_RESUME_STEP,
+        ENV_RESUME_DIR,
+        ENV_SKIP_TO_BATCH,
+        ENV_WORKER_CONFIG,
+        ENV_ASD_ENABLE,
+        ENV_ASD_UPPER_THRESH,
+        ENV_ASD_SIGMA_THRESH,
+        ENV_ASD_MIN_STEPS,
+        ENV_ASD_LAYERS,
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(ENV_RUN_DIR, str(tmp_path))
     made: list[Loop] = []
 
-    def make(faults: str = "", config: WorkerConfig = GUARDED, model: Callable[[], torch.nn.Module] | None = None,
-             **warden_options: Any) -> Loop:
+    def make(
+        faults: str = "",
+        config: WorkerConfig = GUARDED,
+        model: Callable[[], torch.nn.Module] | None = None,
+        **warden_options: Any,
+    ) -> Loop:
         monkeypatch.setenv(ENV_FAULTS, faults)
         made.append(Loop(config, model, **warden_options))
         return made[-1]

@@ -138,15 +138,26 @@ def test_extra_state_without_state_dict_is_refused_at_once(loop):
 class AmpLoop:
     """One rank training a small MLP under torch.autocast on CPU, with a GradScaler for fp16, as the README shows."""
 
-    def __init__(self, loop: Any, dtype: torch.dtype, *, init_scale: float = 2.0**16, faults: str = "",
-                 config: WorkerConfig | None = None) -> None:
+    def __init__(
+        self,
+        loop: Any,
+        dtype: torch.dtype,
+        *,
+        init_scale: float = 2.0**16,
+        faults: str = "",
+        config: WorkerConfig | None = None,
+    ) -> None:
         torch.manual_seed(0)
         self.dtype = dtype
         self.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=dtype == torch.float16)
-        self.run = loop(faults, config=config or WorkerConfig(save_checkpoint_steps=4),
-                        model=lambda: torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.GELU(),
-                                                          torch.nn.Dropout(0.1), torch.nn.Linear(16, 2)),
-                        extra_state={"scaler": self.scaler})
+        self.run = loop(
+            faults,
+            config=config or WorkerConfig(save_checkpoint_steps=4),
+            model=lambda: torch.nn.Sequential(
+                torch.nn.Linear(4, 16), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 2)
+            ),
+            extra_state={"scaler": self.scaler},
+        )
 
     def train(self, steps: int) -> None:
         run, warden = self.run, self.run.warden
@@ -166,8 +177,12 @@ class AmpLoop:
         warden.finish()
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.run.model.state_dict(), "optimizer": self.run.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(), "rng": torch.get_rng_state()}
+        return {
+            "model": self.run.model.state_dict(),
+            "optimizer": self.run.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
 
 
 def assert_same(a: Any, b: Any) -> None:
@@ -205,8 +220,11 @@ def test_amp_training_resumes_bitwise(loop, tmp_path, monkeypatch, dtype):
 def test_grad_scaler_overflows_are_skipped_without_counting_as_anomalies(loop, tmp_path):
     """A huge initial scale overflows fp16 for many steps in a row: each is skipped by the scaler's rule, none is
     an anomaly, so the 3-skip abort of the guarded config never fires, and training goes on once the scale fits."""
-    guarded = WorkerConfig(save_checkpoint_steps=0, use_skip_data_by_global_norm=True,
-                           monitor_config=MonitorConfig(global_norm_spike_count_threshold=3))
+    guarded = WorkerConfig(
+        save_checkpoint_steps=0,
+        use_skip_data_by_global_norm=True,
+        monitor_config=MonitorConfig(global_norm_spike_count_threshold=3),
+    )
     amp = AmpLoop(loop, torch.float16, init_scale=2.0**40, config=guarded)
     amp.train(5)
     overflows = events(tmp_path, "amp_overflow")
@@ -239,8 +257,7 @@ def prefetching_loop(run: Any, steps: int, *, by_index: bool) -> None:
 
 
 @pytest.mark.parametrize("by_index", [True, False], ids=["by-index", "global-rng"])
-def test_prefetch_by_index_resumes_exactly_and_from_the_global_rng_does_not(loop, tmp_path, monkeypatch,
-                                                                             by_index):
+def test_prefetch_by_index_resumes_exactly_and_from_the_global_rng_does_not(loop, tmp_path, monkeypatch, by_index):
     whole = loop(config=WorkerConfig(save_checkpoint_steps=4))
     prefetching_loop(whole, 8, by_index=by_index)
     monkeypatch.setenv("TRAINWARDEN_RUN_DIR", str(tmp_path / "second"))
@@ -292,12 +309,15 @@ def test_an_overflow_is_no_feature_value_fault_and_values_are_judged_unscaled(lo
     healthy value is judged as it would be without the scaler (x 2**16 would cross the thresholds)."""
     checked = WorkerConfig(save_checkpoint_steps=0, feature_value_check=FeatureValueConfig(level=3, min_steps=0))
     overflowing = torch.amp.GradScaler("cpu", init_scale=2.0**40)
-    scaled_steps(loop(config=checked, model=layer_norm_model, extra_state={"scaler": overflowing}), overflowing, 2,
-                 torch.float16)
+    scaled_steps(
+        loop(config=checked, model=layer_norm_model, extra_state={"scaler": overflowing}), overflowing, 2, torch.float16
+    )
     assert events(tmp_path, "amp_overflow") and events(tmp_path, "feature_value_fault") == []
     values = {}
-    for name, scaler in (("plain", torch.amp.GradScaler("cpu", enabled=False)),
-                         ("scaled", torch.amp.GradScaler("cpu", init_scale=2.0**16))):
+    for name, scaler in (
+        ("plain", torch.amp.GradScaler("cpu", enabled=False)),
+        ("scaled", torch.amp.GradScaler("cpu", init_scale=2.0**16)),
+    ):
         monkeypatch.setenv("TRAINWARDEN_RUN_DIR", str(tmp_path / name))
         scaled_steps(loop(config=checked, model=layer_norm_model, extra_state={"scaler": scaler}), scaler, 1, None)
         values[name] = [e["val"] for e in events(tmp_path / name, "feature_value_normal")]

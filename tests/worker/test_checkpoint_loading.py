@@ -23,8 +23,13 @@ from worker.contract import ENV_RESUME_STEP, EXIT_CHECKPOINT_REFUSED, EXIT_CONFI
 
 REPO = Path(__file__).resolve().parents[2]
 # A NumPy global RNG state as capture_rng stores it, for checkpoints written where NumPy may not be installed.
-NUMPY_STATE = {"bit_generator": "MT19937", "keys": torch.arange(624, dtype=torch.int64), "pos": 624, "has_gauss": 0,
-               "cached_gaussian": 0.0}
+NUMPY_STATE = {
+    "bit_generator": "MT19937",
+    "keys": torch.arange(624, dtype=torch.int64),
+    "pos": 624,
+    "has_gauss": 0,
+    "cached_gaussian": 0.0,
+}
 # The CUDA generator states of two devices, shaped as torch.cuda.get_rng_state_all() returns them.
 CUDA_STATES = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
 
@@ -59,8 +64,14 @@ def test_a_saved_checkpoint_loads_back_bitwise_under_weights_only(loop, tmp_path
     run = loop(data_state=lambda: {"epoch": 3, "order": torch.tensor([4, 1, 2])}, global_batch_size=8)
     for _ in range(3):
         run.train_batch()
-    expected = {**run.snapshot(), "rng": capture_rng(), "data_position": 3, "data_state": {"epoch": 3,
-                "order": torch.tensor([4, 1, 2])}, "world_size": 1, "global_batch_size": 8}
+    expected = {
+        **run.snapshot(),
+        "rng": capture_rng(),
+        "data_position": 3,
+        "data_state": {"epoch": 3, "order": torch.tensor([4, 1, 2])},
+        "world_size": 1,
+        "global_batch_size": 8,
+    }
     run.warden.save(3)
 
     loaded = load_checkpoint(store(tmp_path), rank=0, step=3, prefix="ckpt")
@@ -127,9 +138,18 @@ def test_a_refused_resume_checkpoint_is_logged_and_exits_66(loop, tmp_path, monk
     with pytest.raises(SystemExit) as exited:
         again.warden.resume()
     assert exited.value.code == EXIT_CHECKPOINT_REFUSED == 66
-    assert [{k: v for k, v in e.items() if k != "time"} for e in events(tmp_path, "checkpoint_refused")] == [{
-        "event": "checkpoint_refused", "level": "error", "rank": 0, "attempt": 0, "step": 2, "path": str(path),
-        "error": CRAFTED_REFUSAL, "source": "checkpoint"}]
+    assert [{k: v for k, v in e.items() if k != "time"} for e in events(tmp_path, "checkpoint_refused")] == [
+        {
+            "event": "checkpoint_refused",
+            "level": "error",
+            "rank": 0,
+            "attempt": 0,
+            "step": 2,
+            "path": str(path),
+            "error": CRAFTED_REFUSAL,
+            "source": "checkpoint",
+        }
+    ]
     assert not (tmp_path / "marker").exists()
 
 
@@ -183,8 +203,10 @@ def test_cuda_rng_state_without_cuda_is_left_unused_and_said(loop, tmp_path, mon
     assert resumed(loop, monkeypatch, 2).warden.resume() == 2
     (logged,) = events(tmp_path, "cuda_rng_not_restored")
     assert (logged["level"], logged["step"]) == ("warning", 2)
-    assert logged["reason"] == ("CUDA is not available in this process, so nothing here draws from a CUDA generator; "
-                                "the 2 saved CUDA generator state(s) are left unused")
+    assert logged["reason"] == (
+        "CUDA is not available in this process, so nothing here draws from a CUDA generator; "
+        "the 2 saved CUDA generator state(s) are left unused"
+    )
 
 
 def test_restore_rng_says_nothing_was_left_out_of_a_full_restore():
@@ -208,9 +230,18 @@ def test_numpy_rng_stream_continues_exactly_after_restore(loop, tmp_path, monkey
     assert got.tobytes() == expected.tobytes()
     saved = load_saved(path)["rng"]["numpy"]
     assert {key: type(value) for key, value in saved.items()} == {
-        "bit_generator": str, "keys": torch.Tensor, "pos": int, "has_gauss": int, "cached_gaussian": float}
+        "bit_generator": str,
+        "keys": torch.Tensor,
+        "pos": int,
+        "has_gauss": int,
+        "cached_gaussian": float,
+    }
     assert (saved["bit_generator"], saved["keys"].dtype, saved["keys"].shape, saved["has_gauss"]) == (
-        "MT19937", torch.int64, (624,), 1)
+        "MT19937",
+        torch.int64,
+        (624,),
+        1,
+    )
 
 
 # Resumes rank 0 from step 2 in a process where `import numpy` fails, as on a machine without NumPy.
@@ -237,11 +268,14 @@ def test_numpy_state_is_left_unused_and_said_where_numpy_cannot_be_imported(loop
     assert "numpy" in load_saved(path)["rng"]
 
     env = {**os.environ, ENV_RESUME_STEP: "2"}
-    done = subprocess.run([sys.executable, "-c", WITHOUT_NUMPY], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_NUMPY], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert (done.returncode, done.stdout) == (0, "2 None\n"), done.stderr[-3000:]
     (logged,) = events(tmp_path, "numpy_rng_not_restored")
     assert (logged["level"], logged["step"]) == ("warning", 2)
-    assert logged["reason"] == ("numpy cannot be imported in this process (import of numpy halted; None in "
-                                "sys.modules), so nothing here can draw from its RNG; the saved NumPy RNG state is "
-                                "left unused")
+    assert logged["reason"] == (
+        "numpy cannot be imported in this process (import of numpy halted; None in "
+        "sys.modules), so nothing here can draw from its RNG; the saved NumPy RNG state is "
+        "left unused"
+    )

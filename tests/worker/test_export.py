@@ -25,7 +25,7 @@ from worker.contract import EXIT_CHECKPOINT_REFUSED, RunLayout, WorkerConfig
 REPO = Path(__file__).resolve().parents[2]
 # The user's model, defined the same way here and in the plain script that loads the export: a submodule named
 # `module` beside others (which must keep its name) and a BatchNorm (buffers, and a version in `_metadata`).
-NET_SOURCE = '''
+NET_SOURCE = """
 import torch
 
 class Net(torch.nn.Module):
@@ -37,15 +37,18 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.norm(self.module(x)))
-'''
+"""
 # A script that never imports trainwarden: loads the export strictly into a fresh Net and saves what it got.
-PLAIN_LOAD = NET_SOURCE + '''
+PLAIN_LOAD = (
+    NET_SOURCE
+    + """
 import sys
 net = Net()
 net.load_state_dict(torch.load(sys.argv[1], weights_only=True))
 assert not {"worker", "supervisor"} & set(sys.modules), "trainwarden was imported"
 torch.save(net.state_dict(), sys.argv[2])
-'''
+"""
+)
 _namespace: dict[str, Any] = {}
 exec(NET_SOURCE, _namespace)
 Net = _namespace["Net"]
@@ -91,8 +94,13 @@ def compiled_ddp(net: torch.nn.Module) -> torch.nn.Module:
 
 def export_command(run_dir: Path, out: Path, *options: str) -> subprocess.CompletedProcess[str]:
     """`trainwarden export`, the command."""
-    return subprocess.run([sys.executable, "-m", "supervisor", "export", str(run_dir), "-o", str(out), *options],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "export", str(run_dir), "-o", str(out), *options],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def export(run_dir: Path, out: Path, *options: str) -> subprocess.CompletedProcess[str]:
@@ -112,8 +120,13 @@ def said(done: subprocess.CompletedProcess[str]) -> str:
 def loaded_without_trainwarden(path: Path, tmp_path: Path) -> Any:
     """The state_dict a fresh Net has after loading `path` strictly, in a process that never imports trainwarden."""
     again = tmp_path / "reloaded.pt"
-    done = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(path), str(again)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", PLAIN_LOAD, str(path), str(again)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return torch.load(again, weights_only=True)
 
@@ -147,9 +160,11 @@ def test_no_checkpoint_is_one_line_and_exit_1(tmp_path):
     out = tmp_path / "model.pt"
     done = export(tmp_path, out)
     assert (done.returncode, done.stdout) == (1, "")
-    assert said(done) == (f"trainwarden: no checkpoint in {tmp_path / 'checkpoint'} (no complete "
-                           f"rank_0/PREFIX_rank_0-STEP.ckpt with its .json record, no PREFIX-STEP.dcp with its "
-                           f"manifest)\n")
+    assert said(done) == (
+        f"trainwarden: no checkpoint in {tmp_path / 'checkpoint'} (no complete "
+        f"rank_0/PREFIX_rank_0-STEP.ckpt with its .json record, no PREFIX-STEP.dcp with its "
+        f"manifest)\n"
+    )
     assert not out.exists()
 
 
@@ -158,8 +173,9 @@ def test_a_step_without_a_checkpoint_is_refused_naming_the_ones_there(loop, tmp_
     trained(loop, ddp_of_compiled, saves=(2, 3))
     done = export(tmp_path, tmp_path / "model.pt", "--step", "7")
     assert (done.returncode, done.stdout) == (1, "")
-    assert said(done) == (f"trainwarden: no complete checkpoint of step 7 in {tmp_path / 'checkpoint'} "
-                           f"(complete: 2, 3)\n")
+    assert said(done) == (
+        f"trainwarden: no complete checkpoint of step 7 in {tmp_path / 'checkpoint'} (complete: 2, 3)\n"
+    )
 
 
 def symlinked(tmp_path: Path, step: int) -> Path:
@@ -180,8 +196,10 @@ def test_a_symlinked_checkpoint_named_by_step_is_refused_with_exit_66(loop, tmp_
     done = export(tmp_path, out, "--step", "3")
 
     assert (done.returncode, done.stdout) == (EXIT_CHECKPOINT_REFUSED, "")
-    assert said(done) == (f"trainwarden: step 3 of {tmp_path} is not usable: unreadable checkpoint file on rank 0: "
-                           f"[Errno 40] a symbolic link (not followed): '{path}'\n")
+    assert said(done) == (
+        f"trainwarden: step 3 of {tmp_path} is not usable: unreadable checkpoint file on rank 0: "
+        f"[Errno 40] a symbolic link (not followed): '{path}'\n"
+    )
     assert not out.exists()
 
 
@@ -194,8 +212,10 @@ def test_the_default_passes_over_a_symlinked_checkpoint_saying_so(loop, tmp_path
     done = export(tmp_path, out)
 
     assert done.returncode == 0, done.stderr
-    assert said(done) == (f"trainwarden: passed over step 3: unreadable checkpoint file on rank 0: [Errno 40] "
-                           f"a symbolic link (not followed): '{path}'\n")
+    assert said(done) == (
+        f"trainwarden: passed over step 3: unreadable checkpoint file on rank 0: [Errno 40] "
+        f"a symbolic link (not followed): '{path}'\n"
+    )
     assert done.stdout == f"exported step 2 of {tmp_path} ({NET_TENSORS} tensors) to {out}\n"
     assert_bitwise_equal(loaded_without_trainwarden(out, tmp_path), expected[2])
 
@@ -210,25 +230,33 @@ def test_a_corrupted_checkpoint_named_by_step_is_refused_with_exit_66(loop, tmp_
 
     done = export(tmp_path, tmp_path / "model.pt", "--step", "2")
 
-    assert (done.returncode, said(done)) == (EXIT_CHECKPOINT_REFUSED, f"trainwarden: step 2 of {tmp_path} is not "
-                                              "usable: corrupted on rank 0: checksum differs from the one written\n")
+    assert (done.returncode, said(done)) == (
+        EXIT_CHECKPOINT_REFUSED,
+        f"trainwarden: step 2 of {tmp_path} is not "
+        "usable: corrupted on rank 0: checksum differs from the one written\n",
+    )
 
 
 def test_several_prefixes_need_prefix(loop, tmp_path):
     """Checkpoints of two prefixes: exit 1 asking for `--prefix`; with it, that prefix's checkpoint is exported."""
     expected = trained(loop, ddp_of_compiled, saves=(2,))
     store = RunLayout(tmp_path).checkpoints
-    for source, target in ((store.file(0, 2, "ckpt"), store.file(0, 2, "old")),
-                           (store.record(0, 2, "ckpt"), store.record(0, 2, "old"))):
+    for source, target in (
+        (store.file(0, 2, "ckpt"), store.file(0, 2, "old")),
+        (store.record(0, 2, "ckpt"), store.record(0, 2, "old")),
+    ):
         target.write_bytes(source.read_bytes())
     out = tmp_path / "model.pt"
 
     ambiguous = export(tmp_path, out)
     chosen = export(tmp_path, out, "--prefix", "old")
 
-    assert (ambiguous.returncode, said(ambiguous)) == (1, f"trainwarden: {tmp_path / 'checkpoint'} holds "
-                                                        "checkpoints of several prefixes (ckpt, old): name one with "
-                                                        "--prefix\n")
+    assert (ambiguous.returncode, said(ambiguous)) == (
+        1,
+        f"trainwarden: {tmp_path / 'checkpoint'} holds "
+        "checkpoints of several prefixes (ckpt, old): name one with "
+        "--prefix\n",
+    )
     assert chosen.returncode == 0, chosen.stderr
     assert_bitwise_equal(loaded_without_trainwarden(out, tmp_path), expected[2])
 
@@ -255,9 +283,14 @@ def keys(state: dict[str, Any]) -> list[str]:
     return list(plain_state_dict(state))
 
 
-@pytest.mark.parametrize("wrapped", [["module._orig_mod.a.w", "module._orig_mod.b"],
-                                     ["_orig_mod.module.a.w", "_orig_mod.module.b"],
-                                     ["module.module._orig_mod.a.w", "module.module._orig_mod.b"]])
+@pytest.mark.parametrize(
+    "wrapped",
+    [
+        ["module._orig_mod.a.w", "module._orig_mod.b"],
+        ["_orig_mod.module.a.w", "_orig_mod.module.b"],
+        ["module.module._orig_mod.a.w", "module.module._orig_mod.b"],
+    ],
+)
 def test_wrapper_prefixes_nested_in_any_order_are_stripped(wrapped):
     """`module.` and `_orig_mod.` layers every key carries are stripped, however they nest."""
     assert keys(dict.fromkeys(wrapped, 0)) == ["a.w", "b"]

@@ -17,8 +17,14 @@ FIELDS = ("step", "batch", "layer", "reasons")
 
 def norm_model() -> torch.nn.Module:
     """4 in, 2 out, with a LayerNorm (module "1") and an RMSNorm (module "4") to check."""
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
-                               torch.nn.RMSNorm(8), torch.nn.Linear(8, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8),
+        torch.nn.LayerNorm(8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 8),
+        torch.nn.RMSNorm(8),
+        torch.nn.Linear(8, 2),
+    )
 
 
 def checking(**check: object) -> WorkerConfig:
@@ -59,8 +65,10 @@ def test_huge_factor_at_level_2_aborts_at_that_step_before_the_optimizer(loop, t
     assert bitwise_equal(run.snapshot(), after_two)
     assert [(e["kind"], e["step"]) for e in events(tmp_path, "fault_injected")] == [("sdc", 3)]
     # Backward reaches the corrupted layer first; the corruption then spreads to the layers before it.
-    assert findings(tmp_path, "feature_value_fault") == [(3, 2, "4", ["above_upper_thresh1"]),
-                                                         (3, 2, "1", ["above_upper_thresh1"])]
+    assert findings(tmp_path, "feature_value_fault") == [
+        (3, 2, "4", ["above_upper_thresh1"]),
+        (3, 2, "1", ["above_upper_thresh1"]),
+    ]
     fault = events(tmp_path, "feature_value_fault")[0]
     assert fault["val"] > 1e6 and fault["pre_val"] < 10 and fault["checks"] == 2
     assert fault["min_val"] <= fault["pre_val"] <= fault["max_val"]
@@ -101,7 +109,13 @@ def test_level_3_logs_every_normal_value(loop, tmp_path):
     run.warden.finish()
     normal = events(tmp_path, "feature_value_normal")
     assert [(e["step"], e["layer"], e["checks"]) for e in normal] == [
-        (1, "4", 0), (1, "1", 0), (2, "4", 1), (2, "1", 1), (3, "4", 2), (3, "1", 2)]
+        (1, "4", 0),
+        (1, "1", 0),
+        (2, "4", 1),
+        (2, "1", 1),
+        (3, "4", 2),
+        (3, "1", 2),
+    ]
     assert normal[0]["pre_val"] is None and normal[2]["pre_val"] == normal[0]["val"]
     assert normal[4]["max_val"] == max(normal[0]["val"], normal[2]["val"])
 
@@ -111,22 +125,26 @@ def test_l2_warning_never_aborts(loop, tmp_path):
     run = loop("0:sdc@3:100:4", config=checking(level=2, upper_thresh2=3), model=norm_model)
     assert all(run.train_batch() for _ in range(5))
     run.warden.finish()
-    assert findings(tmp_path, "feature_value_warning") == [(3, 2, "4", ["above_upper_thresh2"]),
-                                                           (3, 2, "1", ["above_upper_thresh2"])]
+    assert findings(tmp_path, "feature_value_warning") == [
+        (3, 2, "4", ["above_upper_thresh2"]),
+        (3, 2, "1", ["above_upper_thresh2"]),
+    ]
     assert events(tmp_path, "feature_value_fault") == events(tmp_path, "anomaly_abort") == []
 
 
 def test_jump_after_min_steps_is_a_fault(loop, tmp_path):
     """Below both absolute thresholds, a rise of thousands of spreads after min_steps values is an L1 fault."""
-    run = loop("0:sdc@8:1e4:4", config=checking(level=2, min_steps=5, sigma_thresh1=100, sigma_thresh2=10),
-               model=norm_model)
+    run = loop(
+        "0:sdc@8:1e4:4", config=checking(level=2, min_steps=5, sigma_thresh1=100, sigma_thresh2=10), model=norm_model
+    )
     assert all(run.train_batch() for _ in range(7))
     with pytest.raises(SystemExit, match=str(EXIT_ANOMALY)):
         run.train_batch()
     fault = events(tmp_path, "feature_value_fault")[0]
     assert (fault["step"], fault["layer"], fault["reasons"]) == (8, "4", ["jump_above_sigma_thresh1"])
     assert fault["val"] < 1e4 and fault["jump"] == pytest.approx(
-        (fault["val"] - fault["pre_val"]) / (fault["max_val"] - fault["min_val"]))
+        (fault["val"] - fault["pre_val"]) / (fault["max_val"] - fault["min_val"])
+    )
     assert events(tmp_path, "feature_value_warning") == []
 
 
@@ -172,8 +190,9 @@ def test_invalid_env_is_logged_and_yaml_kept(loop, tmp_path, monkeypatch):
 def test_a_fault_trained_into_the_model_makes_later_checkpoints_unhealthy(loop, tmp_path):
     """Level 1 trains on after a finite fault at step 3; with the health monitor on, checkpoint 2 stays healthy and
     checkpoints 4 and 6 are tagged unhealthy, so a resume falls back to 2."""
-    config = WorkerConfig(save_checkpoint_steps=2, use_checkpoint_health_monitor=True,
-                          feature_value_check=FeatureValueConfig(level=1))
+    config = WorkerConfig(
+        save_checkpoint_steps=2, use_checkpoint_health_monitor=True, feature_value_check=FeatureValueConfig(level=1)
+    )
     run = loop("0:sdc@3:1e9:4", config=config, model=norm_model)
     assert all(run.train_batch() for _ in range(6))
     run.warden.finish()

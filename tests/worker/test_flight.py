@@ -14,8 +14,11 @@ import worker.flight
 from tests.conftest import wait_until
 from worker.flight import FlightRecorderDumps
 
-RECORD = {"entries": [{"pg_id": 0, "collective_seq_id": 7, "profiling_name": "gloo:all_reduce", "retired": True}],
-          "pg_status": {}, "pg_config": {}}
+RECORD = {
+    "entries": [{"pg_id": 0, "collective_seq_id": 7, "profiling_name": "gloo:all_reduce", "retired": True}],
+    "pg_status": {},
+    "pg_config": {},
+}
 
 
 @pytest.fixture
@@ -57,4 +60,3 @@ def test_an_uncaught_exception_dumps_the_record_then_the_previous_hook_runs(dump
     assert json.loads(flight.read_text()) == RECORD and seen == [RuntimeError]
     dumper.close()
     assert sys.excepthook != dumper._on_uncaught
-

@@ -39,10 +39,23 @@ def trainer_save(layout: RunLayout, step: int, *, health: dict[str, Any] = HEALT
     return directory
 
 
-@pytest.mark.parametrize(("name", "ours"), [
-    ("model.safetensors", True), ("model.ckpt/__0_0.distcp", True), ("model.ckpt/.metadata", True),
-    ("rng_state_1.pth", True), ("../escape", False), ("a/b/c", False), ("/abs", False), ("..", False),
-    ("rank_0.json", False), ("MANIFEST.json", False), ("sp ace", False), ("", False)])
+@pytest.mark.parametrize(
+    ("name", "ours"),
+    [
+        ("model.safetensors", True),
+        ("model.ckpt/__0_0.distcp", True),
+        ("model.ckpt/.metadata", True),
+        ("rng_state_1.pth", True),
+        ("../escape", False),
+        ("a/b/c", False),
+        ("/abs", False),
+        ("..", False),
+        ("rank_0.json", False),
+        ("MANIFEST.json", False),
+        ("sp ace", False),
+        ("", False),
+    ],
+)
 def test_a_framework_file_is_one_or_two_plain_names_never_ours(name: str, ours: bool) -> None:
     assert framework_name(name) is ours
 
@@ -92,7 +105,8 @@ def test_the_supervisor_resumes_the_newest_intact_healthy_one_and_says_why_it_pa
     assert choice.passed_over == (
         (40, "truncated: 100 bytes, 4096 written (rank 0's model.safetensors)"),
         (30, "unhealthy on rank 0: loss spike"),
-        (20, "incomplete: no manifest (a save in flight, or killed before every rank was done)"))
+        (20, "incomplete: no manifest (a save in flight, or killed before every rank was done)"),
+    )
     health = {e["step"]: e["is_health"] for e in health_entries(layout.checkpoints, 1, PREFIX, [10, 30])}
     assert health == {10: 0, 30: 1}
 
@@ -105,7 +119,10 @@ def test_junk_sorting_leaves_a_complete_one_alone_and_reports_a_torn_ones_files(
     junk = find_junk(layout, 1, PREFIX)
     assert junk.torn == ()
     assert sorted(p.relative_to(torn).as_posix() for p in junk.foreign) == [
-        "model.safetensors", "shards", "trainer_state.json"]
+        "model.safetensors",
+        "shards",
+        "trainer_state.json",
+    ]
 
 
 def test_rotation_removes_the_files_its_manifest_lists_and_ours_and_leaves_strangers(tmp_path: Path) -> None:
@@ -117,13 +134,18 @@ def test_rotation_removes_the_files_its_manifest_lists_and_ours_and_leaves_stran
     assert remove_sharded(directory) == [] and not directory.exists()
 
 
-@pytest.mark.parametrize(("env", "resume_training", "expected"), [
-    ({ENV_RESUME_STEP: "10"}, True, "checkpoint-10"),  # the supervisor's choice
-    ({ENV_RESUME_STEP: ""}, True, None),  # the supervisor said: from scratch
-    ({}, True, "checkpoint-20"),  # no supervisor: the newest with a manifest
-    ({}, False, None)])
-def test_the_checkpoint_to_resume_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
-                                       resume_training: bool, expected: str | None) -> None:
+@pytest.mark.parametrize(
+    ("env", "resume_training", "expected"),
+    [
+        ({ENV_RESUME_STEP: "10"}, True, "checkpoint-10"),  # the supervisor's choice
+        ({ENV_RESUME_STEP: ""}, True, None),  # the supervisor said: from scratch
+        ({}, True, "checkpoint-20"),  # no supervisor: the newest with a manifest
+        ({}, False, None),
+    ],
+)
+def test_the_checkpoint_to_resume_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], resume_training: bool, expected: str | None
+) -> None:
     layout = RunLayout(tmp_path)
     for step in (10, 20):
         trainer_save(layout, step)
@@ -153,7 +175,8 @@ class Trainer:
 
 
 def test_a_warden_over_a_trainer_asks_it_to_save_follows_its_step_count_and_records_each_save(
-        loop: Any, tmp_path: Path) -> None:
+    loop: Any, tmp_path: Path
+) -> None:
     """The trainer's own count of steps (a skipped one included) is the Warden's; every save_checkpoint_steps
     it asks the trainer to save, and records what it wrote."""
     trainer = Trainer(RunLayout(tmp_path))
@@ -179,8 +202,7 @@ def test_export_reads_the_model_out_of_a_lightning_checkpoint_with_weights_only(
     directory.mkdir(parents=True)
     weights = {"layer.weight": torch.arange(6.0).reshape(2, 3)}
     torch.save({"state_dict": weights, "global_step": 10, "loops": {}}, directory / "model.ckpt")
-    record_completion(directory, step=10, rank=0, world_size=1, health=HEALTHY, framework="lightning",
-                      root=layout.root)
+    record_completion(directory, step=10, rank=0, world_size=1, health=HEALTHY, framework="lightning", root=layout.root)
     exported = export_weights(layout.root, tmp_path / "weights.pt")
     assert exported.step == 10
     assert torch.equal(torch.load(tmp_path / "weights.pt", weights_only=True)["layer.weight"], weights["layer.weight"])

@@ -59,11 +59,24 @@ def test_skipped_step_changes_nothing(loop, tmp_path):
     assert (run.warden.step, run.warden.batches) == (1, 2)
     assert bitwise_equal(run.snapshot(), before)
     run.warden.finish()
-    assert events(tmp_path, "step_skipped") == [{
-        "event": "step_skipped", "level": "warning", "rank": 0, "attempt": 0, "opt_global_step": 1, "step": 2,
-        "batch": 1, "global_norm": norm, "loss": loss, "skip_data_grad_norm_threshold": 3.0, "is_skip": True,
-        "consecutive": 1, "reasons": ["global_norm_above_threshold"], "local": True,
-    }]
+    assert events(tmp_path, "step_skipped") == [
+        {
+            "event": "step_skipped",
+            "level": "warning",
+            "rank": 0,
+            "attempt": 0,
+            "opt_global_step": 1,
+            "step": 2,
+            "batch": 1,
+            "global_norm": norm,
+            "loss": loss,
+            "skip_data_grad_norm_threshold": 3.0,
+            "is_skip": True,
+            "consecutive": 1,
+            "reasons": ["global_norm_above_threshold"],
+            "local": True,
+        }
+    ]
     skipped = events(tmp_path, "step")[-1]
     assert (skipped["step"], skipped["batch"], skipped["skipped"], skipped["grad_norm"]) == (1, 1, True, norm)
 
@@ -89,7 +102,11 @@ def test_nan_gradient_is_skipped_as_non_finite(loop, tmp_path):
     run.warden.finish()
     (skipped,) = events(tmp_path, "step_skipped")
     assert (skipped["global_norm"], skipped["reasons"], skipped["is_skip"], skipped["consecutive"]) == (
-        "nan", ["non_finite"], True, 1)
+        "nan",
+        ["non_finite"],
+        True,
+        1,
+    )
 
 
 def test_nan_is_skipped_even_without_skip_data(loop, tmp_path):
@@ -136,11 +153,22 @@ def test_streak_reaching_count_threshold_exits_65(loop, tmp_path):
     assert bitwise_equal(run.snapshot(), before)
     run.warden.finish()
     assert [e["consecutive"] for e in events(tmp_path, "step_skipped")] == [1, 2, 3]
-    assert events(tmp_path, "anomaly_abort") == [{
-        "event": "anomaly_abort", "level": "error", "rank": 0, "attempt": 0, "step": 2, "batch": 3,
-        "global_norm": norm, "threshold": 3.0, "consecutive": 3, "count_threshold": 3, "first_anomaly_step": 2,
-        "first_anomaly_batch": 1,
-    }]
+    assert events(tmp_path, "anomaly_abort") == [
+        {
+            "event": "anomaly_abort",
+            "level": "error",
+            "rank": 0,
+            "attempt": 0,
+            "step": 2,
+            "batch": 3,
+            "global_norm": norm,
+            "threshold": 3.0,
+            "consecutive": 3,
+            "count_threshold": 3,
+            "first_anomaly_step": 2,
+            "first_anomaly_batch": 1,
+        }
+    ]
 
 
 def test_normal_step_resets_the_streak(loop, tmp_path):

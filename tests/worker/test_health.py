@@ -26,8 +26,9 @@ class EmbeddingModel(torch.nn.Module):
         return self.head(self.embed(idx))
 
 
-def save_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: WorkerConfig,
-              spoil: Any = None, **warden_options: Any) -> dict[str, Any]:
+def save_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: WorkerConfig, spoil: Any = None, **warden_options: Any
+) -> dict[str, Any]:
     """Train one step, optionally spoil the model, save step 1; returns rank 0's completion record."""
     monkeypatch.setenv(ENV_RUN_DIR, str(tmp_path))
     for name in ("RANK", "WORLD_SIZE", "TRAINWARDEN_FAULTS", "TRAINWARDEN_ATTEMPT"):
@@ -73,7 +74,8 @@ def test_embedding_gradient_below_threshold_is_healthy(tmp_path, monkeypatch):
     assert (record["is_health"], record["health_reasons"]) == (0, [])
     events = [json.loads(line) for line in RunLayout(tmp_path).rank_events(0).read_text().splitlines()]
     assert [e["embedding_local_norm"] for e in events if e["event"] == "embedding_local_norm"] == [
-        record["embedding_local_norm"]]
+        record["embedding_local_norm"]
+    ]
 
 
 def test_non_finite_parameter_is_unhealthy(tmp_path, monkeypatch):
@@ -95,8 +97,9 @@ def test_named_embedding_parameter_is_the_one_judged(tmp_path, monkeypatch):
     idx = torch.tensor([1, 2, 3])
     torch.nn.functional.cross_entropy(model(idx), idx).backward()
     expected = {name: float(p.grad.norm()) for name, p in model.named_parameters()}
-    named = save_once(tmp_path / "named", monkeypatch,
-                      WorkerConfig(use_checkpoint_health_monitor=True, embedding_param="head.weight"))
+    named = save_once(
+        tmp_path / "named", monkeypatch, WorkerConfig(use_checkpoint_health_monitor=True, embedding_param="head.weight")
+    )
     default = save_once(tmp_path / "default", monkeypatch, WorkerConfig(use_checkpoint_health_monitor=True))
     assert named["embedding_local_norm"] == pytest.approx(expected["head.weight"], rel=1e-6)
     assert default["embedding_local_norm"] == pytest.approx(expected["embed.weight"], rel=1e-6)

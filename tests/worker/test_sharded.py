@@ -44,8 +44,9 @@ def test_a_background_save_is_complete_once_logged_and_resumes_bitwise_exactly(l
     run.warden._note_background_save(wait=True)
 
     assert loop(config=SHARDED, global_batch_size=8).warden.resume() == 9  # the newest, once written
-    resumed = loop(config=WorkerConfig(checkpoint_format="dcp", save_checkpoint_steps=3, resume_training="6"),
-                   global_batch_size=8)
+    resumed = loop(
+        config=WorkerConfig(checkpoint_format="dcp", save_checkpoint_steps=3, resume_training="6"), global_batch_size=8
+    )
     assert resumed.warden.resume() == 6 and resumed.warden.samples == 48
     for _ in range(3):
         resumed.train_batch()
@@ -123,8 +124,15 @@ def test_non_tensor_items_load_as_plain_data_only(tmp_path: Path) -> None:
 
 
 def test_snapshot_slots_hold_one_sharded_checkpoint_each(loop, tmp_path: Path) -> None:
-    run = loop(config=WorkerConfig(checkpoint_format="dcp", save_checkpoint_steps=0, save_checkpoint_interval_s=0,
-                                   snapshot_steps=2, async_save=False))
+    run = loop(
+        config=WorkerConfig(
+            checkpoint_format="dcp",
+            save_checkpoint_steps=0,
+            save_checkpoint_interval_s=0,
+            snapshot_steps=2,
+            async_save=False,
+        )
+    )
     layout = RunLayout(tmp_path)
     for _ in range(6):
         run.train_batch()
@@ -153,10 +161,15 @@ warden.finish()
 def test_a_rank_killed_while_its_background_write_runs_leaves_the_previous_checkpoint_usable(tmp_path: Path) -> None:
     """SIGKILL inside the background write of step 4: step 2 stays the newest complete checkpoint; 4 is a torn
     directory without manifest, which the supervisor removes before the next launch."""
-    env = {**os.environ, "TRAINWARDEN_RUN_DIR": str(tmp_path), "TRAINWARDEN_FAULTS": "0:sigkill_in_async_write@4",
-           "TRAINWARDEN_WORKER_CONFIG": json.dumps({"checkpoint_format": "dcp", "save_checkpoint_steps": 2})}
-    done = subprocess.run([sys.executable, "-c", KILLED_WRITER], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    env = {
+        **os.environ,
+        "TRAINWARDEN_RUN_DIR": str(tmp_path),
+        "TRAINWARDEN_FAULTS": "0:sigkill_in_async_write@4",
+        "TRAINWARDEN_WORKER_CONFIG": json.dumps({"checkpoint_format": "dcp", "save_checkpoint_steps": 2}),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == -9, done.stderr[-2000:]
     layout = RunLayout(tmp_path)
     assert layout.checkpoints.complete_steps(1, "ckpt") == [2]
@@ -195,12 +208,26 @@ dist.destroy_process_group()
 
 def run_ranks(tmp_path: Path, world: int, steps: int) -> list[str]:
     """`world` ranks of TWO_RANKS over gloo on this machine; their stdout lines."""
-    env = {**os.environ, "TRAINWARDEN_RUN_DIR": str(tmp_path / "run"), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(20000 + os.getpid() % 20000), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-           "TRAINWARDEN_WORKER_CONFIG": json.dumps({"save_checkpoint_steps": 2})}
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(steps)], cwd=REPO, text=True,
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(world)]
+    env = {
+        **os.environ,
+        "TRAINWARDEN_RUN_DIR": str(tmp_path / "run"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(20000 + os.getpid() % 20000),
+        "WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": "1",
+        "TRAINWARDEN_WORKER_CONFIG": json.dumps({"save_checkpoint_steps": 2}),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_RANKS, str(steps)],
+            cwd=REPO,
+            text=True,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(world)
+    ]
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
@@ -223,12 +250,13 @@ def test_fsdp2_ranks_keep_their_own_rng_states_and_a_resume_on_one_rank_reshards
     for rank, out in enumerate(outs):  # each file holds its own rank's state, as that rank had it at the save
         assert f"rng {states[rank]['rng']['torch'].sum().item()} samples 32" in out
 
-    out, = run_ranks(tmp_path, 1, 6)
+    (out,) = run_ranks(tmp_path, 1, 6)
 
     assert "samples 40" in out  # 32 samples at 8 per step, then 2 steps of 4
-    events = [json.loads(line) for line in (tmp_path / "run" / "ranks" / "rank_0" / "events.jsonl").read_text()
-              .splitlines()]
-    changed, = (e for e in events if e["event"] == "world_size_changed")
+    events = [
+        json.loads(line) for line in (tmp_path / "run" / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()
+    ]
+    (changed,) = (e for e in events if e["event"] == "world_size_changed")
     assert (changed["saved_world_size"], changed["world_size"]) == (2, 1)
     resumed = [e for e in events if e["event"] == "resumed"][-1]
     assert (resumed["step"], resumed["samples"], resumed["data_position"]) == (4, 32, 8)
@@ -238,13 +266,19 @@ def test_sigterm_waits_for_the_save_in_flight_in_the_save_phase(tmp_path: Path) 
     """A background write that stalls (hang_in_async_write): the loop trained on; SIGTERM then waits for the save,
     with the heartbeat in the save phase (the supervisor's save timeout applies), and the rank dies only of the
     SIGKILL that timeout brings. The stalled save never became a checkpoint."""
-    env = {**os.environ, "TRAINWARDEN_RUN_DIR": str(tmp_path), "TRAINWARDEN_FAULTS": "0:hang_in_async_write@2",
-           "TRAINWARDEN_WORKER_CONFIG": json.dumps({"checkpoint_format": "dcp", "save_checkpoint_steps": 10**6})}
+    env = {
+        **os.environ,
+        "TRAINWARDEN_RUN_DIR": str(tmp_path),
+        "TRAINWARDEN_FAULTS": "0:hang_in_async_write@2",
+        "TRAINWARDEN_WORKER_CONFIG": json.dumps({"checkpoint_format": "dcp", "save_checkpoint_steps": 10**6}),
+    }
     script = KILLED_WRITER.replace("warden.steps(6)", "warden.steps(10**6)").replace(
         "warden.step_done(loss=loss.item())",
-        "warden.step_done(loss=loss.item())\n    if warden.step == 2: warden.save(2)\n    time.sleep(0.02)")
-    proc = subprocess.Popen([sys.executable, "-c", f"import time\n{script}"], env=env, cwd=REPO,
-                            stderr=subprocess.PIPE, text=True)
+        "warden.step_done(loss=loss.item())\n    if warden.step == 2: warden.save(2)\n    time.sleep(0.02)",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import time\n{script}"], env=env, cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
     try:
         beat = tmp_path / "ranks" / "rank_0" / "heartbeat.json"
         wait_until(lambda: beat.exists() and json.loads(beat.read_text())["step"] >= 5, 60, what="step 5")
@@ -268,8 +302,9 @@ def test_export_consolidates_a_sharded_checkpoint_into_plain_weights(loop, tmp_p
     run.warden.finish()
     exported = export_weights(tmp_path, tmp_path / "weights.pt")
     assert (exported.step, exported.tensors, exported.source) == (3, 2, "checkpoint")
-    assert_bitwise_equal(dict(torch.load(tmp_path / "weights.pt", weights_only=True)), dict(run.model.state_dict()),
-                         "exported")
+    assert_bitwise_equal(
+        dict(torch.load(tmp_path / "weights.pt", weights_only=True)), dict(run.model.state_dict()), "exported"
+    )
 
 
 def test_a_resume_with_another_global_batch_size_starts_the_spike_history_afresh(loop, tmp_path: Path) -> None:
@@ -283,17 +318,19 @@ def test_a_resume_with_another_global_batch_size_starts_the_spike_history_afresh
     assert resumed.warden.resume() == 3 and resumed.warden.samples == 48 and resumed.warden.batches == 6
     assert resumed.warden._guard.detector.state_dict() == {"norms": [], "losses": []}
     said = [json.loads(line) for line in (tmp_path / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines()]
-    reset, = (e for e in said if e["event"] == "anomaly_history_reset")
+    (reset,) = (e for e in said if e["event"] == "anomaly_history_reset")
     assert (reset["saved_global_batch_size"], reset["global_batch_size"]) == (16, 8)
 
 
 @pytest.mark.skipif(not numpy_missing(), reason="shows what a rank without NumPy does")
 def test_a_multi_rank_sharded_run_without_numpy_exits_78_at_start_saying_what_to_install(
-        loop, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    loop, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as exited:
         loop(config=WorkerConfig(checkpoint_format="dcp"))
     assert exited.value.code == 78
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "trainwarden: worker config error: checkpoint_format dcp needs NumPy: torch.distributed's object "
-        "collectives, which DCP plans with, use it (pip install 'trainwarden[dcp]')")
+        "collectives, which DCP plans with, use it (pip install 'trainwarden[dcp]')"
+    )

@@ -36,8 +36,14 @@ time.sleep(60)
 
 
 def start(tmp_path: Path, mode: str, faults: str = "") -> subprocess.Popen:
-    env = {**os.environ, ENV_RUN_DIR: str(tmp_path), ENV_FAULTS: faults, "RANK": "0", "WORLD_SIZE": "1",
-           ENV_WORKER_CONFIG: json.dumps({"save_checkpoint_steps": 2})}
+    env = {
+        **os.environ,
+        ENV_RUN_DIR: str(tmp_path),
+        ENV_FAULTS: faults,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        ENV_WORKER_CONFIG: json.dumps({"save_checkpoint_steps": 2}),
+    }
     return subprocess.Popen([sys.executable, "-c", SCRIPT, mode], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
 
 

@@ -29,7 +29,10 @@ def test_snapshots_alternate_between_two_slots_and_skip_regular_checkpoint_steps
     assert seen[7] == ({8}, {2})
     assert steps_in(layout.checkpoints) == {6}
     assert sorted(p.name for p in layout.snapshot_slot(0).rank_dir(0).iterdir()) == [
-        "ckpt_rank_0-8.ckpt", "ckpt_rank_0-8.json", "meta.json"]
+        "ckpt_rank_0-8.ckpt",
+        "ckpt_rank_0-8.json",
+        "meta.json",
+    ]
 
 
 def test_without_a_supervisor_the_newest_snapshot_is_resumed_exactly(loop, tmp_path: Path) -> None:
@@ -62,5 +65,6 @@ def test_reusing_a_slot_deletes_only_our_own_files(loop, tmp_path: Path) -> None
     for _ in range(2):
         run.train_batch()  # step 2 is saved into slot 1, which is emptied first
     assert sorted(p.name for p in slot.iterdir()) == sorted(
-        ["ckpt_rank_0-2.ckpt", "ckpt_rank_0-2.json", "meta.json", "keep", *(p.name for p in strangers)])
+        ["ckpt_rank_0-2.ckpt", "ckpt_rank_0-2.json", "meta.json", "keep", *(p.name for p in strangers)]
+    )
     assert all(path.read_text() == "not yours" for path in strangers)

@@ -72,8 +72,9 @@ class TrainwardenCallback(TrainerCallback):
         self._back_to: tuple[str, str] | None = None  # (phase we are in, phase to go back to)
         self._save_started: float | None = None  # when the Trainer's save began (perf_counter)
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         layout = run_layout()
         _check_setup(args, layout.checkpoint_dir, WorkerConfig.from_env())
         self.warden = Warden(model, optimizer, config=_config(), framework_save=_HFSave(self))
@@ -86,8 +87,9 @@ class TrainwardenCallback(TrainerCallback):
         if module.training and loss is not None:
             self._losses.append(loss.detach())
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                              **kwargs: Any) -> None:
+    def on_pre_optimizer_step(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         """Judged with every rank before the optimizer steps: a skip leaves the weights as they were."""
         if self.warden is None:
             return
@@ -128,8 +130,9 @@ class TrainwardenCallback(TrainerCallback):
             return
         if self._back_to is not None:
             self._leave()
-        self.warden.framework_saved(state.global_step, Path(args.output_dir) / f"{PREFIX}-{state.global_step}",
-                                    started=self._save_started)
+        self.warden.framework_saved(
+            state.global_step, Path(args.output_dir) / f"{PREFIX}-{state.global_step}", started=self._save_started
+        )
         self._save_started = None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -169,14 +172,20 @@ def _check_setup(args: Any, checkpoint_dir: Path, config: WorkerConfig) -> None:
     """The Trainer saves where the supervisor looks, under the name it looks for: else exit 78, saying how."""
     problems = []
     if Path(args.output_dir).resolve() != checkpoint_dir.resolve():
-        problems.append(f"TrainingArguments(output_dir={args.output_dir!r}) is not the run's checkpoint directory: "
-                        f"use output_dir=worker.integrations.hf.output_dir() ({checkpoint_dir})")
+        problems.append(
+            f"TrainingArguments(output_dir={args.output_dir!r}) is not the run's checkpoint directory: "
+            f"use output_dir=worker.integrations.hf.output_dir() ({checkpoint_dir})"
+        )
     if os.environ.get(ENV_WORKER_CONFIG) and config.prefix != PREFIX:  # the supervisor looks for its prefix
-        problems.append(f"worker.prefix is {config.prefix!r}: the Trainer names its checkpoints {PREFIX}-STEP, "
-                        f"set worker.prefix: {PREFIX} in the job config")
+        problems.append(
+            f"worker.prefix is {config.prefix!r}: the Trainer names its checkpoints {PREFIX}-STEP, "
+            f"set worker.prefix: {PREFIX} in the job config"
+        )
     if getattr(args, "save_total_limit", None):
-        problems.append("save_total_limit would delete checkpoints the supervisor may resume from: leave it unset "
-                        "and set worker.keep_checkpoint_max in the job config")
+        problems.append(
+            "save_total_limit would delete checkpoints the supervisor may resume from: leave it unset "
+            "and set worker.keep_checkpoint_max in the job config"
+        )
     for problem in problems:
         print(f"trainwarden: worker config error: {problem}", file=sys.stderr)
     if problems:

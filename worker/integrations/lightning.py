@@ -28,16 +28,19 @@ except ImportError:  # the older package name
     try:
         from pytorch_lightning.callbacks import Callback
     except ImportError as exc:
-        raise ImportError("worker.integrations.lightning needs PyTorch Lightning: "
-                          "pip install 'trainwarden[lightning]'") from exc
+        raise ImportError(
+            "worker.integrations.lightning needs PyTorch Lightning: pip install 'trainwarden[lightning]'"
+        ) from exc
 
 __all__ = ["CHECKPOINT_FILE", "TrainwardenCallback", "ckpt_path"]
 
 CHECKPOINT_FILE = "model.ckpt"  # Lightning's file (a directory with a sharded strategy) in PREFIX-STEP/
 WHOLE_STATE = False  # Lightning's save option: optimizer, loops and callbacks too, a point to resume from
-MID_EPOCH = ("resumed inside an epoch with a DataLoader that is not resumable: the rest of this epoch's batches "
-             "differ from an uninterrupted run's (save at epoch ends, or use a resumable DataLoader such as "
-             "torchdata's StatefulDataLoader)")
+MID_EPOCH = (
+    "resumed inside an epoch with a DataLoader that is not resumable: the rest of this epoch's batches "
+    "differ from an uninterrupted run's (save at epoch ends, or use a resumable DataLoader such as "
+    "torchdata's StatefulDataLoader)"
+)
 
 
 def ckpt_path() -> str | None:
@@ -72,8 +75,12 @@ class TrainwardenCallback(Callback):
         self.warden = Warden(pl_module, optimizer, framework_save=save)
         self._counted = trainer.global_step
         environment = getattr(trainer.strategy, "cluster_environment", None)
-        self.warden.log.info("framework_started", framework="lightning", cluster_environment=type(environment).__name__,
-                             auto_requeue=bool(getattr(environment, "auto_requeue", False)))
+        self.warden.log.info(
+            "framework_started",
+            framework="lightning",
+            cluster_environment=type(environment).__name__,
+            auto_requeue=bool(getattr(environment, "auto_requeue", False)),
+        )
         self.warden.framework_resumed(trainer.global_step, trainer.ckpt_path)
         self.warden.expect_steps(trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None)
         if trainer.ckpt_path and _mid_epoch(trainer):
@@ -153,8 +160,10 @@ def _mid_epoch(trainer: Any) -> bool:
     if loader is None or not isinstance(batches, int) or batches <= 0:
         return False
     per_epoch = -(-batches // trainer.accumulate_grad_batches)
-    resumable = all(callable(getattr(one, "state_dict", None)) and callable(getattr(one, "load_state_dict", None))
-                    for one in loader.flattened)
+    resumable = all(
+        callable(getattr(one, "state_dict", None)) and callable(getattr(one, "load_state_dict", None))
+        for one in loader.flattened
+    )
     return trainer.global_step % per_epoch != 0 and not resumable
 
 
@@ -164,4 +173,3 @@ def _amp_scaler(trainer: Any) -> Any:
 
 def _mean(losses: list[Any]) -> float | None:
     return float(sum(losses) / len(losses)) if losses else None
-

@@ -33,8 +33,9 @@ def framework_files(directory: Path) -> list[str]:
     return [name for name in found if framework_name(name)]
 
 
-def record_completion(directory: Path, *, step: int, rank: int, world_size: int, health: dict[str, Any],
-                      framework: str, root: Path) -> float:
+def record_completion(
+    directory: Path, *, step: int, rank: int, world_size: int, health: dict[str, Any], framework: str, root: Path
+) -> float:
     """This rank's record, then (rank 0) the manifest once every rank's is there; the seconds it took. Every rank
     calls it for the same step, after the framework's save returned on every rank."""
     started = time.perf_counter()
@@ -44,16 +45,22 @@ def record_completion(directory: Path, *, step: int, rank: int, world_size: int,
     for name in share:
         size, crc = file_crc32(directory / name)
         files[name] = {"size": size, "crc32": crc}
-    record = {"rank": rank, "world_size": world_size, "files": files, "is_health": health["is_health"],
-              "health_reasons": health["health_reasons"]}
+    record = {
+        "rank": rank,
+        "world_size": world_size,
+        "files": files,
+        "is_health": health["is_health"],
+        "health_reasons": health["health_reasons"],
+    }
     atomic_write_json(directory / rank_record_name(rank), record, root=root)
     _barrier(world_size)  # every record is durable
     if rank == 0:
         import torch
 
         records = [read_json(directory / rank_record_name(r)) for r in range(world_size)]
-        manifest = build_manifest(step, records, torch_version=torch.__version__, common={"framework": framework},
-                                  format=FRAMEWORK_FORMAT)
+        manifest = build_manifest(
+            step, records, torch_version=torch.__version__, common={"framework": framework}, format=FRAMEWORK_FORMAT
+        )
         atomic_write_json(directory / MANIFEST, manifest, root=root)  # last: now it is a checkpoint
     return time.perf_counter() - started
 
