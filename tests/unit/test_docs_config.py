@@ -16,8 +16,14 @@ from supervisor.config import JobConfig, parse_config
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 JOBS_OWN = {"script", "args", "nproc_per_node", "env"}  # examples of your job's values, not defaults
 # Keys the block leaves to the page that explains them (its comment says where).
-ELSEWHERE = {"command", "worker.ignore_data_skip", "worker.data_skip_steps", "worker.embedding_local_norm_threshold",
-             "worker.embedding_param", "worker.feature_value_check"}
+ELSEWHERE = {
+    "command",
+    "worker.ignore_data_skip",
+    "worker.data_skip_steps",
+    "worker.embedding_local_norm_threshold",
+    "worker.embedding_param",
+    "worker.feature_value_check",
+}
 
 
 def page_block() -> dict[str, Any]:
@@ -53,9 +59,11 @@ def names(config: Any, prefix: str = "") -> Iterator[str]:
 
 def test_every_value_in_the_config_page_block_is_the_default():
     """Each value shown, but the job's own examples, equals JobConfig()'s (a bool as a bool, not as 0 or 1)."""
-    wrong = [f"{name}: {PAGE.name} {shown!r}, code {default!r}"
-             for name, shown, default in leaves(page_block(), JobConfig())
-             if name not in JOBS_OWN and (shown != default or isinstance(shown, bool) != isinstance(default, bool))]
+    wrong = [
+        f"{name}: {PAGE.name} {shown!r}, code {default!r}"
+        for name, shown, default in leaves(page_block(), JobConfig())
+        if name not in JOBS_OWN and (shown != default or isinstance(shown, bool) != isinstance(default, bool))
+    ]
     assert not wrong, f"{PAGE}'s block differs from the defaults:\n" + "\n".join(wrong)
 
 
