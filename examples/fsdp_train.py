@@ -10,7 +10,7 @@ Run it under the supervisor from the repository root (NumPy needed: `pip install
     trainwarden run examples/fsdp.yaml --set nproc_per_node=2     # the same run dir goes on with 2 ranks
 Deterministic given `--seed` at a fixed world size: a run killed, hung or stopped and resumed ends bitwise equal to
 an uninterrupted one (compare `trainwarden export` files). After a change of world size it is not bitwise: the
-gradient reductions add in another order and every rank's RNG stream is derived anew (README: "Sharded checkpoints").
+gradient reductions add in another order and every rank's RNG stream is derived anew (docs/checkpoints.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A decoder-only GPT (token and position embeddings, pre-LayerNorm blocks of causal self-attention and a
 GELU MLP, dropout, the head tied to the token embedding) learns Shakespeare's sonnets character by
-character, with DDP over gloo on CPU ranks. It shows, the way the README teaches them: gradient
+character, with DDP over gloo on CPU ranks. It shows, the way docs/worker-library.md teaches them: gradient
 accumulation (`no_sync` on all but the last micro-step), AMP with a GradScaler registered as Warden
 `extra_state`, the guard between `unscale_` and the optimizer step, a cosine schedule with warmup whose
 state is checkpointed, a prefetch that survives exact resume, eval on rank 0 inside `warden.phase("eval")`,

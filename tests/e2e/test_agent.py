@@ -110,7 +110,7 @@ def test_the_agent_introduces_itself_with_the_token_and_a_free_port(supervisor):
 
 def test_the_agent_says_in_its_hello_which_gpus_nvml_calls_unhealthy(supervisor, tmp_path):
     """No NVML here: nothing known; with nvidia-ml-py saying GPU 0 needs a reset, the hello says so (the supervisor
-    then loses the node for this attempt: README "Hangs")."""
+    then loses the node for this attempt: docs/hangs.md)."""
     assert supervisor.hello["gpu_problems"] is None
     (tmp_path / "nvml").mkdir()
     fake = FakeSupervisor(tmp_path / "nvml", env={"PYTHONPATH": str(REPO / "tests" / "fake_nvml")})

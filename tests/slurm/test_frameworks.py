@@ -1,5 +1,5 @@
 """A trainer's own job on the simulated Slurm cluster: trainwarden supervising Lightning across two nodes, with
-Lightning's SLURM plugin out of the way (README: "Lightning and the Hugging Face Trainer")."""
+Lightning's SLURM plugin out of the way (docs/integrations.md)."""
 
 from __future__ import annotations
 

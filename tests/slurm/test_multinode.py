@@ -282,10 +282,10 @@ def test_slurm_signals_stop_every_node_at_one_saved_step(slurm, tmp_path, scance
 
 
 def test_the_readme_demo_sbatch_stops_on_the_time_limit_warning_and_resubmits_itself(slurm, tmp_path):
-    """`sbatch -N3 examples/slurm/demo.sbatch` from a checkout, as the README says: the USR1 warning saves at
+    """`sbatch -N3 examples/slurm/demo.sbatch` from a checkout, as docs/slurm.md says: the USR1 warning saves at
     an agreed step, the supervisor exits 75 and the script chains a new job on the same run dir."""
     (tmp_path / "examples").symlink_to(REPO / "examples")
-    env_path = f"{TRAINWARDEN.parent}:{os.environ['PATH']}"  # `trainwarden` on PATH, as the README assumes
+    env_path = f"{TRAINWARDEN.parent}:{os.environ['PATH']}"  # `trainwarden` on PATH, as the manual assumes
     job = int(
         subprocess.run(
             ["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"],

@@ -136,7 +136,7 @@ def test_extra_state_without_state_dict_is_refused_at_once(loop):
 
 
 class AmpLoop:
-    """One rank training a small MLP under torch.autocast on CPU, with a GradScaler for fp16, as the README shows."""
+    """One rank training a small MLP under torch.autocast on CPU, with a GradScaler for fp16, as the manual shows."""
 
     def __init__(
         self,
@@ -267,7 +267,7 @@ def test_prefetch_by_index_resumes_exactly_and_from_the_global_rng_does_not(loop
     prefetching_loop(again, 8, by_index=by_index)
     pairs = zip(whole.model.parameters(), again.model.parameters(), strict=True)
     same = all(torch.equal(a, b) for a, b in pairs)
-    assert same == by_index  # the README's rule, shown both ways
+    assert same == by_index  # the manual's rule, shown both ways
 
 
 def test_a_stop_ends_a_loop_that_asks_and_the_code_after_it_runs(loop, tmp_path):
