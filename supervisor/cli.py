@@ -26,7 +26,7 @@ from supervisor.observe.goodput import describe as describe_goodput
 from supervisor.observe.status import StatusError, read_status, render
 from supervisor.rundir.journal import open_journal
 from supervisor.rundir.lease import LOCAL_TTL_S, Lease
-from supervisor.runner import RunDirBusy, Supervisor, lock_run_dir
+from supervisor.runner import LauncherFactory, RunDirBusy, Supervisor, lock_run_dir
 from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
 from worker.files import atomic_write_bytes
 
@@ -233,7 +233,7 @@ def _supervise(
     """Supervise, and after handing over (cut off, or deposed), wait: either the run is ours again, or the
     exit code is the successor's. The last supervisor that ran, or an exit code."""
     while True:
-        factory = (
+        factory: LauncherFactory = (
             functools.partial(SlurmLauncher, lease=lease, args=args.argv) if _multi_node(config) else LocalLauncher
         )
         try:
@@ -337,11 +337,10 @@ def _say_goodput(layout: RunLayout) -> None:
         print(f"trainwarden: {line}", file=sys.stderr)
 
 
-def _unusable(layout: RunLayout, exc: OSError) -> int:
+def _unusable(layout: RunLayout, exc: OSError | ValueError) -> int:
     """The run dir holds something that must not be written through; retrying cannot help."""
-    print(
-        f"trainwarden: cannot use run dir {layout.root}: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr
-    )
+    where, why = (exc.filename or "", exc.strerror or exc) if isinstance(exc, OSError) else ("", exc)
+    print(f"trainwarden: cannot use run dir {layout.root}: {where}: {why}", file=sys.stderr)
     return EXIT_CONFIG
 
 
@@ -399,7 +398,7 @@ def _nodes(args: argparse.Namespace) -> int:
     now = time.time()
     try:
         for node in args.forget:
-            update_ledger(layout, lambda ledger, n=node: ledger.forgiven(n, now))
+            update_ledger(layout, functools.partial(Ledger.forgiven, node=node, now=now))
             print(
                 f"forgot every fault of {node}: this run may use it again (a running supervisor does so from "
                 "its next attempt on)"

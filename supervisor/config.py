@@ -20,7 +20,7 @@ import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import yaml
 
@@ -37,6 +37,7 @@ __all__ = [
     "MAX_SECONDS",
     "ConfigError",
     "JobConfig",
+    "LedgerRules",
     "MetricsConfig",
     "RestartConfig",
     "SlurmConfig",
@@ -83,6 +84,14 @@ class StopConfig:
     sigkill_wait_s: float = 5.0
 
 
+class LedgerRules(TypedDict):
+    """When the node ledger excludes a node (`SlurmConfig.ledger_rules`)."""
+
+    max_failures: int
+    window_s: float
+    cooldown_s: float
+
+
 @dataclass(frozen=True)
 class SlurmConfig:
     """Multi-node runs in a Slurm allocation: how fast a silent node is given up, and when a node is excluded."""
@@ -97,7 +106,7 @@ class SlurmConfig:
     min_nodes: int | None = None
 
     @property
-    def ledger_rules(self) -> dict[str, float]:
+    def ledger_rules(self) -> LedgerRules:
         """The node ledger's keyword arguments (`Ledger.excluded`, `Ledger.rows`)."""
         return {
             "max_failures": self.max_node_failures,
@@ -336,7 +345,7 @@ def _parse_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: not valid YAML: {_brief(str(exc) or type(exc).__name__)}") from None
 
 
-class _UniqueKeyLoader(_LOADER):  # type: ignore[misc, valid-type]
+class _UniqueKeyLoader(_LOADER):  # type: ignore[misc, valid-type]  # a base chosen at import, which mypy cannot check
     """The safe loader, refusing a key given twice in one mapping (YAML would keep the last one silently);
     a key merged in with `<<: *anchor` may still be overridden."""
 
@@ -378,9 +387,11 @@ def _check_shape(text: str, source: str) -> None:
         elif isinstance(event, yaml.ScalarEvent):
             anchor, size = event.anchor, 1 + len(event.value)
         elif isinstance(event, yaml.AliasEvent):
-            if any(open_anchor == event.anchor for open_anchor, _ in stack):
-                raise ConfigError(f"{source}: alias *{_brief(event.anchor)} refers to a node that contains it")
-            anchor, size = None, sizes.get(event.anchor, 1)  # an undefined alias: the loader says so
+            alias = event.anchor
+            assert alias is not None  # an alias always names its anchor (types-PyYAML types NodeEvent's as optional)
+            if any(open_anchor == alias for open_anchor, _ in stack):
+                raise ConfigError(f"{source}: alias *{_brief(alias)} refers to a node that contains it")
+            anchor, size = None, sizes.get(alias, 1)  # an undefined alias: the loader says so
         else:
             continue
         if anchor is not None:
@@ -409,7 +420,7 @@ def parse_config(raw: Any, *, source: str = "<config>", overrides: Sequence[str]
     if raw is None:
         raw = {}
     blame = {text.partition("=")[0].strip(): f"--set {_brief(text)}" for text in overrides}
-    config = _build(JobConfig, raw, source, prefix="", blame=blame)
+    config: JobConfig = _build(JobConfig, raw, source, prefix="", blame=blame)
     if (config.script is None) == (config.command is None):
         raise ConfigError(
             f"{_blamed(('script', 'command'), blame, source)}: give exactly one of 'script' "
@@ -544,7 +555,7 @@ def _check(hint: Any, value: Any, source: str, name: str, blame: Mapping[str, st
             except ConfigError:
                 continue
         return _check(options[-1], value, source, name, blame)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, source, prefix=f"{name}.", blame=blame)
     if origin is list:
         if not isinstance(value, list):

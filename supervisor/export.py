@@ -65,7 +65,7 @@ def plain_state_dict(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
     plain = OrderedDict((key.removeprefix(stripped), value) for key, value in state_dict.items())
     metadata = getattr(state_dict, "_metadata", None)
     if isinstance(metadata, Mapping):
-        plain._metadata = _plain_metadata(metadata, stripped)  # type: ignore[attr-defined]
+        plain._metadata = _plain_metadata(metadata, stripped)  # type: ignore[attr-defined]  # torch's own convention
     return plain
 
 

@@ -112,7 +112,7 @@ class RunDirBusy(Exception):
 def lock_run_dir(layout: RunLayout) -> IO[str]:
     """Hold an exclusive lock on the run dir for this process's lifetime: one supervisor per run."""
     layout.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-    lock = os.fdopen(open_in(layout.lock_file, os.O_RDWR | os.O_CREAT, root=layout.root), "r+")
+    lock = os.fdopen(open_in(layout.lock_file, os.O_RDWR | os.O_CREAT, root=layout.root), "r+", errors="replace")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -608,6 +608,7 @@ class Supervisor:
         if attempt == 0 and worker.resume_training is False:
             return Choice(None, ())
         if self._names_resume(attempt):
+            assert isinstance(worker.resume_training, str)  # what _names_resume checks
             named = parse_checkpoint_name(worker.resume_training)
             assert named is not None  # the config was validated
             return choose_explicit(named_store(self.layout, worker), world, worker.prefix, named)
@@ -644,8 +645,8 @@ class Supervisor:
 
     def _rotate(self, steps: list[int], healthy: set[int]) -> list[int]:
         """keep_checkpoint_max: delete the oldest complete checkpoints, record first so a kill leaves junk, not lies."""
-        resumed_here = self.state.resume_step is not None and self.state.resume_source is None
-        protected = {self.state.resume_step} if resumed_here else set()
+        resumed = self.state.resume_step  # kept when it is one of this run dir's checkpoints (no resume_source)
+        protected = {resumed} if resumed is not None and self.state.resume_source is None else set()
         doomed = rotation(steps, healthy, keep_max=self.config.worker.keep_checkpoint_max, protected=protected)
         for step in doomed:
             if self.layout.checkpoints.is_sharded(step, self.config.worker.prefix):

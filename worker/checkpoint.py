@@ -184,7 +184,8 @@ def save_checkpoint(
 
     def write(f: Any) -> None:
         hashing.file = f  # checksummed while written: a big save is never read back
-        torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, hashing)
+        # torch.save writes to any object with write() and flush(); its annotation says IO[bytes]
+        torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, hashing)  # type: ignore[arg-type]
 
     atomic_write(path, write, root=store.write_root, before_rename=before_rename)
     world = {"world_size": payload["world_size"]} if "world_size" in payload else {}

@@ -59,7 +59,7 @@ ENV_SKIP_TO_BATCH = "TRAINWARDEN_SKIP_TO_BATCH"
 # The supervisor asks a rank leader for its Python stacks with this signal (faulthandler dumps them).
 STACK_DUMP_SIGNAL = signal.SIGUSR2
 
-# Exit codes, the same words for supervisor and ranks (README: "Exit codes"). 0 is done or stopped on request.
+# Exit codes, the same words for supervisor and ranks (docs/exit-codes.md). 0 is done or stopped on request.
 # 65, 66 and 78 are sysexits' EX_DATAERR, EX_NOINPUT and EX_CONFIG, which operators and systemd know.
 EXIT_FAILED = 1  # retryable: restarts exhausted, a rank could not be stopped (supervisor); a crash (rank)
 EXIT_ANOMALY = 65  # rank: aborted on anomalies (relaunch past the bad data); supervisor: rollbacks exhausted
@@ -126,7 +126,8 @@ class WorkerConfig:
     @classmethod
     def from_env(cls) -> WorkerConfig:
         """The config the supervisor passed, or defaults; unknown keys are ignored for forward compatibility."""
-        return _from_dict(cls, json.loads(os.environ.get(ENV_WORKER_CONFIG) or "{}"))
+        config: WorkerConfig = _from_dict(cls, json.loads(os.environ.get(ENV_WORKER_CONFIG) or "{}"))
+        return config
 
 
 def _from_dict(cls: Any, raw: dict[str, Any]) -> Any:

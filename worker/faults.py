@@ -285,7 +285,7 @@ class _StuckDataset:
 def _wait_for_a_stuck_dataloader() -> None:
     from torch.utils.data import DataLoader
 
-    next(iter(DataLoader(_StuckDataset(), num_workers=1)))  # type: ignore[arg-type]
+    next(iter(DataLoader(_StuckDataset(), num_workers=1)))  # type: ignore[arg-type]  # any map-style dataset will do
 
 
 def hang_forever() -> None:

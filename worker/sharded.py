@@ -145,12 +145,12 @@ def _file_system(root: Path, on_write: Callable[[], None] | None = None) -> Any:
                     yield stream
                 return
             unlink_quietly(path)  # a leftover of a save killed at this step: this one starts it anew
-            stream = _HashingStream(open_in(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, root=root), on_write)
+            hashing = _HashingStream(open_in(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, root=root), on_write)
             try:
-                yield stream
+                yield hashing
             finally:
-                stream.close()
-                self.written[path.name] = (stream.tell(), stream._hash.hexdigest())
+                hashing.close()
+                self.written[path.name] = (hashing.tell(), hashing._hash.hexdigest())
 
         def rename(self, path: Any, new_path: Any) -> None:
             os.replace(path, new_path)  # DCP's .metadata.tmp -> .metadata, in the directory we created
@@ -418,7 +418,8 @@ class ShardedCheckpointer:
 
         def write(f: Any) -> None:
             hashing.file = f
-            torch.save(rank_state, hashing)
+            # torch.save writes to any object with write() and flush(); its annotation says IO[bytes]
+            torch.save(rank_state, hashing)  # type: ignore[arg-type]
 
         atomic_write(directory / rank_state_name(self.rank), write, root=self.root)
         files = {name: {"size": size, "crc32": crc} for name, (size, crc) in fs.written.items()}
@@ -449,7 +450,7 @@ class ShardedCheckpointer:
                 raise ManifestError(f"{name}: {problem}")
         _read_metadata(directory)  # refused here, in our words, rather than wrapped in DCP's exception
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(
             state,
             storage_reader=_reader(directory, self.root),

@@ -603,11 +603,13 @@ class Warden:
     def _ask_framework(self, step: int, store: CheckpointStore, started: float) -> Path:
         """The trainer saves `step` now (then it is recorded here), or later, after this step's callbacks (then
         its callback calls `begin_save` and `framework_saved`)."""
-        if getattr(self._framework_save, "deferred", False):
-            self._framework_save(step)
+        save = self._framework_save
+        assert save is not None  # the caller's check
+        if getattr(save, "deferred", False):
+            save(step)
             return store.framework_dir(step, self.config.prefix)
         self._faults.in_save(step)
-        written = self._framework_save(step)
+        written = save(step)
         self.framework_saved(step, written, started=started)
         return written
 

@@ -114,7 +114,8 @@ def parse_flight(raw: Any) -> dict[str, GroupRecord] | None:
         if collective is not None:
             recent.setdefault(str(entry["pg_id"])[:MAX_FIELD_CHARS], []).append(collective)
     groups = {}
-    status = raw.get("pg_status") if isinstance(raw.get("pg_status"), dict) else {}
+    pg_status = raw.get("pg_status")
+    status: dict[Any, Any] = pg_status if isinstance(pg_status, dict) else {}
     for pg in set(recent) | {str(k)[:MAX_FIELD_CHARS] for k in status}:
         seen = sorted({c.seq: c for c in recent.get(pg, [])}.values(), key=lambda c: c.seq)[-RECENT:]
         done = [c.seq for c in seen if c.state == "completed"]

@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
+from typing import Any
 
 from supervisor.core.blame import Verdict
 from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_exit
@@ -236,6 +237,7 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
         )
         state, stop = _begin_stop(state, Then.FAIL, now)
         return state, [*actions, _record("not_retryable", level="error", rank=event.rank, cause=cause.text), *stop]
+    verdict: list[Action]
     then, verdict = Then.STOP, []  # a stop on request is carried out; the failure changes nothing
     if not stopping_on_request(state):
         state, then, verdict = _after_failure(state)
@@ -547,7 +549,8 @@ def _terminate(
     or it hangs) cannot run a SIGTERM handler, and have nothing to save: they get SIGKILL at once, not the grace.
     A rank inside a save still gets its save timeout."""
     grace_end = now + state.policy.kill_grace_s
-    state = replace(state, stop_stage=StopStage.TERM, deadline=max(grace_end, saves_end(state, now)))
+    deadline = max(grace_end, saves_end(state, now))
+    state = replace(state, stop_stage=StopStage.TERM, deadline=deadline)
     savers = [r.rank for r in saving(state)]
     held, saves = (set() if blocked is None else set(blocked[1])), set(savers)  # sets: thousands of ranks
     doomed = tuple(r.rank for r in state.ranks if r.running and r.rank in held and r.rank not in saves)
@@ -562,8 +565,8 @@ def _terminate(
         ]
     if termed:
         actions.append(SignalRanks(state.attempt, signal.SIGTERM, termed if doomed else None))
-    if state.deadline > grace_end:
-        actions.append(_record("stop_waits_for_save", ranks=savers, wait_s=round(state.deadline - now, 3)))
+    if deadline > grace_end:
+        actions.append(_record("stop_waits_for_save", ranks=savers, wait_s=round(deadline - now, 3)))
     return state, actions
 
 
@@ -779,6 +782,8 @@ def _hang_record(hang: Hang) -> Record:
 def _blame_crash(state: State, verdict: Verdict, node: str | None) -> tuple[State, Record]:
     """A collective failed: the failure is the culprit's, as its flight recorder names it, not the first to exit."""
     first = state.failures[-1]
+    rank = verdict.rank
+    assert rank is not None  # the caller's check: the verdict names a rank
     where = "" if node is None else f" on {node}"
     cause = Cause(
         CauseKind.COLLECTIVE,
@@ -788,7 +793,7 @@ def _blame_crash(state: State, verdict: Verdict, node: str | None) -> tuple[Stat
     )
     state = replace(
         state,
-        failures=(*state.failures[:-1], replace(first, rank=verdict.rank, cause=cause, node=node)),
+        failures=(*state.failures[:-1], replace(first, rank=rank, cause=cause, node=node)),
         last_failure=f"rank {verdict.rank}{where} ({verdict.cls}) failed a collective in attempt "
         f"{first.attempt}: {verdict.evidence}",
     )
@@ -956,7 +961,7 @@ def _describe_hang(state: State, rank: RankState, now: float) -> Hang:
     return Hang(attempt=state.attempt, rank=rank.rank, phase=phase, step=rank.step, silent_s=silent, timeout_s=timeout)
 
 
-def _update_rank(state: State, rank: int, **changes: object) -> State:
+def _update_rank(state: State, rank: int, **changes: Any) -> State:
     ranks = list(state.ranks)
     ranks[rank] = replace(ranks[rank], **changes)
     return replace(state, ranks=tuple(ranks))
@@ -966,7 +971,8 @@ def _record(event: str, level: str = "info", **fields: object) -> Record:
     return Record(event, level, tuple(fields.items()))
 
 
-_HANDLERS = {
+# Each handler takes the one event class it is keyed by: Any, as a dict cannot say so.
+_HANDLERS: dict[type, Callable[[State, Any, float], tuple[State, list[Action]]]] = {
     Started: _on_started,
     RanksLaunched: _on_launched,
     LaunchFailed: _on_launch_failed,

@@ -61,10 +61,15 @@ def parse_stop_file(data: bytes, source: str) -> StopRequest:
     return StopRequest(abs(step), step > 0, source)
 
 
-class _Rank(Protocol):
-    step: int | None
-    step_time_s: float | None
-    heartbeat_monotonic: float | None
+class _Rank(Protocol):  # read-only properties: RankState is a frozen dataclass
+    @property
+    def step(self) -> int | None: ...
+
+    @property
+    def step_time_s(self) -> float | None: ...
+
+    @property
+    def heartbeat_monotonic(self) -> float | None: ...
 
     @property
     def running(self) -> bool: ...

@@ -31,9 +31,10 @@ def gpu_problems(nvml: Any = None) -> list[str] | None:
     """One line per unhealthy GPU of this machine; None when NVML is not there (no package, no driver)."""
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             return None
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...: no GPUs to judge

@@ -13,7 +13,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,13 +88,14 @@ class Launcher(Protocol):
     def publish(self, order: StopOrder | None) -> None:
         """Make the stop order visible to every rank (None: withdraw it)."""
 
-    def translate(self, item: object) -> list[Event | Spawned] | None:
-        """Core events (or Spawned) for one of this launcher's own inbox items; None when `item` is not one."""
+    def translate(self, item: object) -> Sequence[Event | Spawned | Isolated] | None:
+        """Core events (or Spawned, or Isolated) for one of this launcher's own inbox items; None when `item` is not
+        one."""
 
     def last_heartbeat(self, rank: int) -> list[Event]:
         """The rank's newest heartbeat, read now (a failed rank's step, fresh)."""
 
-    def poll(self) -> list[Event]:
+    def poll(self) -> Sequence[Event | Isolated]:
         """Once a second and at `next_deadline`: what the hints may have missed (heartbeats), and liveness."""
 
     def next_deadline(self) -> float:

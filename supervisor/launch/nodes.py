@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from supervisor.core.model import duration
 from worker.contract import RunLayout
@@ -205,11 +205,16 @@ def _fault(entry: object) -> NodeFault:
     if not isinstance(entry, dict):
         raise ValueError("a fault is not an object")
     node, at, reason, fatal = entry.get("node"), entry.get("at"), entry.get("reason"), entry.get("fatal", False)
-    if type(at) not in (int, float) or not isinstance(reason, str) or not isinstance(fatal, bool):
+    if not _is_number(at) or not isinstance(reason, str) or not isinstance(fatal, bool):
         raise ValueError(f"a fault of {str(node)[:40]!r} has fields of the wrong type")
     # Ledgers written before kinds: a fatal fault was a lost node, any other a failure.
     kind = entry.get("kind", "lost" if fatal else "failed")
-    return NodeFault(node, float(at), reason[:MAX_REASON], kind)
+    return NodeFault(cast(str, node), float(at), reason[:MAX_REASON], kind)  # str: NodeFault checks the node's name
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """A JSON number: an int or a float, not a bool."""
+    return type(value) in (int, float)
 
 
 def update_ledger(layout: RunLayout, change: Callable[[Ledger], Ledger], *, lock_wait_s: float = LOCK_WAIT_S) -> Ledger:

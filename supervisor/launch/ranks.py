@@ -141,7 +141,7 @@ def contract_env(
 
 def collective_env(config: JobConfig, layout: RunLayout, rank: int, attempt: int) -> dict[str, str]:
     """PyTorch's flight recorder and NCCL's error handling, where this machine's environment does not set them (the
-    config's `env:` overrides both). Why each: README, "Hangs"."""
+    config's `env:` overrides both). Why each: docs/hangs.md."""
     hang = config.hang
     longest = max([*hang.phase_timeouts_s.values(), hang.default_timeout_s, hang.first_heartbeat_s])
     settings = {

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from supervisor.config import JobConfig
 from supervisor.core import (
@@ -228,7 +228,9 @@ class SlurmLauncher:
     def _charge_predecessor(self) -> None:
         """Taking over within the job: the last supervisor's host went silent or cut itself off, so it is charged
         as a lost node (a cool-down, for good once Slurm marks it down), and no attempt waits on it."""
-        before = None if self._lease is None else read_lease(self._layout, self._lease.generation - 1)
+        if self._lease is None:
+            return
+        before = read_lease(self._layout, self._lease.generation - 1)
         if before is None or before.state == RELEASED or before.host == self._host or before.job != self._lease.job:
             return
         self._log.warning(
@@ -272,7 +274,7 @@ class SlurmLauncher:
 
     # ---- launching ----
 
-    def launch(self, attempt: Attempt) -> Spawned | LaunchFailed | None:
+    def launch(self, attempt: Attempt) -> None:
         """Ask Slurm for the nodes (in a thread: the controller may be slow or out of reach); `_Planned` goes on."""
         for node in self._nodes.values():  # the last attempt's agents, if any is still there, go
             if node.peer is not None:
@@ -472,7 +474,7 @@ class SlurmLauncher:
             return
         self._post(_AgentArrived(peer, hello))
 
-    def translate(self, item: object) -> list[Event | Spawned | Isolated] | None:
+    def translate(self, item: object) -> Sequence[Event | Spawned | Isolated] | None:
         if isinstance(item, _AgentArrived):
             return self._arrived(item.peer, item.hello)
         if isinstance(item, _BeatsArrived):
@@ -506,7 +508,8 @@ class SlurmLauncher:
         return None
 
     def _arrived(self, peer: Peer, hello: dict[str, Any]) -> list[Event]:
-        name, attempt = hello.get("node"), hello.get("attempt")
+        name = hello.get("node")
+        attempt: Any = hello.get("attempt")  # the agent's word: this attempt's number, once checked below
         node = self._nodes.get(name) if isinstance(name, str) else None
         if attempt != self._attempt or node is None or node.peer is not None or node.state != "starting":
             peer.send({"type": "exit"})  # a late agent of an older attempt, or a node not in this one
@@ -524,8 +527,8 @@ class SlurmLauncher:
         node.port = port if type(port) is int and 0 < port < 65536 else None
         self._hub.add(
             peer,
-            lambda m, n=node, a=attempt: self._heard(n, a, m),
-            lambda why, n=node.name, a=attempt: self._post(_AgentGone(a, n, why)),
+            lambda m: self._heard(node, attempt, m),
+            lambda why: self._post(_AgentGone(attempt, node.name, why)),
         )
         self._log.info(
             "agent_connected", attempt=attempt, node=node.name, address=node.address, agent_pid=hello.get("pid")
@@ -556,7 +559,7 @@ class SlurmLauncher:
         if first:
             self._post(_BeatsArrived())
 
-    def _said(self, node: _Node, message: dict[str, Any]) -> list[Event | Spawned]:
+    def _said(self, node: _Node, message: dict[str, Any]) -> Sequence[Event | Spawned]:
         kind = message["type"]
         if kind == "spawned":
             node.pids = {int(rank): int(pid) for rank, pid in message["pids"].items() if int(rank) in node.ranks}
@@ -592,8 +595,9 @@ class SlurmLauncher:
             return None
         fields = ("attempt", "rank", "seq", "step", "phase", "step_time_s")
         age = record.get("age_s")  # bounded: an agent's clock error must not date a beat before the attempt
-        age = min(float(age), self._config.slurm.node_timeout_s) if type(age) in (int, float) and age > 0 else 0.0
-        beat = HeartbeatSeen(**{k: record.get(k) for k in fields}, **progress_fields(record), age_s=age)
+        age = min(float(age), self._config.slurm.node_timeout_s) if _is_number(age) and age > 0 else 0.0
+        unchecked: dict[str, Any] = {k: record.get(k) for k in fields}  # the checks below judge the beat
+        beat = HeartbeatSeen(**unchecked, **progress_fields(record), age_s=age)
         ok = (
             beat.rank in node.ranks
             and beat.attempt == self._attempt
@@ -660,8 +664,8 @@ class SlurmLauncher:
     def _launch_again(self) -> list[Event]:
         """The attempt lost a node before its ranks started: the same attempt on the nodes left (each retry
         excludes a node at least for its cool-down, so this ends: at worst with too few nodes)."""
-        failed = self.launch(self._pending)
-        return [] if failed is None else [failed]
+        self.launch(self._pending)  # its outcome is posted (`_Planned`), never returned
+        return []
 
     def _check_link(self, suspects: tuple[str, ...], why: str) -> None:
         """Is it us? `scontrol ping` in a thread; `_LinkChecked` goes on."""
@@ -822,8 +826,8 @@ class SlurmLauncher:
         if now - self._last_ping >= self._ping_s:
             self._last_ping = now
             for node in self._nodes.values():
-                if node.active:
-                    node.peer.send({"type": "ping"})  # type: ignore[union-attr]
+                if node.active and node.peer is not None:  # active: it has a peer
+                    node.peer.send({"type": "ping"})
         self._next_check = self._quietest()
         return events
 
@@ -970,6 +974,11 @@ def _last_line(path: Any) -> str:
         return ""
     lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
     return lines[-1][:300] if lines else ""
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """A JSON number: an int or a float, not a bool."""
+    return type(value) in (int, float)
 
 
 def _signal_name(signum: int) -> str:

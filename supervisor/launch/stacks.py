@@ -143,10 +143,10 @@ def collect_stacks(
             dumps.update({str(layout.pyspy_dump(rank, attempt)): text for rank, text in texts if text})
     deadline = time.monotonic() + FAULTHANDLER_WAIT_S
     for rank, size in before.items():
-        path, flight = layout.stack_dump(rank, attempt), layout.flight_dump(rank, attempt)
+        path, flight_path = layout.stack_dump(rank, attempt), layout.flight_dump(rank, attempt)
         # One collection per attempt: a record there already was written as its rank raised (it is on its way out).
         while (
-            (_size(path) <= size or _mtime(flight) is None)
+            (_size(path) <= size or _mtime(flight_path) is None)
             and time.monotonic() < deadline
             and _state(pids[rank]) not in ("zombie", "gone")
         ):  # a rank that exited will write nothing more

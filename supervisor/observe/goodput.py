@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from supervisor.core import Event, HeartbeatSeen, Phase, RanksLaunched, State, Then
 from supervisor.core.model import duration
@@ -253,7 +253,7 @@ def _saved_points(kept: list[tuple[int, float]]) -> list[tuple[int, float]]:
 # ---- what an earlier supervisor left (the run dir is untrusted: anything invalid is dropped) ----
 
 
-def _seconds(value: Any) -> bool:
+def _seconds(value: Any) -> TypeGuard[int | float]:
     """A finite, non-negative number (JSON's ints may be too large for a float)."""
     try:
         return type(value) in (int, float) and math.isfinite(value) and value >= 0
@@ -298,9 +298,9 @@ def _gap(previous: Mapping[str, Any], wall_now: float) -> tuple[float, str | Non
     if not _seconds(updated_at) or not math.isfinite(wall_now):
         return 0.0, None
     died = ("starting", "running", "stopping", "backoff")  # its successor restarts the run
-    category = {"stopped": "stopped_s", "failed": "stopped_s", **dict.fromkeys(died, "restart_s")}.get(
-        previous.get("state")
-    )
+    state = previous.get("state")  # a string, unless the file was damaged: then it is no state we know
+    categories = {"stopped": "stopped_s", "failed": "stopped_s", **dict.fromkeys(died, "restart_s")}
+    category = categories.get(state) if isinstance(state, str) else None
     if category == "stopped_s" and previous.get("exit_code") == EXIT_REQUEUE:
         category = "restart_s"
     return max(0.0, wall_now - updated_at), category

@@ -346,6 +346,7 @@ class MetricsExporter:
     def _write_textfile(self) -> None:
         from prometheus_client import write_to_textfile
 
+        assert self.textfile is not None  # the caller's check
         try:
             write_to_textfile(os.fspath(self.textfile), self._registry)  # a temporary beside it, then a rename
         except Exception as exc:  # a full disk, a directory removed, even a bug here: supervision goes on

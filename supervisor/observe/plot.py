@@ -19,7 +19,7 @@ import stat
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 from supervisor.rundir.journal import journal_files
 from worker.contract import RunLayout
@@ -296,10 +296,10 @@ class _Reader:
         for line in self._lines(path):
             event = _parse(line)
             t = _epoch(event.get("time")) if event is not None else None
-            if t is None:
+            if event is None or t is None:
                 self.skipped += 1
                 continue
-            yield t, event  # type: ignore[misc]
+            yield t, event
 
     def ranks(self) -> list[int]:
         try:
@@ -414,9 +414,14 @@ def _epoch(value: object) -> float | None:
 
 
 def _number(value: object) -> float | None:
-    if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
+    if not _is_number(value) or not math.isfinite(value):
         return None
-    return float(value)  # type: ignore[arg-type]
+    return float(value)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """A JSON number: an int or a float, not a bool."""
+    return type(value) in (int, float)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeGuard
 
 from supervisor.core import FAILURES_KEPT, Failure, Hang, History, Phase, State
 from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind
@@ -108,9 +108,11 @@ def read_history(status: dict[str, Any]) -> History | None:
     """The history a supervisor left in its state file, when it died mid-run (not when the run ended: a new
     `trainwarden run` of an ended run starts afresh); None when there is none or it is not sane (the file is
     untrusted: garbage loses the history, never the run)."""
-    if status.get("state") in {phase.value for phase in Phase if phase.terminal}:
+    if status.get("state") in [phase.value for phase in Phase if phase.terminal]:  # not a set: it may be a JSON list
         return None
     history = status.get("history")
+    if not isinstance(history, dict):
+        return None
     try:
         attempt, restarts, failures = history["attempt"], history["restarts"], history["failures"]
         if not (_count(attempt) and _count(restarts) and isinstance(failures, list)):
@@ -146,6 +148,11 @@ def _read_failure(record: dict[str, Any]) -> Failure:
 
 def _count(value: object) -> bool:
     return type(value) is int and 0 <= value < 2**31
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """A JSON number: an int or a float, not a bool."""
+    return type(value) in (int, float)
 
 
 def _count_or_none(value: object) -> bool:
@@ -190,7 +197,7 @@ def _supervisor(layout: RunLayout, status: dict[str, Any]) -> dict[str, Any]:
         at, ttl, state = status.get("updated_at"), LOCAL_TTL_S, "held"
     else:
         host, pid, at, ttl, state = lease.host, lease.pid, lease.renewed_at, lease.ttl_s, lease.state
-    heard = round(now - at, 1) if type(at) in (int, float) else None
+    heard = round(now - at, 1) if _is_number(at) else None
     if state != "held":
         alive = False
     elif host in (None, here):
@@ -308,7 +315,8 @@ def _rank_line(rank: dict[str, Any]) -> str:
 def _supervisor_lines(status: dict[str, Any]) -> list[str]:
     """Where the supervisor runs, said plainly when it is gone (a state nobody updates is stale)."""
     ended = status["state"] in ("finished", "stopped", "failed")
-    sup = status.get("supervisor") if isinstance(status.get("supervisor"), dict) else {}
+    found = status.get("supervisor")
+    sup: dict[str, Any] = found if isinstance(found, dict) else {}
     where = f"pid {sup.get('pid', status.get('supervisor_pid'))}" + (f" on {sup['host']}" if sup.get("host") else "")
     heard = sup.get("heard_s_ago")
     if status.get("supervisor_alive") or ended:

@@ -79,7 +79,7 @@ def choose_resume(
         ((step, i) for i, store in enumerate(stores) for step in _any_steps(store, world_size, prefix)),
         key=lambda candidate: (-candidate[0], candidate[1]),
     )
-    passed = []
+    passed: list[tuple[int, str]] = []
     for step, i in candidates:
         store = stores[i]
         if at_most is not None and step > at_most:
@@ -216,7 +216,7 @@ def world_size_mismatch(stores: list[CheckpointStore], world_size: int, prefix: 
     ]
     if any(size == world_size for *_, size in found):
         return None
-    others = [f for f in found if f[2] is not None]
+    others = [(step, i, size) for step, i, size in found if size is not None]
     if not others:
         return None
     step, negative_index, size = max(others)

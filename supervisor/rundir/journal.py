@@ -12,7 +12,7 @@ import sys
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, cast, runtime_checkable
 
 import structlog
 
@@ -25,6 +25,11 @@ JOURNALS_KEPT = 4  # rotated files besides the current one
 
 
 _JSON = structlog.processors.JSONRenderer(default=str)
+
+
+def _json_line(event_dict: dict[str, Any]) -> str:
+    # str: the renderer's serializer is json.dumps (its type says str | bytes, for serializers such as orjson's)
+    return cast(str, _JSON(None, "", event_dict)) + "\n"
 
 
 @runtime_checkable
@@ -46,7 +51,7 @@ class _TeeLogger:
         self._lock = threading.Lock()
 
     def msg(self, **event_dict: Any) -> None:
-        line = _JSON(None, "", dict(event_dict)) + "\n"
+        line = _json_line(dict(event_dict))
         with self._lock:
             streams = [self.file] if not self._echo or isinstance(self._echo, EventSink) else [self.file, self._echo]
             for stream in streams:
@@ -133,7 +138,7 @@ def append_event(path: Path, *, root: Path, event: str, level: str = "info", **f
     """One event written to the journal by a process other than the supervisor (a node agent), in the
     supervisor's format: one line in one write, so lines of several writers never interleave (O_APPEND)."""
     time = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-    line = _JSON(None, "", {"event": event, **fields, "level": level, "time": time}) + "\n"
+    line = _json_line({"event": event, **fields, "level": level, "time": time})
     fd = open_append(path, root=root)
     try:
         os.write(fd, line.encode())

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from worker.contract import RunLayout
 from worker.files import FILE_MODE, atomic_write_bytes, atomic_write_json, open_dir, read_json
@@ -89,7 +89,7 @@ class Lease:
         job, code = raw.get("job"), raw.get("exit_code")
         if not (isinstance(host, str) and 0 < len(host) <= 255 and host.isprintable()):
             raise ValueError("a lease's host is not a host name")
-        if type(pid) is not int or type(at) not in (int, float) or type(ttl) not in (int, float) or ttl <= 0:
+        if type(pid) is not int or not _is_number(at) or not _is_number(ttl) or ttl <= 0:
             raise ValueError("a lease's pid, renewed_at or ttl_s has the wrong type")
         if state not in _STATES or not (job is None or (isinstance(job, str) and job.isalnum() and len(job) < 64)):
             raise ValueError("a lease's state or job is not one of ours")
@@ -204,6 +204,11 @@ def write_keeper(layout: RunLayout, generation: int, now: float) -> None:
     the job to the batch script (whose exit code and resubmission logic Slurm then sees)."""
     keeper = {"host": socket.gethostname(), "pid": os.getpid(), "renewed_at": now, "generation": generation}
     atomic_write_json(_lease_dir(layout) / "keeper.json", keeper, root=layout.root, durable=False)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """A JSON number: an int or a float, not a bool."""
+    return type(value) in (int, float)
 
 
 def read_keeper(layout: RunLayout) -> float | None:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from watchdog.events import (
     FileClosedEvent,
@@ -139,7 +139,8 @@ class HeartbeatWatcher:
                 continue
             except OSError:
                 return
-            self._wrote({self._ranks.get(wd) for wd, name in _renamed(data) if name == self._name} - {None})
+            ranks = {self._ranks.get(wd) for wd, name in _renamed(data) if name == self._name}
+            self._wrote({rank for rank in ranks if rank is not None})
 
     def _wrote(self, ranks: set[int]) -> None:
         if not ranks:
@@ -312,7 +313,7 @@ def _anomaly_counts(value: object) -> tuple[tuple[str, int], ...] | None:
     return tuple(sorted(counts)) if sane else None
 
 
-def _is_count(value: object) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return type(value) is int and 0 <= value <= MAX_PROGRESS
 
 
@@ -322,8 +323,9 @@ def _nonnegative_or_none(value: object) -> float | None:
 
 
 def _finite_or_none(value: object) -> float | None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return float(value) if number and math.isfinite(value) and abs(value) <= MAX_PROGRESS else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return float(value) if math.isfinite(value) and abs(value) <= MAX_PROGRESS else None
 
 
 def _positive_or_none(value: object) -> float | None:

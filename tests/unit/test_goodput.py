@@ -270,6 +270,13 @@ def test_gap_after_a_run_that_asked_to_be_requeued_is_restart_time(state: str):
     assert (totals["restart_s"], totals["stopped_s"]) == (pytest.approx(5 + 30), pytest.approx(2))
 
 
+@pytest.mark.parametrize("state", [["running"], {"running": 1}, None, 7])
+def test_gap_after_a_state_that_is_no_state_is_not_counted(state: Any):
+    """A tampered state (even unhashable JSON) names no way the previous supervisor ended: totals carry, no gap."""
+    previous = {**forced_stop_status(), "state": state}
+    assert Goodput(previous, wall_now=9000.0).totals()["wall_s"] == pytest.approx(24)
+
+
 def test_gap_after_a_finished_run_is_not_counted():
     """A finished run started again: the time it lay finished was nobody's."""
     previous = {**forced_stop_status(), "state": "finished"}

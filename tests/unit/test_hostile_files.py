@@ -4,6 +4,7 @@ every writer against symlinked directories: no reader blocks or raises, no write
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from supervisor.cli import _unusable
 from supervisor.core.causes import explain
 from supervisor.core.stop_requests import MAX_STOP_FILE_BYTES
 from supervisor.launch.stacks import MAX_DUMP_BYTES, _read_from
@@ -21,9 +23,9 @@ from supervisor.rundir.checkpoints import Choice, choose_resume, write_health_fi
 from supervisor.rundir.journal import open_journal
 from supervisor.rundir.rank_logs import TAIL_BYTES, last_event, stderr_tail
 from supervisor.rundir.watch import HeartbeatUnreadable, read_heartbeat
-from supervisor.runner import _previous_step_gaps, _stop_file_signature, lock_run_dir
+from supervisor.runner import RunDirBusy, _previous_status, _previous_step_gaps, _stop_file_signature, lock_run_dir
 from tests.hostile import KINDS, bounded, plant
-from worker.contract import RunLayout
+from worker.contract import EXIT_CONFIG, RunLayout
 from worker.events import open_event_log
 from worker.files import Refused
 from worker.heartbeat import Heartbeat
@@ -82,7 +84,7 @@ def test_state_file_reader_refuses_a_hostile_file(layout: RunLayout, kind: str) 
     plant(layout.state_file, kind, _outside(layout))
     how, what = bounded(lambda: read_status(layout))
     assert how == "raised" and isinstance(what, StatusError), what
-    assert bounded(lambda: _previous_step_gaps(layout, 100)) == ("returned", ())
+    assert bounded(lambda: _previous_step_gaps(_previous_status(layout), 100)) == ("returned", ())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -137,6 +139,28 @@ def test_supervisor_refuses_a_hostile_lock_or_journal(layout: RunLayout, kind: s
     assert how == "raised" and isinstance(what, Refused), what
     if kind == "symlink outside":
         assert (_outside(layout) / "secret").read_text() == '{"step": 1}'
+
+
+def test_a_held_lock_holding_bytes_that_are_not_text_is_a_busy_run_dir(layout: RunLayout) -> None:
+    """The holder's pid is read from the lock file, which anyone may have written: garbage names no pid."""
+    layout.lock_file.parent.mkdir(parents=True, exist_ok=True)
+    layout.lock_file.write_bytes(b"\xff\xfe 4242")
+    with open(layout.lock_file, "rb") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        how, what = bounded(lambda: lock_run_dir(layout))
+    assert how == "raised" and isinstance(what, RunDirBusy), what
+    assert str(what) == f"{layout.root} is already supervised by pid unknown"
+
+
+def test_a_run_dir_file_that_is_not_valid_is_reported_not_a_traceback(
+    layout: RunLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`trainwarden run` says why it cannot use the run dir for a ValueError (a file's garbage) as for an OSError."""
+    assert _unusable(layout, ValueError("a lease's host is not a host name")) == EXIT_CONFIG
+    assert (
+        capsys.readouterr().err
+        == f"trainwarden: cannot use run dir {layout.root}: : a lease's host is not a host name\n"
+    )
 
 
 # ---- writers ---------------------------------------------------------------------------------------

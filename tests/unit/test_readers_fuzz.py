@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from supervisor.core.stop_requests import StopFileUnparsable, StopRequest, parse_stop_file
 from supervisor.launch.trees import kill_predecessor_leftovers
-from supervisor.observe.status import StatusError, read_status, render
+from supervisor.observe.status import StatusError, read_history, read_status, render
 from supervisor.rundir.checkpoints import Choice, choose_resume, health_entries
 from supervisor.rundir.rank_logs import abort_info, last_event, last_step
 from supervisor.rundir.watch import HeartbeatUnreadable, read_heartbeat
-from supervisor.runner import _previous_step_gaps
+from supervisor.runner import _previous_status, _previous_step_gaps
 from worker.contract import RunLayout, StopOrder
 from worker.files import parse_json
 from worker.orders import StopOrders
@@ -187,8 +187,11 @@ def test_state_file_reader_gives_a_renderable_status_or_status_error(
     _write(run.state_file, data)
     with contextlib.suppress(StatusError):
         assert isinstance(render(read_status(run)), str)
-    gaps = _previous_step_gaps(run, 50)
+    previous = _previous_status(run)  # {} for a state file read_status refuses, as the runner takes it
+    gaps = _previous_step_gaps(previous, 50)
     assert len(gaps) <= 50 and all(isinstance(g, float) and g > 0 for g in gaps)
+    history = read_history(previous)
+    assert history is None or history.attempt >= 0
 
 
 @FUZZ

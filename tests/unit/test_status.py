@@ -386,6 +386,13 @@ def test_history_that_is_not_sane_or_of_an_ended_run_is_not_carried(garbage):
     assert read_history(garbage) is None
 
 
+@pytest.mark.parametrize("state", [["failed"], {"failed": 1}])
+def test_history_under_a_state_of_any_json_type_is_read_not_raised(state):
+    """A tampered state, even unhashable JSON, is no ended run: the history is judged as under any other state."""
+    history = read_history({"state": state, "history": {"attempt": 1, "restarts": 0, "failures": []}})
+    assert history is not None and (history.attempt, history.restarts, history.failures) == (1, 0, ())
+
+
 def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look():
     """1,024 nodes x 8 ranks: one line for the ranks (counts, steps, heartbeat ages), the quietest and failed
     ranks, the most compute, one line for the nodes by state and the nodes not running; not 9,000 lines."""

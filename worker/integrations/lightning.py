@@ -26,7 +26,8 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
     try:
-        from pytorch_lightning.callbacks import Callback
+        # unused-ignore: where lightning is not installed, both names are Any and mypy finds nothing to ignore
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef, unused-ignore]
     except ImportError as exc:
         raise ImportError(
             "worker.integrations.lightning needs PyTorch Lightning: pip install 'trainwarden[lightning]'"
