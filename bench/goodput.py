@@ -18,9 +18,15 @@ rank). Each strikes a random rank, at least 2 x save_every steps after the one b
 30 steps. For each run:
 
 - wall: from launch until the launcher exits;
-- goodput: productive step time over wall time. Productive step time: the reference's training time (its first
-  `step` event to its last) times the share of the steps that the run's newest complete checkpoint holds;
-- supervisor's goodput: trainwarden's own ratio, the journal's final `goodput` event;
+- goodput (measured, by a stopwatch outside the supervisor, with the supervisor's definition): the steps the run's
+  newest complete checkpoint holds, at the run's own ideal step time, over the wall time. The ideal step time: the
+  run's steady state, from its rank 0's `step` event times (one sample per step: the time since the step before,
+  saves included), the mean of the samples within median +- 3 MAD of them (saves, stalls and the slow steps after a
+  relaunch fall outside): the supervisor's rule, on the rank's own clock instead of heartbeats;
+- supervisor's goodput: trainwarden's own ratio, the journal's final `goodput` event, and its difference from the
+  measured one; the last line gives the largest difference over the trainwarden runs (reference included);
+- at reference rate: the same with the reference's ideal step time, for launchers compared with each other (a
+  launcher that slows every step is charged for it here, not in its own steady state);
 - relaunches: the highest attempt number in the ranks' events (torchrun's restart count);
 - faults survived: of the faults that fired (`fault_injected` events), those after which training went on past their
   step by itself, no person involved;
@@ -33,8 +39,10 @@ trainwarden's config is configs/demo.yaml that never gives up (`restart: {max_re
 0, backoff_initial_s: 0}`) and declares a hang after 10 s of training silence (no calibration). torchrun has no hang
 detection: the demo's 60 s gloo timeout is what ends the hang there. A run is limited to `--timeout-s` (default:
 3 x the reference's wall time + 180 s); past it every process of the run is SIGKILLed and it counts as not finished.
-Run from the repository root:
-    .venv/bin/python bench/goodput.py [--steps N] [--save-every N] [--kills N] [--seed N] [--timeout-s S] [--keep]
+`--quick` runs the reference and the two trainwarden variants only, of a shorter job (600 steps, 2 kills): about
+3 minutes on 2 cores. Run from the repository root:
+    .venv/bin/python bench/goodput.py [--quick] [--steps N] [--save-every N] [--kills N] [--seed N] [--timeout-s S]
+                                      [--keep]
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from harness import (
     trainwarden_launch,
 )
 
+from supervisor.observe.goodput import ideal_step_time
 from worker.contract import RunLayout
 
 EDGE_STEPS = 30  # no fault this close to the start or the end of the job
@@ -143,6 +152,7 @@ class Run:
     fired: int
     survived: int
     train_s: float | None  # first step event to last
+    ideal_s: float | None  # steady-state step time, from rank 0's step events
     step_s: float | None  # median step time
     supervisor_goodput: float | None
     bitwise: str
@@ -169,6 +179,7 @@ FAULTY = (
     Variant("torchrun", lambda job, work, env: torchrun(job, work, env, share=True), False),
     Variant("torchrun no-share", lambda job, work, env: torchrun(job, work, env, share=False), False),
 )
+QUICK = FAULTY[:2]
 
 
 # ---- the fault schedule ----------------------------------------------------------------------
@@ -237,6 +248,7 @@ def read_run(
         fired=len(fired),
         survived=sum(passed(fault, at, events) for fault, at in fired.items()),
         train_s=training_time(events),
+        ideal_s=ideal_step_time(step_samples(events)),
         step_s=median_step_time(events),
         supervisor_goodput=journal_goodput(layout) if variant.supervised else None,
         bitwise=compared,
@@ -263,6 +275,16 @@ def training_time(events: list[dict[str, Any]]) -> float | None:
     """Seconds from the first `step` event of any rank to the last."""
     times = [event_time(e) for e in events if e.get("event") == "step"]
     return max(times) - min(times) if times else None
+
+
+def step_samples(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(seconds, 1) for each step of rank 0 that directly follows its step before in the same attempt."""
+    steps = sorted(
+        (e["attempt"], e["step"], event_time(e)) for e in events if e.get("event") == "step" and e.get("rank") == 0
+    )
+    return [
+        (t1 - t0, 1) for (a0, s0, t0), (a1, s1, t1) in zip(steps, steps[1:], strict=False) if a1 == a0 and s1 == s0 + 1
+    ]
 
 
 def median_step_time(events: list[dict[str, Any]]) -> float | None:
@@ -326,10 +348,21 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def goodput(run: Run, reference: Run, steps: int) -> float | None:
-    """The reference's training time for the steps this run kept, over this run's wall time."""
-    if reference.train_s is None or run.wall_s <= 0:
+    """The steps this run kept at the reference's ideal step time, over this run's wall time."""
+    if reference.ideal_s is None or run.wall_s <= 0:
         return None
-    return reference.train_s * min(run.kept_step, steps) / steps / run.wall_s
+    return reference.ideal_s * min(run.kept_step, steps) / run.wall_s
+
+
+def measured(run: Run, steps: int) -> float | None:
+    """The steps this run kept at its own ideal step time, over its wall time: the supervisor's definition."""
+    return goodput(run, run, steps)
+
+
+def gap(run: Run, steps: int) -> float | None:
+    """The supervisor's goodput less the measured one."""
+    stopwatch = measured(run, steps)
+    return None if stopwatch is None or run.supervisor_goodput is None else run.supervisor_goodput - stopwatch
 
 
 def fmt3(seconds: float | None) -> str:
@@ -343,9 +376,15 @@ def outcome(run: Run) -> str:
 
 
 def run_line(run: Run, reference: Run, job: Job) -> str:
-    own = f", supervisor's goodput {fmt(run.supervisor_goodput)}" if run.supervisor_goodput is not None else ""
+    difference = gap(run, job.steps)
+    own = (
+        f", supervisor's goodput {fmt(run.supervisor_goodput)} (difference {difference:+.3f})"
+        if difference is not None
+        else ""
+    )
     return (
-        f"{run.variant:<18} wall {run.wall_s:7.1f} s  goodput {fmt(goodput(run, reference, job.steps))}{own}  "
+        f"{run.variant:<18} wall {run.wall_s:7.1f} s  goodput {fmt(measured(run, job.steps))}{own}  "
+        f"at reference rate {fmt(goodput(run, reference, job.steps))}  "
         f"relaunches {run.relaunches}  faults survived {survived(run)}  finished {outcome(run)}  "
         f"(newest checkpoint {run.kept_step})  bitwise = reference: {run.bitwise}  "
         f"median step {fmt3(run.step_s)} s"
@@ -364,6 +403,8 @@ def summary(runs: list[Run], job: Job) -> str:
         "wall s",
         "goodput",
         "supervisor's goodput",
+        "difference",
+        "at reference rate",
         "relaunches",
         "faults survived",
         "finished",
@@ -374,8 +415,10 @@ def summary(runs: list[Run], job: Job) -> str:
         [
             r.variant,
             f"{r.wall_s:.1f}",
-            fmt(goodput(r, reference, job.steps)),
+            fmt(measured(r, job.steps)),
             fmt(r.supervisor_goodput),
+            "n/a" if (d := gap(r, job.steps)) is None else f"{d:+.3f}",
+            fmt(goodput(r, reference, job.steps)),
             str(r.relaunches),
             survived(r),
             outcome(r),
@@ -386,10 +429,13 @@ def summary(runs: list[Run], job: Job) -> str:
     ]
     lines = table([list(head), *rows])
     lines.append(
-        f"reference training time (first step to last): {fmt(reference.train_s)} s; goodput = that time x "
-        f"the share of steps kept / wall time"
+        "goodput = steps kept x the run's own ideal step time / wall time; at reference rate: x the reference's, "
+        f"{fmt3(reference.ideal_s)} s"
     )
-    lines += ratio_lines(runs[1:], reference, job)
+    if any(r.variant.startswith("torchrun") for r in runs):
+        lines += ratio_lines(runs[1:], reference, job)
+    gaps = [abs(d) for r in runs if (d := gap(r, job.steps)) is not None]
+    lines.append(f"goodput gap, supervisor vs measured: {max(gaps):.3f}" if gaps else "goodput gap: n/a")
     return "\n".join(lines)
 
 
@@ -419,9 +465,10 @@ def ratio_lines(runs: list[Run], reference: Run, job: Job) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1200, help="training steps of the demo job")
+    parser.add_argument("--quick", action="store_true", help="the reference and trainwarden only, a shorter job")
+    parser.add_argument("--steps", type=int, default=None, help="training steps of the demo job (1200; quick: 600)")
     parser.add_argument("--save-every", type=int, default=50, help="worker.save_checkpoint_steps")
-    parser.add_argument("--kills", type=int, default=4, help="rank SIGKILLs (the first of them during a save)")
+    parser.add_argument("--kills", type=int, default=None, help="rank SIGKILLs, the first during a save (4; quick: 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     parser.add_argument(
         "--timeout-s",
@@ -431,6 +478,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--keep", action="store_true", help="keep the run dirs and logs")
     args = parser.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else 600 if args.quick else 1200
+    args.kills = args.kills if args.kills is not None else 2 if args.quick else 4
     if args.save_every < 1 or args.kills < 0:
         parser.error("--save-every must be at least 1 and --kills at least 0")
     return args
@@ -450,7 +499,7 @@ def main() -> int:
     )
     with scratch_dir(args.keep) as work:
         try:
-            runs = run_all(job, work, args.timeout_s)
+            runs = run_all(job, work, args.timeout_s, QUICK if args.quick else FAULTY)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             return 130
@@ -460,7 +509,7 @@ def main() -> int:
     return 0
 
 
-def run_all(job: Job, work: Path, timeout_s: float | None) -> list[Run] | None:
+def run_all(job: Job, work: Path, timeout_s: float | None, variants: tuple[Variant, ...]) -> list[Run] | None:
     """The reference, then each faulty variant in turn, printing a line as each ends; None if the reference failed."""
     reference = run_variant(
         REFERENCE, job, work / "reference", timeout_s or REFERENCE_S_PER_STEP * job.steps + 120, None
@@ -472,7 +521,7 @@ def run_all(job: Job, work: Path, timeout_s: float | None) -> list[Run] | None:
     limit_s = timeout_s or 3 * reference.wall_s + 180
     print(f"limit per run: {limit_s:.0f} s", flush=True)
     runs = [reference]
-    for variant in FAULTY:
+    for variant in variants:
         runs.append(run_variant(variant, job, work / variant.name.replace(" ", "_"), limit_s, reference))
         print(run_line(runs[-1], reference, job), flush=True)
     return runs

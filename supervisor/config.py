@@ -257,6 +257,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
     "worker.save_checkpoint_interval_s": (lambda v: v >= 0, "0 or more"),
     "worker.snapshot_steps": (lambda v: v >= 0, "0 or more"),
+    "worker.verify_resume": (lambda v: v >= 0, "0 or more"),
     "worker.load_checkpoint": (lambda v: Path(v).is_dir(), "an existing directory (another run's checkpoint/ folder)"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
     "worker.prefix": (lambda v: v != "" and "/" not in v, "a non-empty name without '/'"),

@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
+
 from supervisor.config import JobConfig
 from supervisor.core import (
     Action,
@@ -169,7 +171,8 @@ class Supervisor:
         self._systemd = ServiceReporter(Notifier.from_environ(log=self.log))  # a no-op outside systemd
         # Bookkeeping beside the core: it never decides anything.
         self._observers: list[Observer] = [Progress(), Counts(previous)]  # counts carried over
-        self._observers.append(Goodput(previous, wall_now=time.time()))  # carried over
+        started = time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())  # this process's start
+        self._observers.append(Goodput(previous, wall_now=time.time(), process_started=started))  # carried over
         self._observers.append(Stragglers(config.stragglers))
         self.status_listeners: list[Callable[[dict[str, Any]], None]] = []  # shown each status, once it is written
         self._metrics = MetricsExporter(config.metrics, self.log)  # opt-in: off, it costs one check per status

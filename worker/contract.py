@@ -115,6 +115,9 @@ class WorkerConfig:
     embedding_local_norm_threshold: float = 1.0  # seed 000's default
     embedding_param: str | None = None  # which parameter is "the embedding"; default: the first nn.Embedding
     heartbeat_interval_s: float = 0.5
+    # A replay check for test runs: after each save, the next N batches' losses are kept; a run resumed from it must
+    # repeat them bit for bit, else it says `resume_inexact` (worker.verify); 0: off
+    verify_resume: int = 0
     use_skip_data_by_global_norm: bool = False  # seed 000: skip steps whose global norm exceeds the threshold
     monitor_config: MonitorConfig = field(default_factory=MonitorConfig)  # seed 000
     adaptive_spike: AdaptiveConfig = field(default_factory=AdaptiveConfig)
@@ -204,6 +207,10 @@ class RunLayout:
 
     def rank_events(self, rank: int) -> Path:
         return self.rank_dir(rank) / "events.jsonl"
+
+    def trajectory(self, rank: int) -> Path:
+        """The losses after the newest saves, for `worker.verify_resume` (worker.verify)."""
+        return self.rank_dir(rank) / "trajectory.json"
 
     def stack_dump(self, rank: int, attempt: int) -> Path:
         """faulthandler's dump of every thread, written by the rank itself on STACK_DUMP_SIGNAL."""

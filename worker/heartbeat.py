@@ -18,7 +18,8 @@ class Heartbeat:
 
     Besides, for people and the supervisor's observers: the last step's `loss`, the smoothed `compute_s` (a step's
     time before it waits for peers), the loop's `total_steps`, the `save_s` spent in checkpoint saves so far and the
-    newest one's `last_save_s`, the batches `skipped` and the `anomalies` this rank saw, by kind."""
+    newest one's `last_save_s`, the batches `skipped` and the `anomalies` this rank saw, by kind, and why its resume
+    is not exact (`inexact`) once it knows."""
 
     def __init__(self, path: Path, *, root: Path, rank: int, attempt: int, interval_s: float) -> None:
         self.path = path
@@ -37,6 +38,7 @@ class Heartbeat:
         self.last_save_s: float | None = None  # the newest save's duration
         self.skipped = 0  # batches this process skipped (the same on every rank: they agree)
         self.anomalies: dict[str, int] = {}  # what this rank itself saw, by kind (non_finite, global_norm_spike, ...)
+        self.inexact: str | None = None  # why this process's resume is not exact, once it knows (worker.verify)
 
     def beat(
         self,
@@ -80,6 +82,7 @@ class Heartbeat:
             "last_save_s": self.last_save_s,
             "skipped": self.skipped,
             "anomalies": self.anomalies,
+            **({"inexact": self.inexact} if self.inexact else {}),
         }
         try:
             # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.

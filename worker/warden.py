@@ -56,6 +56,7 @@ from worker.heartbeat import Heartbeat
 from worker.manifest import ManifestError, remove_sharded
 from worker.orders import StopOrders
 from worker.sharded import derived_rng
+from worker.verify import Trajectory, unregistered_scalers
 
 __all__ = ["Warden"]
 
@@ -63,6 +64,10 @@ DEFAULT_RUN_DIR = "runs/local"
 CLOCK_AGREE_STEPS = 10  # without guard_step, ranks agree on a time-based save this often (a save may come 9 late)
 SAVE_PHASE = "save"
 # restore_rng's parts it could not put back, and the event saying so.
+UNREGISTERED_SCALER = (
+    "an enabled GradScaler is not in extra_state: checkpoints lack its loss scale, so a resume restarts it and is "
+    "not exact; pass Warden(..., extra_state={'scaler': scaler})"
+)
 _RNG_NOT_RESTORED = {"numpy": "numpy_rng_not_restored", "cuda": "cuda_rng_not_restored"}
 
 
@@ -127,6 +132,12 @@ class Warden:
         self._sharded: Any = None  # the ShardedCheckpointer, made at the first sharded save or resume (collectively)
         self._background: tuple[int, CheckpointStore, Path] | None = None  # the sharded save not yet logged as done
         self._resumed = False
+        self._state_checked = False  # for state the checkpoints would lack (worker.verify), at the first save
+        self._trajectory = (
+            Trajectory(self.layout.trajectory(self.rank), root=self.layout.root, steps=self.config.verify_resume)
+            if self.config.verify_resume > 0
+            else None
+        )
         self._saved_at = 0  # step of the newest regular checkpoint this rank holds (0: none)
         self._last_save = time.monotonic()  # the time-based cadence counts from here
         self._stopping = False  # a stop order was carried out and the loop asked about it: the loop ends
@@ -177,6 +188,8 @@ class Warden:
         """
         step = self._load_resume_checkpoint()
         self._resumed, self._resumed_at, self._saved_at = True, step, step
+        if step and self._trajectory is not None and (unverified := self._trajectory.resumed(step)):
+            self.log.info("resume_unverified", step=step, reason=unverified)
         skip_to = int(os.environ.get(ENV_SKIP_TO_BATCH) or 0)
         if self.batches < skip_to:
             self.log.warning("data_window_skipped", from_batch=self.batches, to_batch=skip_to, step=self.step)
@@ -205,6 +218,7 @@ class Warden:
         else:
             for part, reason in restore_rng(state["rng"]).items():
                 self.log.warning(_RNG_NOT_RESTORED[part], step=step, reason=reason)
+                self._heartbeat.inexact = f"{part} RNG state not restored: {reason}"
         self.data_state = state["data_state"]
         self._restore_extra_state(state, step)
         saved_batch = state.get("global_batch_size")
@@ -402,6 +416,7 @@ class Warden:
             self._judge_unguarded()
         applied, guarded_norm, save_due = self._decision or (True, grad_norm, None)
         self._decision = None
+        self._check_exactness(loss)
         self.batches += 1
         self.samples += self.global_batch_size or 0
         self.step = self.step + applied if step is None else step
@@ -428,9 +443,39 @@ class Warden:
             self.save(self.step)
         elif _due(self.step, self.config.snapshot_steps):
             self.snapshot(self.step)
+        if self._trajectory is not None and (saved or _due(self.step, self.config.snapshot_steps)):
+            self._trajectory.saved(self.step)
         self._obey_stop_order(saved)
         self._last_step_end = self._compute_since = time.perf_counter()  # a save is not part of the next step
         return True
+
+    def resume_inexact(self, reason: str, **fields: Any) -> None:
+        """Say that this process's resume is not exact, and why: in its log, and to the supervisor (its heartbeat),
+        which journals it and shows it in `status`."""
+        self.log.warning("resume_inexact", step=self.step, reason=reason, **fields)
+        self._heartbeat.inexact = reason
+
+    def _check_unsaved_state(self) -> None:
+        """At this process's first save (where the time is spent anyway): state the checkpoint would lack."""
+        if not self._state_checked:
+            self._state_checked = True
+            if unregistered_scalers(self.extra_state.values()):
+                self.resume_inexact(UNREGISTERED_SCALER)
+
+    def _check_exactness(self, loss: float | None) -> None:
+        """The replay check's verdict on this batch (worker.verify_resume)."""
+        if self._trajectory is None:
+            return
+        verdict = self._trajectory.batch_done(loss)
+        if verdict is True:
+            self.log.info("resume_verified", step=self._resumed_at, batches=self.config.verify_resume)
+        elif isinstance(verdict, tuple):
+            batch, now, before = verdict
+            self.resume_inexact(
+                f"the resumed run differs from the run before at batch {batch} after step {self._resumed_at}: "
+                f"loss {now!r}, before the resume {before!r}",
+                resumed_from=self._resumed_at,
+            )
 
     def _checkpoint_due(self, agreed: bool | None) -> bool:
         """Every `save_checkpoint_steps` steps; without a step count, once `save_checkpoint_interval_s` passed on
@@ -578,6 +623,7 @@ class Warden:
         if self._framework_save is not None:
             return self._ask_framework(step, store, started)
         self._faults.in_save(step)
+        self._check_unsaved_state()
         if self._sharded_format:
             return self._save_sharded(step, store, started)
         payload = {
@@ -808,6 +854,7 @@ class Warden:
                     name=name,
                     reason="the checkpoint has no state for it (saved before it was registered)",
                 )
+                self._heartbeat.inexact = f"extra_state {name!r} not restored: the checkpoint has no state for it"
         for name in saved.keys() - self.extra_state.keys():
             self.log.warning("extra_state_unused", step=step, name=name, reason="not in this Warden's extra_state")
 

@@ -171,6 +171,7 @@ class HeartbeatSeen:
     skipped: int | None = None  # batches this rank process skipped
     anomalies: tuple[tuple[str, int], ...] | None = None  # what this rank process saw itself: (kind, count)
     age_s: float = 0.0  # how long before the supervisor got it the rank wrote it (a node agent batches its beats)
+    inexact: str | None = None  # why the rank's resume is not exact (worker.verify), once it knows
 
 
 @dataclass(frozen=True)

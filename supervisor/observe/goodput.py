@@ -6,9 +6,14 @@ time between categories, so the categories always add up to `wall_s`:
 
 - `wall_s`: the time supervisors of this run dir have supervised it (from `Started` to the end, all lifetimes
   together), plus the gaps between lifetimes counted below (stopped, or a supervisor's death).
-- `productive_s`: time training steps that were kept: from an attempt's first step progress (a heartbeat of the
-  attempt at a step above any it showed, or above the step it resumed from) to its end (for a clean end: the last
-  rank's exit, its shutdown included), less the other categories.
+- `productive_s`: the steps kept at the ideal step time: (the newest step kept - the step the run started from) x
+  `ideal_step_s`. Every other second is badput, in one of the categories below.
+- `slow_s`: training of kept steps beyond the ideal step time: steps slowed after a relaunch (standbys refilling,
+  cold caches, rebuilt buckets), by other work on the machine, or by a slow rank.
+- `ideal_step_s`: the run's own steady-state step time: the step-weighted mean of its recent step-time samples
+  (training time between two heartbeats that showed progress, over the steps between them, saves taken out) that lie
+  within median + 3 x MAD of them. Until RATE_SAMPLES_MIN samples exist (and no earlier supervisor left one), there
+  is none, and training of kept steps counts as productive whole.
 - `lost_s`: training that was thrown away. When an attempt resumes from step R, the time earlier attempts trained
   past step R (up to their last progress) moves from productive to lost; the time from an attempt's last progress to
   its failure or forced stop (the step in flight) is lost at once. An anomaly rollback (resuming further back) and a
@@ -24,12 +29,14 @@ time between categories, so the categories always add up to `wall_s`:
   before the first step); stopping the hung attempt afterwards is restart time.
 - `stopped_s`: time stopping on request (the core STOPPING to stop, not to relaunch), and the wall-clock gap
   (time.time()) between a supervisor that ended stopped or failed and the next one of this run dir.
-- `ratio`: productive_s / wall_s.
+- `ratio`: productive_s / wall_s: the share of the wall time the kept steps would take at the ideal rate.
 - `shrunk_s` (beside the categories, part of them): time attempts ran with fewer ranks than configured (a Slurm run
   gone on with fewer nodes, `slurm.min_nodes`): productive, but at a fraction of the configured capacity.
 
 A run whose ranks send no heartbeats (no worker library) shows only start-up while running; an attempt of it that
 ends cleanly counts as productive. An attempt that beats but never gets past its resume step trained nothing.
+Training of kept steps is tracked first as a whole (the kept timeline below), and split into productive and slow when
+reported; a successor supervisor carries the whole (productive_s + slow_s) and `ideal_step_s` on.
 Steps are tracked as a kept timeline, (step, productive seconds when it was first seen) points, thinned in the past;
 rolling back to step R interpolates between the points around R. Save time reported after a point was recorded (a
 slower rank's save, a heartbeat seen late) can leave less productive time than the point holds: it came out of the
@@ -40,7 +47,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
 from supervisor.core import Event, HeartbeatSeen, Phase, RanksLaunched, State, Then
@@ -48,26 +56,40 @@ from supervisor.core.model import duration
 from supervisor.observe.progress import JournalRecord
 from worker.contract import EXIT_REQUEUE
 
-__all__ = ["CATEGORIES", "Goodput", "describe"]
+__all__ = ["CATEGORIES", "REPORTED", "Goodput", "describe", "ideal_step_time"]
 
-CATEGORIES = ("productive_s", "lost_s", "restart_s", "save_s", "hang_s", "stopped_s")
+CATEGORIES = ("productive_s", "lost_s", "restart_s", "save_s", "hang_s", "stopped_s")  # tracked; slow_s is split
+REPORTED = ("productive_s", "slow_s", *CATEGORIES[1:])  # the status's, adding up to wall_s
 KEPT_MAX = 4096  # kept-timeline points in memory: the recent ones at full resolution, older ones thinned
 KEPT_SAVED = 32  # of them, in the state file for the next supervisor (a rollback after its death)
 KEPT_RECENT = 16  # of those, the newest: a resume goes back to a recent checkpoint
+RATE_SAMPLES = 2048  # step-time samples kept (the newest): at a heartbeat every 0.5 s, the last 17 minutes
+RATE_SAMPLES_MIN = 8  # fewer: no steady state to speak of yet
 _TAIL = "tail"  # training since the attempt's last progress: kept if the attempt ends well, else lost or a hang
 
 
 class Goodput:
     """Splits wall time into productive, lost, restart, save, hang and stopped time; see the module docstring."""
 
-    def __init__(self, previous: Mapping[str, Any] | None = None, *, wall_now: float = math.nan) -> None:
+    def __init__(
+        self,
+        previous: Mapping[str, Any] | None = None,
+        *,
+        wall_now: float = math.nan,
+        process_started: float | None = None,
+    ) -> None:
         """`previous`: the state file an earlier supervisor of this run dir left (its totals carry over);
-        `wall_now`: time.time() now, for the gap since it was written."""
+        `wall_now`: time.time() now, for the gap since it was written; `process_started`: when this supervisor's
+        process started, on the monotonic clock (its own start-up, before the first event, is start-up time too)."""
         carried, self._kept = _carried(previous or {})  # kept: (step, productive_s when first seen), from step 0
+        self._ideal_carried = _carried_ideal(previous or {}) if carried else None
+        self._origin = _carried_origin(previous or {}) if carried else None  # None: the first launch's resume step
+        self._rates: deque[tuple[float, int]] = deque(maxlen=RATE_SAMPLES)  # (seconds per step, steps)
         self._totals = {name: carried.get(name, 0.0) for name in CATEGORIES}
         gap, category = _gap(previous or {}, wall_now) if carried else (0.0, None)  # no totals: nothing known
         if category is not None:
             self._totals[category] += gap
+        self._process_started = process_started if category is None else None  # else the gap holds it
         self._wall = sum(self._totals.values())
         self._tail = 0.0
         self._last: float | None = None  # monotonic time of the last event seen
@@ -84,6 +106,9 @@ class Goodput:
         self._shrunk = float(carried.get("shrunk_s", 0.0))
 
     def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
+        if self._last is None and self._process_started is not None and now > self._process_started:
+            self._add("restart_s", now - self._process_started)  # Python, imports, the config: a stopwatch's start
+            self._wall += now - self._process_started
         if self._last is not None and self._category is not None and now > self._last:
             self._add(self._category, now - self._last)
             self._wall += now - self._last
@@ -110,20 +135,34 @@ class Goodput:
         totals["productive_s"] += self._tail
         return {"wall_s": self._wall, **totals}
 
+    def ideal_step_s(self) -> float | None:
+        """The run's steady-state step time (see the module docstring); None while unknown."""
+        return ideal_step_time(self._rates) or self._ideal_carried
+
     def status(self) -> dict[str, Any]:
         totals = self.totals()
+        ideal = self.ideal_step_s()
+        kept_s = totals["productive_s"]
+        if ideal is not None:  # kept steps at the ideal rate; the rest of their training was slow
+            steps = max(0, self._kept[-1][0] - (self._origin or 0))
+            totals["productive_s"] = min(kept_s, steps * ideal)
+        totals["slow_s"] = kept_s - totals["productive_s"]
         ratio = totals["productive_s"] / totals["wall_s"] if totals["wall_s"] > 0 else None
         goodput = {name: round(value, 3) for name, value in totals.items()}
         shrunk = {"shrunk_s": round(self._shrunk, 3)} if self._shrunk else {}
+        ideal_block = {} if ideal is None else {"ideal_step_s": round(ideal, 6)}
         return {
-            "goodput": {**goodput, "ratio": None if ratio is None else round(ratio, 4), **shrunk},
+            "goodput": {**goodput, "ratio": None if ratio is None else round(ratio, 4), **ideal_block, **shrunk},
             "goodput_kept": [[step, round(kept, 3)] for step, kept in _saved_points(self._kept)],
+            "goodput_origin_step": self._origin or 0,
         }
 
     # ---- events ----
 
     def _launched(self, event: RanksLaunched, now: float) -> list[JournalRecord]:
         self._attempt, self._launched_at = event.attempt, now
+        if self._origin is None:  # the run's first launch: its steps count from here
+            self._origin = max(0, event.resume_step or 0)
         self._top = max(0, event.resume_step or 0)
         self._progressed, self._heard, self._trained, self._saves = False, False, 0.0, {}
         self._add("productive_s", self._take(_TAIL, self._tail))  # nothing pending normally: a failure resolved it
@@ -158,7 +197,10 @@ class Goodput:
                 self._add("save_s", moved + taken)
         if event.step > self._top:
             if self._progressed:
-                self._add("productive_s", self._take(_TAIL, self._tail))
+                trained = self._take(_TAIL, self._tail)
+                self._add("productive_s", trained)
+                if trained > 0:  # a step-time sample: training since the last progress, saves taken out
+                    self._rates.append((trained / (event.step - self._top), event.step - self._top))
             self._progressed, self._top = True, event.step
             self._kept.append((event.step, self._totals["productive_s"]))
             if len(self._kept) > KEPT_MAX:
@@ -212,6 +254,31 @@ class Goodput:
         if category == "productive_s":
             self._trained = max(0.0, self._trained - taken)
         return taken
+
+
+def ideal_step_time(samples: Iterable[tuple[float, int]]) -> float | None:
+    """The step-weighted mean of the (seconds per step, steps) samples whose seconds per step lie within median +- 3
+    MAD of them all (both weighted by steps): the steady state, without the slow steps after a relaunch or a stall;
+    None for too few."""
+    samples = list(samples)
+    if len(samples) < RATE_SAMPLES_MIN:
+        return None
+    median = _weighted_median(samples)
+    mad = _weighted_median([(abs(rate - median), steps) for rate, steps in samples])
+    steady = [(rate, steps) for rate, steps in samples if abs(rate - median) <= 3 * mad]
+    return sum(rate * steps for rate, steps in steady) / sum(steps for _, steps in steady)
+
+
+def _weighted_median(samples: Iterable[tuple[float, int]]) -> float:
+    """The value below which half the steps lie: slow stretches get fewer steps per second of samples, so the steps,
+    not the samples, say which rate is the usual one."""
+    ordered = sorted(samples)
+    half, seen = sum(steps for _, steps in ordered) / 2, 0
+    for value, steps in ordered:
+        seen += steps
+        if seen >= half:
+            return value
+    return ordered[-1][0]
 
 
 def _category(state: State, progressed: bool) -> str | None:
@@ -268,10 +335,28 @@ def _carried(previous: Mapping[str, Any]) -> tuple[dict[str, float], list[tuple[
     if not isinstance(goodput, Mapping) or not all(_seconds(goodput.get(name)) for name in CATEGORIES):
         return {}, [(0, 0.0)]
     totals = {name: float(goodput[name]) for name in CATEGORIES}
+    if _seconds(goodput.get("slow_s")):  # reported apart; tracked as training of kept steps
+        totals["productive_s"] += float(goodput["slow_s"])
     if _seconds(goodput.get("shrunk_s")):
         totals["shrunk_s"] = float(goodput["shrunk_s"])
     kept = _carried_points(previous.get("goodput_kept"), totals["productive_s"])
     return totals, kept or [(0, totals["productive_s"])]
+
+
+def _carried_ideal(previous: Mapping[str, Any]) -> float | None:
+    """The previous supervisor's ideal step time, while this one has too few samples of its own."""
+    ideal = _mapping(previous.get("goodput")).get("ideal_step_s")
+    return float(ideal) if _seconds(ideal) and ideal > 0 else None
+
+
+def _carried_origin(previous: Mapping[str, Any]) -> int:
+    """The step the run started from (0 where an older version or a damaged file does not say)."""
+    origin = previous.get("goodput_origin_step")
+    return origin if type(origin) is int and 0 <= origin < 2**63 else 0
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 def _carried_points(points: Any, productive: float) -> list[tuple[int, float]] | None:
@@ -319,6 +404,7 @@ def describe(goodput: Any) -> str | None:
     share = f"{100 * ratio:.1f} %" if _seconds(ratio) else "n/a"
     parts = [
         ("productive", "productive_s"),
+        *([("slow steps", "slow_s")] if _seconds(goodput.get("slow_s")) else []),
         ("lost", "lost_s"),
         ("restarts", "restart_s"),
         ("saves", "save_s"),

@@ -27,7 +27,15 @@ __all__ = ["CAUSES", "GOODPUT_CATEGORIES", "PHASES", "MetricsExporter", "Restart
 PHASES = tuple(phase.value for phase in Phase)
 CAUSES = tuple(kind.value for kind in CauseKind)
 UNKNOWN_CAUSE = "unknown"  # restarts whose failure left the status before it was counted (not expected)
-GOODPUT_CATEGORIES = ("productive", "lost", "restart", "save", "hang", "stopped")  # goodput's `<category>_s` keys
+GOODPUT_CATEGORIES = (
+    "productive",
+    "slow",
+    "lost",
+    "restart",
+    "save",
+    "hang",
+    "stopped",
+)  # goodput's `<category>_s` keys
 SHUTDOWN_WAIT_S = 2.0  # the server's thread ends within its 0.5 s poll once shut down
 
 
@@ -182,6 +190,9 @@ def _progress(status: Mapping[str, Any], out: _Families) -> None:
     goodput = _mapping(status.get("goodput"))
     out.gauge("trainwarden_goodput_ratio", "Productive training time over wall time (0 to 1)", goodput.get("ratio"))
     out.gauge("trainwarden_wall_seconds", "Wall time the goodput accounting covers", goodput.get("wall_s"))
+    out.gauge(
+        "trainwarden_ideal_step_seconds", "The run's steady-state step time goodput counts", goodput.get("ideal_step_s")
+    )
     out.labelled(
         "trainwarden_goodput_seconds",
         "Wall time by what it went to (lost work is moved out of productive)",

@@ -109,6 +109,7 @@ class Timeline:
     counts: dict[str, int]  # events of each kind, before clustering
     steps: int  # the highest applied step logged
     state: str | None  # the supervisor's last phase (state.json)
+    goodput: float | None  # the supervisor's goodput ratio (state.json): kept steps at the ideal rate over wall time
     flagged: tuple[int, ...]  # ranks flagged as stragglers (state.json or the journal)
     notes: tuple[str, ...]  # files not read whole, lines skipped
 
@@ -119,6 +120,8 @@ class Timeline:
         parts += [_count(self.counts["skipped"], "skipped step"), _count(self.counts["checkpoint"], "checkpoint")]
         if self.counts["straggler"]:
             parts.append(_count(self.counts["straggler"], "straggler flag"))
+        if self.goodput is not None:
+            parts.append(f"goodput {100 * self.goodput:.1f} %")
         return ", ".join(parts)
 
 
@@ -207,6 +210,7 @@ def _assemble(
         counts={kind: len(raw[kind]) for kind in KINDS},
         steps=lead.steps,
         state=status.get("state") if isinstance(status.get("state"), str) else None,
+        goodput=_ratio(status.get("goodput")),
         flagged=tuple(flagged),
         notes=tuple(notes),
     )
@@ -580,6 +584,14 @@ def render(timeline: Timeline, path: Path, *, title: str = "run", dpi: int = 100
 
 def _save(fig: Any, f: IO[bytes], dpi: int) -> None:
     fig.savefig(f, format="png", dpi=dpi)
+
+
+def _ratio(goodput: Any) -> float | None:
+    """The goodput block's ratio, if it is one (state.json is untrusted)."""
+    ratio = goodput.get("ratio") if isinstance(goodput, dict) else None
+    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 <= ratio <= 1:
+        return float(ratio)
+    return None
 
 
 def _title(timeline: Timeline, name: str) -> str:

@@ -81,7 +81,8 @@ class Progress:
 
 
 class Counts:
-    """Skipped batches and anomalies by kind over every attempt this supervisor ran, and the newest save's duration.
+    """Skipped batches and anomalies by kind over every attempt this supervisor ran, the newest save's duration, and
+    the ranks of this attempt that said their resume is not exact (journalled once per rank and reason).
 
     A rank process counts from zero, so each attempt is kept apart: skips are agreed, the same on every rank (the
     attempt's largest count is taken); anomalies are each rank's own sightings (summed over ranks).
@@ -93,19 +94,24 @@ class Counts:
         self._skipped: dict[int, int] = {}  # attempt -> batches skipped
         self._anomalies: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}  # (attempt, rank) -> counts
         self._last_save: dict[int, float] = {}  # rank -> its newest save's duration, this attempt
+        self._inexact: dict[int, str] = {}  # rank -> why its resume is not exact, this attempt
         self._attempt = 0
 
     def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
         if not isinstance(event, HeartbeatSeen) or event.attempt != state.attempt:
             return []
         if event.attempt != self._attempt:
-            self._attempt, self._last_save = event.attempt, {}
+            self._attempt, self._last_save, self._inexact = event.attempt, {}, {}
         if event.skipped is not None:
             self._skipped[event.attempt] = max(self._skipped.get(event.attempt, 0), event.skipped)
         if event.anomalies is not None:
             self._anomalies[event.attempt, event.rank] = event.anomalies
         if event.last_save_s is not None:
             self._last_save[event.rank] = event.last_save_s
+        if event.inexact is not None and self._inexact.get(event.rank) != event.inexact:
+            self._inexact[event.rank] = event.inexact
+            fields = {"attempt": event.attempt, "rank": event.rank, "reason": event.inexact}
+            return [("warning", "resume_inexact", fields)]
         return []
 
     def status(self) -> dict[str, Any]:
@@ -117,6 +123,7 @@ class Counts:
             "skipped_steps": self._carried_skipped + sum(self._skipped.values()),
             "anomalies": dict(sorted(kinds.items())),
             "last_save_s": max(self._last_save.values(), default=None),
+            "resume_inexact": [{"rank": rank, "reason": why} for rank, why in sorted(self._inexact.items())],
         }
 
 

@@ -214,6 +214,15 @@ def _supervisor(layout: RunLayout, status: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _inexact_lines(inexact: Any) -> list[str]:
+    """'resume not exact: rank 0: <why>', the first rank's words and how many more ranks said so."""
+    if not isinstance(inexact, list) or not inexact or not isinstance(inexact[0], dict):
+        return []
+    first = inexact[0]
+    more = f" (and {len(inexact) - 1} more ranks)" if len(inexact) > 1 else ""
+    return [f"  resume not exact: rank {first.get('rank')}: {first.get('reason')}{more}"]
+
+
 def render(status: dict[str, Any]) -> str:
     """A short human summary of a status dict."""
     lines = [
@@ -230,6 +239,7 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  passed over step {skipped['step']}: {skipped['reason']}")
     if goodput := describe_goodput(status.get("goodput")):  # None for a missing or tampered block
         lines.append(f"  {goodput}")
+    lines += _inexact_lines(status.get("resume_inexact"))
     lines += _heartbeat_lines(status)
     lines += _node_lines(status)
     lines += _rank_lines(status["ranks"], status.get("rank_compute_s"))

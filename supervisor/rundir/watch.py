@@ -191,6 +191,7 @@ class StopFileWatcher(_Watcher):
 MAX_HEARTBEAT_BYTES = 4096  # a record is about 150 bytes
 MAX_AGE_S = 5.0  # a beat read is dated at most this far back (it is read within a second of its writing)
 MAX_PHASE_CHARS = 64
+MAX_TEXT_CHARS = 400  # a reason a rank gives (`inexact`): a sentence, not a log
 MAX_PROGRESS = 2**53  # any number a heartbeat reports: beyond it, it is garbage
 MAX_ANOMALY_KINDS = 16  # the worker knows six
 
@@ -294,7 +295,15 @@ def progress_fields(record: dict[str, Any]) -> dict[str, Any]:
         "last_save_s": _nonnegative_or_none(record.get("last_save_s")),
         "skipped": record.get("skipped") if _is_count(record.get("skipped")) else None,
         "anomalies": _anomaly_counts(record.get("anomalies")),
+        "inexact": _text_or_none(record.get("inexact")),
     }
+
+
+def _text_or_none(value: object) -> str | None:
+    """One printable line of at most MAX_TEXT_CHARS (a rank's words, shown to people as they are)."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_TEXT_CHARS and value.isprintable():
+        return value
+    return None
 
 
 def _anomaly_counts(value: object) -> tuple[tuple[str, int], ...] | None:

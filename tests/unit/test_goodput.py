@@ -28,7 +28,7 @@ from supervisor.core import (
 )
 from supervisor.core.hangs import HangPolicy
 from supervisor.core.model import duration
-from supervisor.observe.goodput import CATEGORIES, KEPT_MAX, KEPT_SAVED, Goodput, describe
+from supervisor.observe.goodput import CATEGORIES, KEPT_MAX, KEPT_SAVED, REPORTED, Goodput, describe, ideal_step_time
 from supervisor.observe.progress import JournalRecord
 from supervisor.observe.status import read_status, render, snapshot, write_status
 from worker.contract import RunLayout
@@ -509,9 +509,8 @@ def test_status_render_shows_the_goodput_line_and_skips_a_tampered_one():
     run.exit(7, 0, 0)
     run.exit(7, 1, 0)
     status = {"state": "finished", "attempt": 0, "restarts": 0, "ranks": [], **run.goodput.status()}
-    assert "\n  goodput 28.6 % (productive 2s, lost 0s, restarts 5s, saves 0s, hangs 0s, stopped 0s)\n" in (
-        render(status) + "\n"
-    )
+    line = "goodput 28.6 % (productive 2s, slow steps 0s, lost 0s, restarts 5s, saves 0s, hangs 0s, stopped 0s)"
+    assert f"\n  {line}\n" in render(status) + "\n"
     for bad in ({"wall_s": "lots"}, [], None, {**status["goodput"], "ratio": math.nan}):
         text = render({**status, "goodput": bad})
         assert ("goodput n/a" in text) if isinstance(bad, dict) and "ratio" in bad else ("goodput" not in text)
@@ -569,3 +568,80 @@ def test_time_on_fewer_ranks_than_configured_is_counted_apart_and_carried_over()
     assert describe(status).endswith("; 24s of it on fewer ranks")
     assert Goodput({"goodput": status, "state": "finished"}).status()["goodput"]["shrunk_s"] == pytest.approx(24.0)
     assert "shrunk_s" not in Goodput().status()["goodput"]
+
+
+# ---- productive time at the ideal step rate ----
+
+
+def steady_then_slow(run: Run, *, start_step: int = 0) -> None:
+    """From step start_step+1 at 5 s: 20 s at 0.1 s a step (10 steps a beat), then 5 s at 0.2 s a step, done at 30 s."""
+    run.beat(5, start_step + 1)
+    for k in range(1, 21):
+        run.beat(5 + k, start_step + 1 + 10 * k)
+    for k in range(1, 6):
+        run.beat(25 + k, start_step + 201 + 5 * k)
+    run.exit(30, 0, 0)
+    run.exit(30, 1, 0)
+
+
+def test_steps_slower_than_the_steady_state_are_slow_time_not_productive():
+    """The ideal step time is the steady state (0.1 s); the kept steps at that rate are productive, the rest of their
+    training is `slow_s`, and the parts still add up to the wall time."""
+    run = Run()
+    run.start()
+    steady_then_slow(run)
+    status = run.goodput.status()["goodput"]
+    assert status["ideal_step_s"] == pytest.approx(0.1)
+    assert status["productive_s"] == pytest.approx(226 * 0.1)
+    assert status["slow_s"] == pytest.approx(25 - 22.6)
+    assert status["ratio"] == round(22.6 / 30, 4)
+    assert sum(status[name] for name in REPORTED) == pytest.approx(status["wall_s"])
+    assert "productive 23s, slow steps 2s" in describe(status)
+
+
+def test_steps_count_from_where_the_run_started():
+    """A run whose first attempt resumes from step 1000 (a checkpoint it was given) trained only the steps after it."""
+    run = Run()
+    run.start(resume_step=1000)
+    steady_then_slow(run, start_step=1000)
+    assert run.goodput.status()["goodput"]["productive_s"] == pytest.approx(226 * 0.1)
+
+
+def test_without_a_steady_state_the_kept_training_is_productive_whole():
+    """Fewer than 8 step-time samples: no ideal step time, no slow time."""
+    run = Run()
+    run.start()
+    run.beat(5, 1)
+    run.beat(55, 50)
+    run.exit(56, 0, 0)
+    run.exit(56, 1, 0)
+    status = run.goodput.status()["goodput"]
+    assert "ideal_step_s" not in status
+    assert (status["productive_s"], status["slow_s"]) == (51.0, 0.0)
+
+
+def test_a_successor_carries_the_kept_training_whole_and_the_ideal_step_time():
+    """The next supervisor of the run dir adds productive and slow back together, and reports with the previous
+    ideal step time until it has samples of its own."""
+    run = Run()
+    run.start()
+    steady_then_slow(run)
+    previous = {"state": "finished", "updated_at": 100.0, **run.goodput.status()}
+    successor = Goodput(previous, wall_now=100.0)
+    assert successor.totals()["productive_s"] == pytest.approx(25)
+    assert successor.ideal_step_s() == pytest.approx(0.1)
+    assert successor.status()["goodput"]["productive_s"] == pytest.approx(22.6)
+
+
+@pytest.mark.parametrize(
+    ("samples", "ideal"),
+    [
+        ([(0.1, 10)] * 7, None),  # too few
+        ([(0.1, 10)] * 20 + [(0.5, 5)] * 3, 0.1),  # slow outliers out
+        ([(0.1, 10)] * 10 + [(0.12, 10)] * 10 + [(0.0001, 1)], 0.11),  # a fast outlier out too
+        ([(0.10, 10), (0.11, 10), (0.12, 10), (0.13, 10)] * 2, 0.115),  # no outlier: all of them
+        ([(0.05, 10)] * 10 + [(0.08, 6)] * 12, 0.05),  # more samples slow, more steps fast: the steps decide
+    ],
+)
+def test_ideal_step_time_is_the_step_weighted_mean_within_three_mads_of_the_median(samples, ideal):
+    assert ideal_step_time(samples) == (None if ideal is None else pytest.approx(ideal))

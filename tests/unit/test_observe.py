@@ -45,13 +45,14 @@ def test_counts_take_agreed_skips_once_and_each_ranks_own_anomalies():
         "skipped_steps": 3,
         "anomalies": {"amp_overflow": 1, "global_norm_spike": 1, "non_finite": 2},
         "last_save_s": 0.25,
+        "resume_inexact": [],
     }  # the relaunch's own newest save
 
 
 def test_counts_without_worker_library_fields_are_zero():
     counts = Counts()
     counts.observe(beat(0, 3), STATE, 1.0)
-    assert counts.status() == {"skipped_steps": 0, "anomalies": {}, "last_save_s": None}
+    assert counts.status() == {"skipped_steps": 0, "anomalies": {}, "last_save_s": None, "resume_inexact": []}
 
 
 def test_counts_go_on_from_a_previous_supervisors_totals_and_ignore_a_tampered_file():
@@ -63,13 +64,19 @@ def test_counts_go_on_from_a_previous_supervisors_totals_and_ignore_a_tampered_f
         "skipped_steps": 5,
         "anomalies": {"global_norm_spike": 1, "non_finite": 3},
         "last_save_s": None,
+        "resume_inexact": [],
     }
     for garbage in (
         {"skipped_steps": -1, "anomalies": {"x": "many"}},
         {"skipped_steps": 1e999, "anomalies": []},
         {"skipped_steps": True, "anomalies": {"\x1b[2J": 1}},
     ):
-        assert Counts(garbage).status() == {"skipped_steps": 0, "anomalies": {}, "last_save_s": None}
+        assert Counts(garbage).status() == {
+            "skipped_steps": 0,
+            "anomalies": {},
+            "last_save_s": None,
+            "resume_inexact": [],
+        }
 
 
 def test_start_up_beats_of_a_relaunch_are_not_progress():
@@ -88,3 +95,13 @@ def test_a_relaunch_shows_the_step_it_resumes_from():
     assert progress.status()["progress"]["step"] == 275
     progress.observe(beat(0, 276, attempt=1), relaunched, 4.0)
     assert progress.status()["progress"]["step"] == 276
+
+
+def test_a_rank_that_says_its_resume_is_not_exact_is_journalled_once_and_shown_until_the_next_attempt():
+    counts, relaunched = Counts(), replace(STATE, attempt=1)
+    said = counts.observe(beat(1, 5, inexact="numpy RNG state not restored"), STATE, 1.0)
+    assert said == [("warning", "resume_inexact", {"attempt": 0, "rank": 1, "reason": "numpy RNG state not restored"})]
+    assert counts.observe(beat(1, 6, inexact="numpy RNG state not restored"), STATE, 1.5) == []  # said once
+    assert counts.status()["resume_inexact"] == [{"rank": 1, "reason": "numpy RNG state not restored"}]
+    counts.observe(beat(1, 9, attempt=1), relaunched, 2.0)
+    assert counts.status()["resume_inexact"] == []

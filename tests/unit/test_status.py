@@ -181,6 +181,16 @@ def test_render_with_heartbeats_and_failure():
     ]
 
 
+def test_render_says_which_rank_resumed_inexactly_and_why():
+    """The first rank's words, and how many more said so; a tampered list shows nothing."""
+    base = {**snapshot(running(), now=NOW, extra={"run_dir": "runs/x", "last_checkpoint": {"step": 25}})}
+    said = [{"rank": 0, "reason": "numpy RNG state not restored: no numpy"}, {"rank": 1, "reason": "the same"}]
+    lines = render({**base, "resume_inexact": said}).splitlines()
+    assert "  resume not exact: rank 0: numpy RNG state not restored: no numpy (and 1 more ranks)" in lines
+    for tampered in ([], ["x"], "rank 0", None):
+        assert "resume not exact" not in render({**base, "resume_inexact": tampered})
+
+
 def crash_looping() -> State:
     """Two attempts of a 1-rank run that raised ValueError at step 40 after resuming from 25; the second is failing."""
     boom = Cause(CauseKind.EXCEPTION, "ValueError: boom (train.py:12 in step)", "ValueError (train.py:12 in step)")

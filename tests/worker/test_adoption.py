@@ -3,6 +3,7 @@ spike history across a resume, GradScaler and other extra state, prefetching, cl
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import asdict
@@ -17,6 +18,7 @@ from worker.anomaly import MonitorConfig
 from worker.contract import ENV_RESUME_STEP, RunLayout, StopOrder, WorkerConfig
 from worker.feature_rule import FeatureValueConfig
 from worker.files import atomic_write_json
+from worker.warden import UNREGISTERED_SCALER
 
 
 def saved_steps(tmp_path: Path) -> list[int]:
@@ -146,6 +148,7 @@ class AmpLoop:
         init_scale: float = 2.0**16,
         faults: str = "",
         config: WorkerConfig | None = None,
+        registered: bool = True,
     ) -> None:
         torch.manual_seed(0)
         self.dtype = dtype
@@ -156,7 +159,7 @@ class AmpLoop:
             model=lambda: torch.nn.Sequential(
                 torch.nn.Linear(4, 16), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 2)
             ),
-            extra_state={"scaler": self.scaler},
+            extra_state={"scaler": self.scaler} if registered else None,
         )
 
     def train(self, steps: int) -> None:
@@ -258,16 +261,41 @@ def prefetching_loop(run: Any, steps: int, *, by_index: bool) -> None:
 
 @pytest.mark.parametrize("by_index", [True, False], ids=["by-index", "global-rng"])
 def test_prefetch_by_index_resumes_exactly_and_from_the_global_rng_does_not(loop, tmp_path, monkeypatch, by_index):
-    whole = loop(config=WorkerConfig(save_checkpoint_steps=4))
+    """Also the replay check's verdict (worker.verify_resume): the losses of the two batches after step 4, kept
+    by the run that saved it, are repeated by the resumed run, or the first that differs is named."""
+    config = WorkerConfig(save_checkpoint_steps=4, verify_resume=2)
+    whole = loop(config=config)
     prefetching_loop(whole, 8, by_index=by_index)
-    monkeypatch.setenv("TRAINWARDEN_RUN_DIR", str(tmp_path / "second"))
-    prefetching_loop(loop(config=WorkerConfig(save_checkpoint_steps=4)), 6, by_index=by_index)
+    second = tmp_path / "second"
+    monkeypatch.setenv("TRAINWARDEN_RUN_DIR", str(second))
+    prefetching_loop(loop(config=config), 6, by_index=by_index)
     monkeypatch.setenv(ENV_RESUME_STEP, "4")
-    again = loop(config=WorkerConfig(save_checkpoint_steps=4))
+    again = loop(config=config)
     prefetching_loop(again, 8, by_index=by_index)
     pairs = zip(whole.model.parameters(), again.model.parameters(), strict=True)
     same = all(torch.equal(a, b) for a, b in pairs)
     assert same == by_index  # the manual's rule, shown both ways
+    if by_index:
+        assert [(e["step"], e["batches"]) for e in events(second, "resume_verified")] == [(4, 2)]
+        assert events(second, "resume_inexact") == []
+    else:
+        (inexact,) = events(second, "resume_inexact")
+        assert inexact["reason"].startswith("the resumed run differs from the run before at batch 1 after step 4")
+        assert json.loads(RunLayout(second).heartbeat(0).read_text())["inexact"] == inexact["reason"]
+
+
+def test_an_unregistered_grad_scaler_is_said_at_the_first_save_and_a_registered_one_is_not(loop, tmp_path, monkeypatch):
+    """A GradScaler in use but not in extra_state: `resume_inexact` at the first save, in the log and the heartbeat (the
+    supervisor journals it and `status` shows it); registered, nothing is said."""
+    gc.collect()  # a scaler of an earlier test, unreachable but not yet collected, must not count
+    AmpLoop(loop, torch.float16).train(2)
+    assert events(tmp_path, "resume_inexact") == []
+    monkeypatch.setenv("TRAINWARDEN_RUN_DIR", str(tmp_path / "unregistered"))
+    AmpLoop(loop, torch.float16, registered=False).train(2)
+    (inexact,) = events(tmp_path / "unregistered", "resume_inexact")
+    assert (inexact["step"], inexact["reason"]) == (2, UNREGISTERED_SCALER)  # at the final save
+    heartbeat = RunLayout(tmp_path / "unregistered").heartbeat(0)
+    assert json.loads(heartbeat.read_text())["inexact"] == UNREGISTERED_SCALER
 
 
 def test_a_stop_ends_a_loop_that_asks_and_the_code_after_it_runs(loop, tmp_path):

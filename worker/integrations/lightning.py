@@ -85,7 +85,7 @@ class TrainwardenCallback(Callback):
         self.warden.framework_resumed(trainer.global_step, trainer.ckpt_path)
         self.warden.expect_steps(trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None)
         if trainer.ckpt_path and _mid_epoch(trainer):
-            self.warden.log.warning("resume_inexact", step=trainer.global_step, reason=MID_EPOCH)
+            self.warden.resume_inexact(MID_EPOCH)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.warden is not None:
