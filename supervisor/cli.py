@@ -328,13 +328,20 @@ def _say_outcome(state: State, layout: RunLayout) -> None:
 
 
 def _say_goodput(layout: RunLayout) -> None:
-    """Where the run's time went (all supervisors of the run dir together), from the state file written last."""
+    """Where the run's time went (all supervisors of the run dir together), from the state file written last; and
+    whether the last attempt's resume was not exact."""
     try:
-        line = describe_goodput(read_status(layout).get("goodput"))
+        status = read_status(layout)
     except StatusError:
         return
-    if line:
+    if line := describe_goodput(status.get("goodput")):
         print(f"trainwarden: {line}", file=sys.stderr)
+    inexact = status.get("resume_inexact")
+    if isinstance(inexact, list) and inexact:
+        print(
+            f"trainwarden: resume not exact, {len(inexact)} reason(s): trainwarden status {layout.root}",
+            file=sys.stderr,
+        )
 
 
 def _unusable(layout: RunLayout, exc: OSError | ValueError) -> int:

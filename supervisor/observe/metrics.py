@@ -248,6 +248,12 @@ def _anomalies(status: Mapping[str, Any], out: _Families) -> None:
         "kind",
         _mapping(status.get("anomalies")),
     )
+    inexact = status.get("resume_inexact")
+    out.gauge(
+        "trainwarden_resume_inexact_reasons",
+        "Reasons the ranks of this attempt gave why their resume is not exact (trainwarden status says them)",
+        len(inexact) if isinstance(inexact, list) else None,
+    )
 
 
 def _checkpoint(status: Mapping[str, Any], now: float, out: _Families) -> None:

@@ -16,6 +16,7 @@ from supervisor.rundir.watch import progress_fields
 __all__ = ["Counts", "JournalRecord", "Observer", "Progress"]
 
 JournalRecord = tuple[str, str, dict[str, Any]]  # (level, event name, fields)
+MAX_REASONS = 8  # distinct reasons for an inexact resume kept per attempt (each rank's are journalled anyway)
 RATE_WINDOW_S = 30.0  # steps per second over about this long: smooth, yet quick to follow a slowdown
 
 
@@ -94,22 +95,28 @@ class Counts:
         self._skipped: dict[int, int] = {}  # attempt -> batches skipped
         self._anomalies: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}  # (attempt, rank) -> counts
         self._last_save: dict[int, float] = {}  # rank -> its newest save's duration, this attempt
-        self._inexact: dict[int, str] = {}  # rank -> why its resume is not exact, this attempt
+        self._inexact: dict[str, list[int]] = {}  # why a resume is not exact -> the ranks that said so, this attempt
+        self._said: dict[int, str] = {}  # rank -> the newest reason it gave
         self._attempt = 0
 
     def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
         if not isinstance(event, HeartbeatSeen) or event.attempt != state.attempt:
             return []
         if event.attempt != self._attempt:
-            self._attempt, self._last_save, self._inexact = event.attempt, {}, {}
+            self._attempt, self._last_save, self._inexact, self._said = event.attempt, {}, {}, {}
         if event.skipped is not None:
             self._skipped[event.attempt] = max(self._skipped.get(event.attempt, 0), event.skipped)
         if event.anomalies is not None:
             self._anomalies[event.attempt, event.rank] = event.anomalies
         if event.last_save_s is not None:
             self._last_save[event.rank] = event.last_save_s
-        if event.inexact is not None and self._inexact.get(event.rank) != event.inexact:
-            self._inexact[event.rank] = event.inexact
+        if event.inexact is not None and self._said.get(event.rank) != event.inexact:
+            self._said[event.rank] = event.inexact
+            ranks = self._inexact.get(event.inexact)
+            if ranks is None and len(self._inexact) < MAX_REASONS:
+                ranks = self._inexact[event.inexact] = []
+            if ranks is not None and event.rank not in ranks:
+                ranks.append(event.rank)
             fields = {"attempt": event.attempt, "rank": event.rank, "reason": event.inexact}
             return [("warning", "resume_inexact", fields)]
         return []
@@ -123,7 +130,7 @@ class Counts:
             "skipped_steps": self._carried_skipped + sum(self._skipped.values()),
             "anomalies": dict(sorted(kinds.items())),
             "last_save_s": max(self._last_save.values(), default=None),
-            "resume_inexact": [{"rank": rank, "reason": why} for rank, why in sorted(self._inexact.items())],
+            "resume_inexact": [{"reason": why, "ranks": sorted(ranks)} for why, ranks in self._inexact.items()],
         }
 
 

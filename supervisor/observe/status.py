@@ -214,13 +214,23 @@ def _supervisor(layout: RunLayout, status: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _sane_reason(said: Any) -> bool:
+    """A reason as the supervisor wrote it: one printable line (the state file may have been tampered with)."""
+    reason = said.get("reason") if isinstance(said, dict) else None
+    return isinstance(reason, str) and reason.isprintable() and len(reason) <= 400
+
+
 def _inexact_lines(inexact: Any) -> list[str]:
-    """'resume not exact: rank 0: <why>', the first rank's words and how many more ranks said so."""
-    if not isinstance(inexact, list) or not inexact or not isinstance(inexact[0], dict):
-        return []
-    first = inexact[0]
-    more = f" (and {len(inexact) - 1} more ranks)" if len(inexact) > 1 else ""
-    return [f"  resume not exact: rank {first.get('rank')}: {first.get('reason')}{more}"]
+    """'resume not exact (ranks 0, 1): <why>', a line for each reason the ranks of this attempt gave."""
+    said = [i for i in inexact if _sane_reason(i)] if isinstance(inexact, list) else []
+    lines = []
+    for each in said[:SHOWN_IN_SUMMARY]:
+        ranks = [r for r in each["ranks"] if type(r) is int][:8] if isinstance(each.get("ranks"), list) else []
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks)) if ranks else "a rank"
+        lines.append(f"  resume not exact ({who}): {each['reason']}")
+    if len(said) > SHOWN_IN_SUMMARY:
+        lines.append(f"  ... and {len(said) - SHOWN_IN_SUMMARY} more reasons (status --json lists them)")
+    return lines
 
 
 def render(status: dict[str, Any]) -> str:

@@ -34,8 +34,9 @@ TRAINER = textwrap.dedent("""
     while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:
         step += 1
         beat.beat(step, "train", loss=1.0 / step)
-        if step == 5:  # what a rank that skipped a NaN step and saved in 0.25 s reports
+        if step == 5:  # what a rank that skipped a NaN step, saved in 0.25 s and lacks a GradScaler's state reports
             beat.skipped, beat.anomalies, beat.last_save_s = 1, {"non_finite": 1}, 0.25
+            beat.inexact = "an enabled GradScaler is not in extra_state"
             store, data = layout.checkpoints, b"weights"
             store.rank_dir(rank).mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(store.file(rank, 5, "ckpt"), data, root=layout.root)
@@ -135,6 +136,10 @@ def test_metrics_are_scraped_while_the_run_trains_and_written_to_a_textfile(tmp_
     assert final[("trainwarden_skipped_steps_total", ())] == 1  # agreed by both ranks: counted once
     assert final[("trainwarden_anomalies_total", (("kind", "non_finite"),))] == 2  # each rank's own sighting
     assert final[("trainwarden_last_save_duration_seconds", ())] == 0.25
+    assert final[("trainwarden_resume_inexact_reasons", ())] == 1  # said by both ranks, journalled by each
+    said = [(e["rank"], e["reason"]) for e in journal(run_dir) if e["event"] == "resume_inexact"]
+    assert sorted(said) == [(r, "an enabled GradScaler is not in extra_state") for r in (0, 1)]
+    assert f"trainwarden: resume not exact, 1 reason(s): trainwarden status {run_dir}" in finished.stderr
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass  # the endpoint is gone with the supervisor
     assert sorted(p.name for p in textfile.parent.iterdir()) == ["trainwarden.prom"]  # no temporary left behind

@@ -97,11 +97,16 @@ def test_a_relaunch_shows_the_step_it_resumes_from():
     assert progress.status()["progress"]["step"] == 276
 
 
-def test_a_rank_that_says_its_resume_is_not_exact_is_journalled_once_and_shown_until_the_next_attempt():
+def test_ranks_that_say_their_resume_is_not_exact_are_journalled_once_and_shown_by_reason_until_the_next_attempt():
     counts, relaunched = Counts(), replace(STATE, attempt=1)
     said = counts.observe(beat(1, 5, inexact="numpy RNG state not restored"), STATE, 1.0)
     assert said == [("warning", "resume_inexact", {"attempt": 0, "rank": 1, "reason": "numpy RNG state not restored"})]
     assert counts.observe(beat(1, 6, inexact="numpy RNG state not restored"), STATE, 1.5) == []  # said once
-    assert counts.status()["resume_inexact"] == [{"rank": 1, "reason": "numpy RNG state not restored"}]
+    counts.observe(beat(0, 6, inexact="numpy RNG state not restored"), STATE, 1.5)
+    counts.observe(beat(0, 7, inexact="the resumed run differs"), STATE, 2.0)
+    assert counts.status()["resume_inexact"] == [
+        {"reason": "numpy RNG state not restored", "ranks": [0, 1]},
+        {"reason": "the resumed run differs", "ranks": [0]},
+    ]
     counts.observe(beat(1, 9, attempt=1), relaunched, 2.0)
     assert counts.status()["resume_inexact"] == []

@@ -181,13 +181,14 @@ def test_render_with_heartbeats_and_failure():
     ]
 
 
-def test_render_says_which_rank_resumed_inexactly_and_why():
-    """The first rank's words, and how many more said so; a tampered list shows nothing."""
+def test_render_says_which_ranks_resumed_inexactly_and_why():
+    """A line for each reason, with the ranks that gave it; a tampered list shows nothing."""
     base = {**snapshot(running(), now=NOW, extra={"run_dir": "runs/x", "last_checkpoint": {"step": 25}})}
-    said = [{"rank": 0, "reason": "numpy RNG state not restored: no numpy"}, {"rank": 1, "reason": "the same"}]
+    said = [{"reason": "numpy RNG state not restored: no numpy", "ranks": [0, 1]}, {"reason": "differs", "ranks": [1]}]
     lines = render({**base, "resume_inexact": said}).splitlines()
-    assert "  resume not exact: rank 0: numpy RNG state not restored: no numpy (and 1 more ranks)" in lines
-    for tampered in ([], ["x"], "rank 0", None):
+    assert "  resume not exact (ranks 0, 1): numpy RNG state not restored: no numpy" in lines
+    assert "  resume not exact (rank 1): differs" in lines
+    for tampered in ([], ["x"], "rank 0", None, [{"reason": "\x1b[2J", "ranks": [0]}], [{"reason": 3}]):
         assert "resume not exact" not in render({**base, "resume_inexact": tampered})
 
 
