@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -250,6 +251,10 @@ def _supervise(
             return _unusable(layout, exc)
         if console is not None:
             supervisor.status_listeners.append(console.status)
+        # A Ctrl-C or SIGTERM after the run ended (a second press while the last words are written) is not the run's:
+        # run() puts these dispositions back when it returns, so the process still exits with the run's code.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         if supervisor.run() is not None:
             return supervisor
         if not _multi_node(config):  # on one machine nobody hands over: another host took the run dir meanwhile
