@@ -182,7 +182,8 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
     slurm.partition("twnode2")
     slurm.wait_for(lambda: events(run_dir, "node_lost"), NODE_TIMEOUT_S + 5, "twnode2 declared lost")
     (lost,) = events(run_dir, "node_lost")
-    assert lost["node"] == "twnode2" and NODE_TIMEOUT_S - 1 < journal_time(lost) - cut_at < NODE_TIMEOUT_S + 1
+    # Its agent's last word came up to one message interval and a poll (1.2 s) before the cut, more on a loaded host.
+    assert lost["node"] == "twnode2" and NODE_TIMEOUT_S - 2 < journal_time(lost) - cut_at < NODE_TIMEOUT_S + 1
     # Cut off, its agent heard no ping for half the node timeout and killed its ranks: no split job.
     assert not rank_pids(slurm, "twnode2", attempt=0)
     slurm.heal("twnode2")
