@@ -3,8 +3,7 @@
 - State the loop uses but the checkpoint does not hold: an enabled GradScaler that is not in `extra_state` (its
   loss scale, grown over thousands of steps, would restart at its initial value: other steps overflow and are
   skipped, and the run drifts from the one it resumes). Found at a process's first save by walking the garbage
-  collector's objects (30 ms with a small model and torch loaded; once per process), only when torch's GradScaler
-  module is loaded at all.
+  collector's objects (30 ms with a small model and torch loaded; once per process).
 - `worker.verify_resume: N`, a replay check for test runs: after each save of step S, the losses of the next N
   batches are kept in the rank's `trajectory.json`; a run resumed from S compares its first N losses with them,
   bit for bit. One float per batch for N batches after a save, and one small file write when they are in: nothing
@@ -33,7 +32,7 @@ _GRAD_SCALER_MODULE = "torch.amp.grad_scaler"
 def unregistered_scalers(registered: Iterable[Any]) -> int:
     """How many enabled GradScalers this process holds that are not among `registered` (extra_state's objects)."""
     module = sys.modules.get(_GRAD_SCALER_MODULE)
-    if module is None:  # no GradScaler was ever made in this process
+    if module is None:  # torch is not loaded here at all (import torch loads it)
         return 0
     known = {id(obj) for obj in registered}
 
