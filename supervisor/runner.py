@@ -171,7 +171,7 @@ class Supervisor:
         self._systemd = ServiceReporter(Notifier.from_environ(log=self.log))  # a no-op outside systemd
         # Bookkeeping beside the core: it never decides anything.
         self._observers: list[Observer] = [Progress(), Counts(previous)]  # counts carried over
-        started = time.monotonic() - max(0.0, time.time() - psutil.Process().create_time())  # this process's start
+        started = time.monotonic() - _process_age()  # a stopwatch starts with the command
         self._observers.append(Goodput(previous, wall_now=time.time(), process_started=started))  # carried over
         self._observers.append(Stragglers(config.stragglers))
         self.status_listeners: list[Callable[[dict[str, Any]], None]] = []  # shown each status, once it is written
@@ -747,3 +747,14 @@ def _stop_file_signature(path: Path) -> tuple[tuple[int, ...], bytes | OSError, 
         os.close(fd)
     signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size, zlib.crc32(data))
     return signature, data, time.time() - stat.st_mtime
+
+
+def _process_age() -> float:
+    """Seconds since this process started. psutil's create_time adds the boot time, which the kernel gives in whole
+    seconds: up to a second too old. Both the start and the boot clock count from boot, exact to a clock tick."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, with pid and name cut off
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc (not Linux): psutil's estimate
+        return max(0.0, time.time() - psutil.Process().create_time())

@@ -100,6 +100,7 @@ class HeartbeatWatcher:
         self._name = os.fsencode(layout.heartbeat(0).name)  # the rank folders hold other files too
         self._fd = _inotify_init()
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # `stop` writes here: the reader leaves its poll at once
         for rank in range(nproc):
             ensure_dir(layout.root, layout.rank_dir(rank))
             if self._fd is not None:
@@ -114,11 +115,14 @@ class HeartbeatWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._wake_r, self._wake_w):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._fd, self._wake_r, self._wake_w = None, -1, -1
 
     def take(self) -> set[int]:
         with self._lock:
@@ -129,10 +133,11 @@ class HeartbeatWatcher:
         assert self._fd is not None
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(500):  # ms: wake now and then to notice `stop`
-                continue
-            self._stop.wait(self.BATCH_S)
+            poller.poll()
+            if self._stop.wait(self.BATCH_S):
+                return
             try:
                 data = os.read(self._fd, 65536)
             except BlockingIOError:

@@ -35,10 +35,13 @@ def test_goodput_of_a_run_with_one_kill(tmp_path: Path):
     config = write_config(tmp_path / "job.yaml", steps=40, env={"TRAINWARDEN_FAULTS": "1:sigkill@28"})
     launched = time.time()  # the stopwatch starts with the command: the supervisor's own start-up counts
     done = run_supervisor(config, run_dir, timeout=120)
+    ended = time.time()
     assert done.returncode == 0, done.stderr[-3000:]
     status = done.status()
     assert (status["state"], status["restarts"], status["resumed_from"]) == ("finished", 1, {"step": 20})
     goodput = status["goodput"]
+    # Not a moment from before the command (the boot time psutil adds is whole seconds); a clock tick's rounding.
+    assert goodput["wall_s"] <= ended - launched + 0.02, (goodput["wall_s"], ended - launched)
 
     steps, events = step_times(run_dir, 0), journal(run_dir)
     crash = seconds(next(e["time"] for e in events if e["event"] == "rank_crashed"))
