@@ -11,7 +11,8 @@ time between categories, so the categories always add up to `wall_s`:
 - `slow_s`: training of kept steps beyond the ideal step time: steps slowed after a relaunch (standbys refilling,
   cold caches, rebuilt buckets), by other work on the machine, or by a slow rank.
 - `ideal_step_s`: the run's own steady-state step time: the step-weighted mean of its recent step-time samples
-  (training time between two heartbeats that showed progress, over the steps between them, saves taken out) that lie
+  (training time between the writing of two heartbeats that showed progress, over the steps between them, saves
+  taken out; a beat read late is dated by its age, so the supervisor's reading rhythm adds no jitter) that lie
   within median + 3 x MAD of them. Until RATE_SAMPLES_MIN samples exist (and no earlier supervisor left one), there
   is none, and training of kept steps counts as productive whole.
 - `lost_s`: training that was thrown away. When an attempt resumes from step R, the time earlier attempts trained
@@ -196,11 +197,13 @@ class Goodput:
                     self._kept = _lowered(self._kept, self._totals["productive_s"])
                 self._add("save_s", moved + taken)
         if event.step > self._top:
-            if self._progressed:
-                trained = self._take(_TAIL, self._tail)
+            if self._progressed:  # up to when the beat was written: what came after is the next sample's
+                trained = self._take(_TAIL, self._tail - event.age_s)
                 self._add("productive_s", trained)
                 if trained > 0:  # a step-time sample: training since the last progress, saves taken out
                     self._rates.append((trained / (event.step - self._top), event.step - self._top))
+            else:  # the first progress: since it was written the rank trained, it was not starting up
+                self._add(_TAIL, self._take("restart_s", event.age_s))
             self._progressed, self._top = True, event.step
             self._kept.append((event.step, self._totals["productive_s"]))
             if len(self._kept) > KEPT_MAX:

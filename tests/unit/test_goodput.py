@@ -76,11 +76,14 @@ class Run:
         phase: str = "train",
         save_s: float | None = None,
         ranks: tuple[int, ...] = (0, 1),
+        age: float = 0.0,
     ) -> None:
+        """Beats written at `at`, read `age` seconds later."""
         for rank in ranks:
             key = (self.state.attempt, rank)
             self._seq[key] = self._seq.get(key, 0) + 1
-            self.feed(HeartbeatSeen(self.state.attempt, rank, self._seq[key], step, phase, save_s=save_s), at)
+            beat = HeartbeatSeen(self.state.attempt, rank, self._seq[key], step, phase, save_s=save_s, age_s=age)
+            self.feed(beat, at + age)
 
     def exit(self, at: float, rank: int, code: int, **fields: Any) -> None:
         self.feed(ChildExited(self.state.attempt, rank, code, **fields), at)
@@ -597,6 +600,18 @@ def test_steps_slower_than_the_steady_state_are_slow_time_not_productive():
     assert status["ratio"] == round(22.6 / 30, 4)
     assert sum(status[name] for name in REPORTED) == pytest.approx(status["wall_s"])
     assert "productive 23s, slow steps 2s" in describe(status)
+
+
+def test_beats_read_late_are_dated_when_they_were_written():
+    """Steady 0.1 s steps, a beat every 10 steps, each read 0 to 0.4 s after its writing (a reader that batches, a
+    node agent's message): the samples are the rank's, so the ideal step time is exactly 0.1 s, and start-up ends
+    when the first step's beat was written."""
+    run = Run()
+    run.start()
+    for k in range(21):
+        run.beat(5 + k, 1 + 10 * k, age=random.Random(k).uniform(0, 0.4))
+    assert run.goodput.ideal_step_s() == pytest.approx(0.1)
+    assert run.goodput.totals()["restart_s"] == pytest.approx(5)
 
 
 def test_steps_count_from_where_the_run_started():
