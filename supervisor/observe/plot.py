@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeGuard
 
+from supervisor.observe.status import MAX_STATE_BYTES
 from supervisor.rundir.journal import journal_files
 from worker.contract import RunLayout
 from worker.files import Refused, atomic_write, open_dir
@@ -323,7 +324,7 @@ class _Reader:
         return ranks[:MAX_RANKS]
 
     def state(self, path: Path) -> dict[str, Any]:
-        data = b"".join(line + b"\n" for line in self._lines(path, 1 << 20))
+        data = b"".join(line + b"\n" for line in self._lines(path, MAX_STATE_BYTES))
         parsed = _parse(data) if data else None
         return parsed or {}
 

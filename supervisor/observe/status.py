@@ -20,6 +20,9 @@ __all__ = ["FAILURES_SHOWN", "StatusError", "read_history", "read_status", "rend
 FAILURES_SHOWN = 5  # the newest failed attempts in `status`: enough to see a crash loop
 MAX_RANK_LINES = MAX_NODE_LINES = 16  # beyond this many, `status` summarises them (--json has every one)
 SHOWN_IN_SUMMARY = 5  # the ranks (nodes) worth a look that a summary names
+# A record per rank and node: about 1.5 MB at 1,024 nodes x 8 ranks (bench/fan_in.py), so not the 1 MiB of the
+# other JSON files; this bound still keeps a hostile file from filling the reader's memory.
+MAX_STATE_BYTES = 64 << 20
 
 
 class StatusError(Exception):
@@ -166,7 +169,7 @@ def write_status(layout: RunLayout, status: dict[str, Any], *, durable: bool) ->
 def read_status(layout: RunLayout) -> dict[str, Any]:
     """The last state the supervisor wrote, with heartbeat ages brought up to now and a liveness check."""
     try:
-        status = read_json(layout.state_file)
+        status = read_json(layout.state_file, limit=MAX_STATE_BYTES)
     except FileNotFoundError:
         raise StatusError(f"{layout.root}: no trainwarden run here (missing {layout.state_file})") from None
     except (OSError, ValueError) as exc:

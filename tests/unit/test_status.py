@@ -6,6 +6,7 @@ import json
 import os
 import time
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -20,8 +21,10 @@ from supervisor.core import (
     initial_state,
 )
 from supervisor.core.causes import Cause, CauseKind
+from supervisor.observe.plot import read_timeline
 from supervisor.observe.status import (
     FAILURES_SHOWN,
+    MAX_STATE_BYTES,
     StatusError,
     read_history,
     read_status,
@@ -404,9 +407,8 @@ def test_history_under_a_state_of_any_json_type_is_read_not_raised(state):
     assert history is not None and (history.attempt, history.restarts, history.failures) == (1, 0, ())
 
 
-def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look():
-    """1,024 nodes x 8 ranks: one line for the ranks (counts, steps, heartbeat ages), the quietest and failed
-    ranks, the most compute, one line for the nodes by state and the nodes not running; not 9,000 lines."""
+def thousand_node_status() -> dict[str, Any]:
+    """A state file's content for 1,024 nodes x 8 ranks: rank 4000 quiet, rank 17 failed, node n0002 lost."""
     ranks = [
         {
             "rank": r,
@@ -426,7 +428,7 @@ def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look(
     ]
     nodes[2] = {**nodes[2], "state": "lost"}
     nodes += [{"node": "spare1", "state": "spare"}, {"node": "bad", "state": "excluded", "why": "failed 3 times"}]
-    status = {
+    return {
         "state": "running",
         "attempt": 0,
         "restarts": 0,
@@ -438,6 +440,12 @@ def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look(
         "slurm_job": "7",
         "rank_compute_s": {str(r): 0.1 for r in range(8192)} | {"123": 0.9},
     }
+
+
+def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look():
+    """1,024 nodes x 8 ranks: one line for the ranks (counts, steps, heartbeat ages), the quietest and failed
+    ranks, the most compute, one line for the nodes by state and the nodes not running; not 9,000 lines."""
+    status = thousand_node_status()
     lines = render(status).splitlines()
     assert len(lines) < 30, lines
     assert "  ranks: 8192, 8191 running, 1 failed; steps 480-502; heartbeat ages: median 0.5 s, oldest 9.5 s" in lines
@@ -448,3 +456,26 @@ def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look(
     assert "  nodes: 1 excluded, 1 lost, 1023 running, 1 spare" in lines
     assert "  node n0002: lost, ranks 16-23, agent heard 0.4 s ago" in lines
     assert "  node bad: excluded (failed 3 times)" in lines
+
+
+def test_the_state_file_of_a_thousand_node_run_is_read_back_whole(tmp_path):
+    """Its state file is over the 1 MiB other JSON files are held to (a record per rank and node): `status`, a
+    restarted supervisor (its failure history) and the plot read it whole; a file past MAX_STATE_BYTES is refused."""
+    layout = RunLayout(tmp_path / "run")
+    (layout.root / "supervisor").mkdir(parents=True)
+    failure = {"attempt": 0, "rank": 17, "step": 502, "resume_step": None, "progressed": True, "kind": "signal"}
+    failure |= {"cause": "rank 17 killed by SIGKILL", "key": "signal:9", "node": "n0002"}
+    status = {**thousand_node_status(), "history": {"attempt": 1, "restarts": 1, "failures": [failure]}}
+    write_status(layout, status, durable=False)
+    assert layout.state_file.stat().st_size > 1 << 20
+
+    read = read_status(layout)
+    assert len(read["ranks"]) == 8192 and len(read["nodes"]) == 1026
+    history = read_history(read)
+    assert history is not None and (history.attempt, history.restarts, len(history.failures)) == (1, 1, 1)
+    assert read_timeline(layout).state == "running"  # the plot's title says how the run stands
+
+    with layout.state_file.open("ab") as file:
+        file.truncate(MAX_STATE_BYTES + 1)
+    with pytest.raises(StatusError, match="larger than"):
+        read_status(layout)
