@@ -23,6 +23,7 @@ SHOWN_IN_SUMMARY = 5  # the ranks (nodes) worth a look that a summary names
 # A record per rank and node: about 1.5 MB at 1,024 nodes x 8 ranks (bench/fan_in.py), so not the 1 MiB of the
 # other JSON files; this bound still keeps a hostile file from filling the reader's memory.
 MAX_STATE_BYTES = 64 << 20
+STALE_NOTE_S = 2.0  # a live run's status older than this says so (a small run's is rewritten every second)
 
 
 class StatusError(Exception):
@@ -181,6 +182,7 @@ def read_status(layout: RunLayout) -> dict[str, Any]:
     try:
         # Ages were true when written; a beat only gets older, whether the supervisor lives to rewrite them or not.
         since = max(0.0, time.time() - status.get("updated_at", time.time()))
+        status["written_s_ago"] = round(since, 1)
         for entry in status["ranks"] + (status.get("nodes") or []):
             if entry.get("heartbeat_age_s") is not None:
                 entry["heartbeat_age_s"] = round(entry["heartbeat_age_s"] + since, 3)
@@ -343,11 +345,12 @@ def _supervisor_lines(status: dict[str, Any]) -> list[str]:
     where = f"pid {sup.get('pid', status.get('supervisor_pid'))}" + (f" on {sup['host']}" if sup.get("host") else "")
     heard = sup.get("heard_s_ago")
     if status.get("supervisor_alive") or ended:
-        return (
-            [f"  supervisor: {where}, heard {heard:.1f} s ago"]
-            if status.get("nodes") and not ended and heard is not None
-            else []
-        )
+        if not status.get("nodes") or ended or heard is None:
+            return []
+        written = status.get("written_s_ago")
+        # The file of a large run is rewritten every few seconds (its CPU share is bounded): ages include that.
+        as_of = f"; this status is {written:.0f} s old" if _is_number(written) and written >= STALE_NOTE_S else ""
+        return [f"  supervisor: {where}, heard {heard:.1f} s ago{as_of}"]
     if sup.get("lease") == "abdicated":
         return [
             f"  supervisor ({where}) lost its link and handed over; no successor has taken the run yet; "

@@ -105,6 +105,7 @@ def test_write_then_read_status_round_trips(tmp_path):
     assert os.listdir(layout.state_file.parent) == ["state.json"]
     read = read_status(layout)
     assert read.pop("supervisor")["alive"] is False
+    assert 0 <= read.pop("written_s_ago") < 5  # how old the file is, as read
     assert read == {**status, "supervisor_alive": False}
 
 
@@ -460,7 +461,8 @@ def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look(
 
 def test_the_state_file_of_a_thousand_node_run_is_read_back_whole(tmp_path):
     """Its state file is over the 1 MiB other JSON files are held to (a record per rank and node): `status`, a
-    restarted supervisor (its failure history) and the plot read it whole; a file past MAX_STATE_BYTES is refused."""
+    restarted supervisor (its failure history) and the plot read it whole, and `status` says how old it is (it is
+    rewritten every few seconds at this size); a file past MAX_STATE_BYTES is refused."""
     layout = RunLayout(tmp_path / "run")
     (layout.root / "supervisor").mkdir(parents=True)
     failure = {"attempt": 0, "rank": 17, "step": 502, "resume_step": None, "progressed": True, "kind": "signal"}
@@ -474,6 +476,10 @@ def test_the_state_file_of_a_thousand_node_run_is_read_back_whole(tmp_path):
     history = read_history(read)
     assert history is not None and (history.attempt, history.restarts, len(history.failures)) == (1, 1, 1)
     assert read_timeline(layout).state == "running"  # the plot's title says how the run stands
+
+    write_status(layout, {**status, "supervisor_pid": os.getpid(), "updated_at": time.time() - 7}, durable=False)
+    (supervisor,) = [line for line in render(read_status(layout)).splitlines() if "supervisor:" in line]
+    assert supervisor.endswith("; this status is 7 s old")  # rewritten every few seconds at this size
 
     with layout.state_file.open("ab") as file:
         file.truncate(MAX_STATE_BYTES + 1)
