@@ -25,7 +25,7 @@ rank). Each strikes a random rank, at least 2 x save_every steps after the one b
   them (saves, stalls and the slow steps after a relaunch fall outside): the supervisor's rule, on the rank's own
   clock instead of heartbeats. Windows, not single steps: a step's own time has a tail (the allocator, the garbage
   collector, the OS) that is part of the steady state; a band around single steps cuts it off (on a fault-free run:
-  1.7 % below its first-to-last step time, saves taken out; 10-step windows: 0.1 %);
+  1.7 % below its first-to-last step time, saves taken out; 10-step windows: 0.25 % above);
 - supervisor's goodput: trainwarden's own ratio, the journal's final `goodput` event, and its difference from the
   measured one; the last line gives the largest difference over the trainwarden runs (reference included);
 - at reference rate: the same with the reference's ideal step time, for launchers compared with each other (a
