@@ -8,7 +8,10 @@ layer; AdamW adds twice that in state) train on 2 and 4 gloo ranks of this machi
 - steps/s while a background write runs, against steps/s with none;
 - resume time from the last checkpoint at the same world size and at half of it (resharded).
 Then, for the smallest model on 2 ranks, DCP's own `async_save` with its two executors (thread and process, the
-choice the worker made for the thread), called directly: the stall per save, first and median.
+choice the worker made for the thread), called directly: the stall per save, first and median; and saves due faster
+than they are written (each background write stretched OVERLAP_WRITE_S by the `slow_async_write` fault, one step
+between saves): the stall per save and the part of it spent waiting for the previous write (`waited_s`), against
+the async stall without overlap.
 The last line is `training-thread stall per save, async / sync: R`, the median over the configurations of
 median async stall / median sync stall (the target is R <= 0.25).
 
@@ -36,6 +39,8 @@ WORLDS = (2, 4)
 SAVES = 3
 WIDTH = {64: 2048, 512: 4096}  # a square Linear of WIDTH^2 float32 weights: 16 MB at 2048, 64 MB at 4096
 BATCH = 4
+OVERLAP_SAVES = 4  # the first does not wait; the others wait for the write before them
+OVERLAP_WRITE_S = 2.0  # longer than a write and a step on 2 busy cores: every save after the first waits
 
 
 def layers_for(size_mb: int) -> int:
@@ -58,13 +63,15 @@ def rank_main(size_mb: int, mode: str, out: Path) -> None:
         return
     model, optimizer = build(size_mb)
     config = WorkerConfig(
-        checkpoint_format="dcp", async_save=mode == "async", save_checkpoint_steps=10**9, prefix="bench"
+        checkpoint_format="dcp", async_save=mode in ("async", "overlap"), save_checkpoint_steps=10**9, prefix="bench"
     )  # saves only where the benchmark calls warden.save
     warden = Warden(model, optimizer, config=config)
     started = time.perf_counter()
     warden.resume()
     result: dict[str, Any] = {"resume_s": time.perf_counter() - started}
-    if mode != "resume":
+    if mode == "overlap":
+        result.update(overlap_saves(warden, model, optimizer, WIDTH[size_mb]))
+    elif mode != "resume":
         result.update(train_and_save(warden, model, optimizer, WIDTH[size_mb]))
     warden.finish(save=False)
     if rank == 0:
@@ -116,18 +123,40 @@ def dcp_executor(size_mb: int, kind: str, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def train_and_save(warden: Any, model: Any, optimizer: Any, width: int) -> dict[str, Any]:
+def train_step(warden: Any, model: Any, optimizer: Any, width: int) -> float:
+    """One training step under the warden; its seconds."""
     import torch
 
-    def step() -> float:
+    begun = time.perf_counter()
+    optimizer.zero_grad()
+    loss = model(torch.randn(BATCH, width)).square().mean()
+    loss.backward()
+    warden.guard_step(loss.detach())
+    optimizer.step()
+    warden.step_done(loss=loss.item())
+    return time.perf_counter() - begun
+
+
+def overlap_saves(warden: Any, model: Any, optimizer: Any, width: int) -> dict[str, Any]:
+    """Save, train one step, save again, OVERLAP_SAVES times, each write stretched (the launch's faults): the stall
+    per save, and `waited_s` of each from the rank's `checkpoint_staged` events."""
+    for _ in range(2):  # warm-up: the optimizer's state exists from here on
+        train_step(warden, model, optimizer, width)
+    stalls = []
+    for _ in range(OVERLAP_SAVES):
         begun = time.perf_counter()
-        optimizer.zero_grad()
-        loss = model(torch.randn(BATCH, width)).square().mean()
-        loss.backward()
-        warden.guard_step(loss.detach())
-        optimizer.step()
-        warden.step_done(loss=loss.item())
-        return time.perf_counter() - begun
+        warden.save(warden.step)
+        stalls.append(time.perf_counter() - begun)
+        train_step(warden, model, optimizer, width)
+    warden._note_background_save(wait=True)
+    lines = warden.layout.rank_events(warden.rank).read_text().splitlines()
+    waited = [e["waited_s"] for e in map(json.loads, lines) if e["event"] == "checkpoint_staged"]
+    return {"stalls": stalls, "waited": waited}
+
+
+def train_and_save(warden: Any, model: Any, optimizer: Any, width: int) -> dict[str, Any]:
+    def step() -> float:
+        return train_step(warden, model, optimizer, width)
 
     for _ in range(2):  # warm-up: the optimizer's state exists from here on
         step()
@@ -159,6 +188,11 @@ def launch(world: int, size_mb: int, mode: str, run_dir: Path) -> dict[str, Any]
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
     }
+    if mode == "overlap":  # the write of every save (at steps 2, 3, ...) takes OVERLAP_WRITE_S longer on every rank
+        faults = (
+            f"{r}:slow_async_write@{2 + i}:{OVERLAP_WRITE_S:g}" for r in range(world) for i in range(OVERLAP_SAVES)
+        )
+        env["TRAINWARDEN_FAULTS"] = ",".join(faults)
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--rank", str(size_mb), mode, str(out)],
@@ -205,11 +239,12 @@ def main() -> None:
         f"{'steps/s idle':>12} {'while writing':>13} {'resume same':>12} {'resume half':>12}",
         flush=True,
     )
-    ratios = []
+    ratios, first = [], None
     with tempfile.TemporaryDirectory(prefix="checkpoint_stall-") as scratch:
         for size_mb in sizes:
             for world in WORLDS:
                 m = measure(size_mb, world, Path(scratch))
+                first = first or m
                 ratios.append(m["async_s"] / m["sync_s"])
                 print(
                     f"{size_mb:>4}MB {world:>5} {m['sync_s']:>9.3f}s {m['async_s']:>11.3f}s "
@@ -220,6 +255,7 @@ def main() -> None:
         executors = {
             kind: launch(2, sizes[0], f"dcp-{kind}", Path(scratch) / f"dcp-{kind}") for kind in ("thread", "process")
         }
+        overlap = launch(2, sizes[0], "overlap", Path(scratch) / "overlap")
     for kind, got in executors.items():
         stalls, written = got["stalls"], got["written"]
         print(
@@ -228,6 +264,15 @@ def main() -> None:
             f"median {statistics.median(written):.3f} s",
             flush=True,
         )
+    assert first is not None
+    waiting = overlap["stalls"][1:]  # the first save has nothing in flight before it
+    print(
+        f"saves due faster than written ({sizes[0]} MB, 2 ranks, each write {OVERLAP_WRITE_S:g} s longer "
+        f"(slow_async_write), one step between saves): stall per save median {statistics.median(waiting):.3f} s, "
+        f"of which waited for the previous write {statistics.median(overlap['waited'][1:]):.3f} s; without overlap "
+        f"{first['async_s']:.3f} s, sync save {first['sync_s']:.3f} s",
+        flush=True,
+    )
     print(f"training-thread stall per save, async / sync: {statistics.median(ratios):.3f}")
 
 

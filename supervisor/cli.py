@@ -17,6 +17,7 @@ from typing import Any
 from supervisor.config import ConfigError, JobConfig, SlurmConfig, check_launchable, load_config
 from supervisor.core import Phase, State
 from supervisor.export import ExportError, export_weights
+from supervisor.launch.gpu_health import preflight
 from supervisor.launch.launcher import LocalLauncher
 from supervisor.launch.nodes import Ledger, render_rows, update_ledger
 from supervisor.launch.slurm import SlurmLauncher, in_allocation
@@ -176,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    problem = _slurm_problem(config)
+    problem = _slurm_problem(config) if _multi_node(config) else preflight(config)  # each node's agent checks its own
     if problem:
         print(f"trainwarden: cannot launch: {problem}", file=sys.stderr)
         return EXIT_CONFIG

@@ -55,6 +55,7 @@ MAX_NUMBER = 2**53  # every int and float: beyond it floats stop counting exactl
 MAX_SECONDS = 10**7  # every `*_s` value (~116 days): deadlines and queue timeouts stay far from overflow
 MAX_NPROC = 1024  # ranks on one machine: a typo like 1000000000 must not fork-bomb the node
 MAX_NODES = 4096
+DEVICES = ("cpu", "cuda")  # what each rank computes on (`device`)
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built in: a 1 MiB file in 0.3 s, not 3 s
 
@@ -138,6 +139,7 @@ class StandbyConfig:
     """Warm standby ranks: a process per local rank with Python started and torch imported, used at a relaunch."""
 
     enabled: bool = True  # only for `script:` jobs on one machine (a `command:` or a multi-node job starts cold)
+    keep_warm: bool = True  # one waits per rank while the run trains; false: started at each launch decision only
     prewarm_imports: list[str] | None = None  # what a standby imports; None: torch and the script's installed imports
 
 
@@ -149,6 +151,7 @@ class JobConfig:
     command: list[str] | None = None  # or any command line
     args: list[str] = field(default_factory=list)
     nproc_per_node: int = 1
+    device: str = "cpu"  # cuda: every rank uses a GPU, so each node must show nproc_per_node of them before a launch
     nodes: int = 1  # more than 1: inside a Slurm allocation, one node agent per node
     spare_nodes: int = 0  # allocated nodes held back to replace a failed one
     run_dir: str = "runs/default"
@@ -198,6 +201,7 @@ class JobConfig:
 # finite and at most MAX_NUMBER in size, every `*_s` value at most MAX_SECONDS, and no string holds NUL.
 _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "nproc_per_node": (lambda v: 1 <= v <= MAX_NPROC, f"between 1 and {MAX_NPROC}"),
+    "device": (lambda v: v in DEVICES, " or ".join(DEVICES)),
     "nodes": (lambda v: 1 <= v <= MAX_NODES, f"between 1 and {MAX_NODES}"),
     "spare_nodes": (lambda v: 0 <= v <= MAX_NODES, f"between 0 and {MAX_NODES}"),
     "slurm.node_timeout_s": (lambda v: v >= 2, "at least 2 (node agents report every second)"),

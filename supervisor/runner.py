@@ -477,6 +477,8 @@ class Supervisor:
                 "ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent, attempt=action.attempt
             )
         elif isinstance(action, LaunchRanks):
+            if action.attempt > 0:  # a relaunch (the first launch runs the script as torchrun would)
+                self._launcher.prestart()
             threading.Thread(target=self._prepare_launch, args=(action,), daemon=True).start()
         elif isinstance(action, DumpStacks):
             self._launcher.dump_stacks(
@@ -492,9 +494,11 @@ class Supervisor:
         return []
 
     def _prepare_launch(self, action: LaunchRanks) -> None:
-        """Off the main loop, which keeps answering signals and the watchdog: choose the resume point
-        (reading every candidate's files for their checksums can take minutes for big checkpoints)."""
+        """Off the main loop, which keeps answering signals and the watchdog, while the ranks' processes start
+        (`prestart`): remove torn saves and choose the resume point (reading every candidate's files for their
+        checksums can take minutes for big checkpoints)."""
         try:
+            self._sort_out_junk()  # no save is in flight: the previous attempt's ranks are gone
             mismatch = self._world_size_mismatch(action.attempt)
             if mismatch is not None:  # before anything is launched, and without a retry: no relaunch can fix it
                 self._inbox.put_nowait(LaunchFailed(action.attempt, mismatch.message(), retryable=False))
@@ -558,7 +562,6 @@ class Supervisor:
             return None
         for rank in range(self.config.world_size):  # a beat from an earlier run must not pass for this one
             unlink_quietly(self.layout.heartbeat(rank))
-        self._sort_out_junk()
         store = choice.store
         self._launching = LaunchPrepared(action, choice)
         spawned = self._launcher.launch(
@@ -587,7 +590,7 @@ class Supervisor:
         )
 
     def _sort_out_junk(self) -> None:
-        """Before a launch (no save can be in flight): delete our torn temporaries, report anything foreign once."""
+        """Before a launch: delete our torn temporaries, report anything foreign once."""
         junk = find_junk(self.layout, self.config.world_size, self.config.worker.prefix)
         for path in junk.torn:
             if path.name.endswith(".dcp"):  # a sharded save that never got its manifest: the whole directory

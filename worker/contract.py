@@ -18,6 +18,7 @@ from worker.feature_rule import FeatureValueConfig
 from worker.files import is_plain_dir, is_plain_file
 
 __all__ = [
+    "CHECKPOINT_WRITER_GROUP",
     "ENV_ATTEMPT",
     "ENV_RESUME_DIR",
     "ENV_RESUME_STEP",
@@ -58,6 +59,9 @@ ENV_SKIP_TO_BATCH = "TRAINWARDEN_SKIP_TO_BATCH"
 
 # The supervisor asks a rank leader for its Python stacks with this signal (faulthandler dumps them).
 STACK_DUMP_SIGNAL = signal.SIGUSR2
+# The description (`group_desc`) of the sharded checkpointer's own process group: the flight recorder names each
+# entry's group with it, so the hang analyzer judges a background save's collectives apart from training's.
+CHECKPOINT_WRITER_GROUP = "trainwarden_checkpoint_writer"
 
 # Exit codes, the same words for supervisor and ranks (docs/exit-codes.md). 0 is done or stopped on request.
 # 65, 66 and 78 are sysexits' EX_DATAERR, EX_NOINPUT and EX_CONFIG, which operators and systemd know.

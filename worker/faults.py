@@ -13,6 +13,8 @@ Kinds:
   the sharded checkpoint of step STEP and the training loop has gone on (a background writer killed is its rank).
 - `hang_in_async_write`: the background write of step STEP stalls forever; the loop goes on until it must wait
   for that save (the next save, a stop, the end), then hangs in the save phase.
+- `slow_async_write`: the background write of step STEP takes ARG seconds longer (default 5), at its first write
+  into the shard: saves then come faster than they are written, and the next one waits for it.
 - `sigkill_after_save`: the rank SIGKILLs itself right after its checkpoint of step STEP is complete.
 - `hang`: after step STEP the rank sleeps forever, so its peers block in the next step's all-reduce.
 - `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
@@ -68,6 +70,7 @@ KINDS = (
     "sdc",
     "sigkill_in_async_write",
     "hang_in_async_write",
+    "slow_async_write",
     "dataloader_hang",
     "stall_in_collective",
     "extra_collective",
@@ -79,6 +82,7 @@ SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times 
 # collective can complete (on CPU it completes as the last rank arrives; a hook on a completed one runs on the caller).
 STALL_LEAD_S = 0.5
 MAX_SLOW_S = 3600.0
+SLOW_WRITE_S = 5.0  # a `slow_async_write` fault's extra seconds by default
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,8 @@ class Fault:
     rank: int
     kind: str
     step: int
-    arg: float | None = None  # seconds for slow_save and slow, repetitions for spike and nan, the factor for sdc
+    # seconds for slow_save, slow_async_write and slow, repetitions for spike and nan, the factor for sdc
+    arg: float | None = None
     target: str | None = None  # the layer an sdc fault corrupts
 
 
@@ -110,8 +115,10 @@ def _parse_item(item: str) -> Fault:
         raise ValueError(f"{ENV_FAULTS}: unknown fault kind {fault.kind!r} in {item!r}; known: {', '.join(KINDS)}")
     if fault.target is not None and fault.kind != "sdc":
         raise ValueError(f"{ENV_FAULTS}: only sdc faults name a layer, in {item!r}")
-    if fault.kind == "slow" and fault.arg is not None and not 0 <= fault.arg <= MAX_SLOW_S:
-        raise ValueError(f"{ENV_FAULTS}: a slow fault's seconds must be between 0 and {MAX_SLOW_S:g}, in {item!r}")
+    if fault.kind in ("slow", "slow_async_write") and fault.arg is not None and not 0 <= fault.arg <= MAX_SLOW_S:
+        raise ValueError(
+            f"{ENV_FAULTS}: a {fault.kind} fault's seconds must be between 0 and {MAX_SLOW_S:g}, in {item!r}"
+        )
     return fault
 
 
@@ -228,6 +235,8 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.strike_once("hang_in_async_write", step):
             hang_forever()
+        if slow := self.strike_once("slow_async_write", step):
+            time.sleep(SLOW_WRITE_S if slow.arg is None else slow.arg)
 
     def after_save(self, step: int) -> None:
         """Fire the faults that strike once a checkpoint is complete."""

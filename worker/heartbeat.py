@@ -18,8 +18,8 @@ class Heartbeat:
 
     Besides, for people and the supervisor's observers: the last step's `loss`, the smoothed `compute_s` (a step's
     time before it waits for peers), the loop's `total_steps`, the `save_s` spent in checkpoint saves so far and the
-    newest one's `last_save_s`, the batches `skipped` and the `anomalies` this rank saw, by kind, and why its resume
-    is not exact (`inexact`) once it knows."""
+    newest one's `last_save_s`, the batches `skipped` and the `anomalies` this rank saw, by kind, why its resume
+    is not exact (`inexact`) once it knows, and `slow_saves` once its background writes outlast its save interval."""
 
     def __init__(self, path: Path, *, root: Path, rank: int, attempt: int, interval_s: float) -> None:
         self.path = path
@@ -39,6 +39,7 @@ class Heartbeat:
         self.skipped = 0  # batches this process skipped (the same on every rank: they agree)
         self.anomalies: dict[str, int] = {}  # what this rank itself saw, by kind (non_finite, global_norm_spike, ...)
         self.inexact: str | None = None  # why this process's resume is not exact, once it knows (worker.verify)
+        self.slow_saves: dict[str, float | str] | None = None  # {write_s, interval_s, setting}: writes outlast it
 
     def beat(
         self,
@@ -83,6 +84,7 @@ class Heartbeat:
             "skipped": self.skipped,
             "anomalies": self.anomalies,
             **({"inexact": self.inexact} if self.inexact else {}),
+            **({"slow_saves": self.slow_saves} if self.slow_saves else {}),
         }
         try:
             # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.

@@ -2,7 +2,7 @@
 
 - State the loop uses but the checkpoint does not hold: an enabled GradScaler that is not in `extra_state` (its
   loss scale, grown over thousands of steps, would restart at its initial value: other steps overflow and are
-  skipped, and the run drifts from the one it resumes). Found at a process's first save by walking the garbage
+  skipped, and the run drifts from the one it resumes). Found after a process's first step by walking the garbage
   collector's objects (30 ms with a small model and torch loaded; once per process).
 - `worker.verify_resume: N`, a replay check for test runs: after each save of step S, the losses of the next N
   batches are kept in the rank's `trajectory.json`; a run resumed from S compares its first N losses with them,

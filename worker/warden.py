@@ -130,9 +130,13 @@ class Warden:
         self.batches = 0  # data position: batches consumed, skipped ones included; the next batch's index
         self.samples = 0  # the same as a global count of samples (with global_batch_size): exact across a resize
         self._sharded: Any = None  # the ShardedCheckpointer, made at the first sharded save or resume (collectively)
-        self._background: tuple[int, CheckpointStore, Path] | None = None  # the sharded save not yet logged as done
+        # The sharded save not yet logged as done: step, store, directory, and when the loop went on after staging it.
+        self._background: tuple[int, CheckpointStore, Path, float] | None = None
+        self._first_step_done = False  # the first save's costs were paid ahead, after the first applied step
+        self._on_schedule = False  # this save is one the config's cadence made due (not a stop's or the script's)
+        self._said_slow_saves = False  # `save_slower_than_interval` is said once per process
         self._resumed = False
-        self._state_checked = False  # for state the checkpoints would lack (worker.verify), at the first save
+        self._state_checked = False  # for state the checkpoints would lack (worker.verify), after the first step
         self._trajectory = (
             Trajectory(self.layout.trajectory(self.rank), root=self.layout.root, steps=self.config.verify_resume)
             if self.config.verify_resume > 0
@@ -438,11 +442,17 @@ class Warden:
         if not applied:
             return False
         self._faults.after_step(self.step)
+        if not self._first_step_done:
+            self._after_first_step()
         saved = self._checkpoint_due(save_due)
-        if saved:
-            self.save(self.step)
-        elif _due(self.step, self.config.snapshot_steps):
-            self.snapshot(self.step)
+        self._on_schedule = True
+        try:
+            if saved:
+                self.save(self.step)
+            elif _due(self.step, self.config.snapshot_steps):
+                self.snapshot(self.step)
+        finally:
+            self._on_schedule = False
         if self._trajectory is not None and (saved or _due(self.step, self.config.snapshot_steps)):
             self._trajectory.saved(self.step)
         self._obey_stop_order(saved)
@@ -456,7 +466,7 @@ class Warden:
         self._heartbeat.inexact = reason
 
     def _check_unsaved_state(self) -> None:
-        """At this process's first save (where the time is spent anyway): state the checkpoint would lack."""
+        """After this process's first step, or at its first save: state the checkpoint would lack."""
         if not self._state_checked:
             self._state_checked = True
             if unregistered_scalers(self.extra_state.values()):
@@ -711,9 +721,24 @@ class Warden:
         if store == self.layout.checkpoints:
             self._saved_at = step
 
+    def _after_first_step(self) -> None:
+        """What the first save would pay beyond the others, paid after the first step (the optimizer's state exists)
+        so that the first save stalls like the others: the check for state checkpoints would lack, and the staging
+        buffers of a background save, allocated in a thread (worker.sharded's `prepare`)."""
+        if self._framework_save is not None or not (self._checkpointing or self.config.snapshot_steps):
+            self._first_step_done = True
+            return
+        self._check_unsaved_state()
+        if not (self._sharded_format and self.config.async_save):
+            self._first_step_done = True
+        elif getattr(self.optimizer, "state", True):  # none yet (a skipped step): DCP would step it to make one
+            self._first_step_done = True
+            self._sharded_checkpointer().prepare(self.model, self.optimizer)
+
     def _save_sharded(self, step: int, store: CheckpointStore, started: float) -> Path:
-        """A sharded save: with async_save the loop goes on once the state is staged (one save in flight)."""
-        self._note_background_save(wait=True)  # the previous one is done before this one starts
+        """A sharded save: with async_save the loop goes on once the state is staged (one save in flight). Its
+        stall is all the loop spends in it, from `started`: `waited_s` of it for the previous save's write."""
+        waited_s = self._wait_for_save_in_flight(step, started)  # the previous one is done before this one starts
         directory = store.sharded_dir(step, self.config.prefix)
         common = {
             "global_batch_size": self.global_batch_size,
@@ -722,37 +747,90 @@ class Warden:
             "sharding": self._sharding(),
         }
         stall_s = self._sharded_checkpointer().save(
-            directory, step, self.model, self.optimizer, self._rank_state(), self._health(), common
+            directory, step, self.model, self.optimizer, self._rank_state(), self._health(), common, started=started
         )
         self._heartbeat.last_save_s = round(stall_s, 6)
-        self._heartbeat.save_s += self._heartbeat.last_save_s
+        self._heartbeat.save_s += self._heartbeat.last_save_s  # goodput's save time: the waits are in it
         self._last_save = time.monotonic()  # the time-based cadence counts from the start of a save in flight
-        self._background = (step, store, directory)
+        self._background = (step, store, directory, time.perf_counter())
         if not self.config.async_save:
             self._note_background_save(wait=True)
         else:
-            self.log.info("checkpoint_staged", step=step, path=str(directory), stall_s=round(stall_s, 4))
+            self.log.info(
+                "checkpoint_staged",
+                step=step,
+                path=str(directory),
+                stall_s=round(stall_s, 4),
+                waited_s=round(waited_s, 4),
+            )
             if store == self.layout.checkpoints:
                 self._saved_at = step  # in flight: finish() and stop orders wait for it rather than save again
         return directory
 
-    def _note_background_save(self, *, wait: bool = False) -> None:
-        """Log a sharded save that ended (waiting for it if `wait`, in the save phase so its timeout applies)."""
+    def _note_background_save(self, *, wait: bool = False) -> Any:
+        """Log a sharded save that ended (waiting for it if `wait`, in the save phase so its timeout applies);
+        returns it (worker.sharded's record of it), or None."""
         if self._sharded is None or self._background is None:
-            return
+            return None
         if wait and self._sharded.in_flight is not None:
             with self.phase(SAVE_PHASE):
                 done = self._sharded.wait()
         else:
             done = self._sharded.finished()
         if done is None:
-            return
-        step, store, directory = self._background
+            return None
+        step, store, directory, _ = self._background
         self._background = None
         self._saved(
             step, store, directory, done.duration_s, stall_s=round(done.stall_s, 4), background=self.config.async_save
         )
         self._faults.after_save(step)
+        return done
+
+    def _wait_for_save_in_flight(self, step: int, started: float) -> float:
+        """Before the save of `step`: wait for the one still being written, if any; the seconds waited. A write that
+        took longer than the training between two scheduled saves is said once (`save_slower_than_interval`)."""
+        previous = self._background if self._sharded is not None and self._sharded.in_flight is not None else None
+        begun = time.perf_counter()
+        done = self._note_background_save(wait=True)
+        if previous is None or done is None:
+            return 0.0
+        waited_s = time.perf_counter() - begun
+        trained_s = max(0.0, started - previous[3])  # from the loop going on after staging it to this save
+        if self._on_schedule and not self._said_slow_saves and done.write_s > trained_s:
+            self._said_slow_saves = True
+            self._say_slower_than_interval(done.write_s, trained_s, step - previous[0], waited_s, step)
+        return waited_s
+
+    def _say_slower_than_interval(
+        self, write_s: float, interval_s: float, interval_steps: int, waited_s: float, step: int
+    ) -> None:
+        """The warning, in the log and the heartbeat (the supervisor journals it and `status` shows it)."""
+        setting = self._save_interval_setting(write_s, interval_s, interval_steps)
+        self.log.warning(
+            "save_slower_than_interval",
+            step=step,
+            write_s=round(write_s, 3),
+            interval_s=round(interval_s, 3),
+            interval_steps=interval_steps,
+            waited_s=round(waited_s, 3),
+            setting=setting,
+            reason=f"a background write takes {write_s:.2f} s and the loop trains {interval_s:.2f} s "
+            f"({interval_steps} steps) between saves: each save waits for the previous one",
+        )
+        self._heartbeat.slow_saves = {
+            "write_s": round(write_s, 3),
+            "interval_s": round(interval_s, 3),
+            "setting": setting,
+        }
+
+    def _save_interval_setting(self, write_s: float, interval_s: float, interval_steps: int) -> str:
+        """What to set so that the write fits between two saves: the cadence in steps at the pace seen, or seconds."""
+        if self.config.snapshot_steps or self.config.save_checkpoint_steps:
+            key = "snapshot_steps" if self.config.snapshot_steps else "save_checkpoint_steps"
+            steps = math.ceil(write_s * interval_steps / interval_s) if interval_s > 0 else None
+            return f"worker.{key}: {steps} or more" if steps else f"worker.{key}: more steps than {write_s:.1f} s"
+        return f"worker.save_checkpoint_interval_s: {math.ceil(write_s)} or more"
 
     def _sharding(self) -> dict[str, Any]:
         """What the manifest says of how the model was laid out (for people; loading reshards whatever it was)."""

@@ -2,8 +2,11 @@
 
 The evidence, strongest first:
 - the process state seen before any signal: a rank stopped (SIGSTOP) or in uninterruptible sleep is *silent*;
-- the flight recorders (PyTorch's record of each rank's collectives, `worker.flight`), per process group:
-  - *desync*: at one sequence number the ranks issued different operations or sizes; the rank in the minority;
+- the flight recorders (PyTorch's record of each rank's collectives, `worker.flight`), per process group, training's
+  groups first, the checkpoint writer's last (its collectives run in a background thread; a verdict there is a save
+  hang, in phase save):
+  - *desync*: at one sequence number the ranks issued different operations or sizes; the rank in the minority (a
+    root-based or variable-size collective's sizes differ by design: only its operation counts);
   - a rank behind its peers on enqueue is the culprit: *host-side* when it completed all it enqueued (stuck in
     Python, data loading, compute), *in-collective* when its last collective never completed (its peers did);
   - *in-collective* too: every rank enqueued the same collective, one never completed (or never started) it;
@@ -17,8 +20,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from supervisor.core.hangs import SAVE_PHASE
+from worker.contract import CHECKPOINT_WRITER_GROUP
 
 __all__ = [
     "CLASSES",
@@ -44,6 +50,12 @@ _DATA_LOADER_FRAMES = "torch/utils/data/"
 # Frames of a rank waiting for its peers: inside a collective, or in backward where DDP all-reduces.
 _COLLECTIVE_FRAMES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 _STATE_ORDER = {"scheduled": 0, "started": 1, "completed": 2}
+# Collectives whose input sizes differ from rank to rank by design: a scatter's or a broadcast's (only its root has
+# the data; NCCL's out-of-place forms too), a gather's, an all-to-all's splits. At one sequence number their
+# operation must match, their sizes need not.
+SIZES_DIFFER_BY_DESIGN = frozenset(
+    {"scatter", "gather", "broadcast", "_broadcast_oop", "all_to_all", "alltoall", "alltoall_base"}
+)
 
 
 @dataclass(frozen=True)
@@ -61,9 +73,15 @@ class GroupRecord:
     enqueued: int
     completed: int
     recent: tuple[Collective, ...]
+    desc: str = ""  # the group's description (`group_desc`), as its entries carry it
 
     def at(self, seq: int) -> Collective | None:
         return next((c for c in self.recent if c.seq == seq), None)
+
+    @property
+    def writer(self) -> bool:
+        """Whether this is the sharded checkpointer's own group (`worker.sharded`), not one of training's."""
+        return self.desc == CHECKPOINT_WRITER_GROUP
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,7 @@ class Verdict:
     cls: str | None
     named_by: str  # flight_recorder | process_state | stacks | heartbeat
     evidence: str
+    phase: str | None = None  # where the hang is when the evidence knows better than the culprit's heartbeat
 
 
 def trim_flight(raw: Any) -> dict[str, Any]:
@@ -87,6 +106,7 @@ def trim_flight(raw: Any) -> dict[str, Any]:
                 k: entry.get(k)
                 for k in (
                     "pg_id",
+                    "process_group",
                     "collective_seq_id",
                     "profiling_name",
                     "input_sizes",
@@ -109,10 +129,13 @@ def parse_flight(raw: Any) -> dict[str, GroupRecord] | None:
     if not isinstance(raw, dict):
         return None
     recent: dict[str, list[Collective]] = {}
+    descs: dict[str, str] = {}
     for entry in raw.get("entries") or []:
         collective = _collective(entry)
         if collective is not None:
-            recent.setdefault(str(entry["pg_id"])[:MAX_FIELD_CHARS], []).append(collective)
+            pg = str(entry["pg_id"])[:MAX_FIELD_CHARS]
+            recent.setdefault(pg, []).append(collective)
+            descs[pg] = _desc(entry.get("process_group")) or descs.get(pg, "")
     groups = {}
     pg_status = raw.get("pg_status")
     status: dict[Any, Any] = pg_status if isinstance(pg_status, dict) else {}
@@ -122,7 +145,7 @@ def parse_flight(raw: Any) -> dict[str, GroupRecord] | None:
         enqueued = _int((status.get(pg) or {}).get("last_enqueued_collective"), max((c.seq for c in seen), default=-1))
         completed = _int((status.get(pg) or {}).get("last_completed_collective"), max(done, default=-1))
         if enqueued >= 0:
-            groups[pg] = GroupRecord(enqueued, completed, tuple(seen))
+            groups[pg] = GroupRecord(enqueued, completed, tuple(seen), descs.get(pg, ""))
     return groups or None
 
 
@@ -169,7 +192,8 @@ def _from_flight(
     if len(records) < 2:
         return None
     missing = [rank for rank in expected if rank in ranks and rank not in records]
-    if (verdict := _per_group(records, _desync)) is not None:
+    training = {rank: {pg: g for pg, g in rec.items() if not g.writer} for rank, rec in records.items()}
+    if (verdict := _per_group(training, _desync)) is not None:
         return verdict
     if collective_failed and len(missing) == 1:  # the rank that aborted on the mismatch took its record along
         return Verdict(
@@ -179,7 +203,7 @@ def _from_flight(
             f"ranks {_ranks(list(records))} agree on every collective they recorded; rank {missing[0]}, "
             f"gone without a record, issued the mismatched one",
         )
-    if (verdict := _per_group(records, _behind) or _per_group(records, _not_completed)) is not None:
+    if (verdict := _per_group(training, _behind) or _per_group(training, _not_completed)) is not None:
         return verdict
     if len(missing) == 1 and not collective_failed:
         return Verdict(
@@ -188,50 +212,62 @@ def _from_flight(
             "flight_recorder",
             "wrote no flight recorder while its peers did (frozen, dead or in uninterruptible sleep)",
         )
+    return _save_hang(records)
+
+
+def _save_hang(records: Mapping[int, Mapping[str, GroupRecord]]) -> Verdict | None:
+    """Training's groups named no one: the checkpoint writer's may. A writer stuck (in storage, in its own
+    collective) holds up its rank's next save, and the hang is in phase save."""
+    writer = {rank: {pg: g for pg, g in rec.items() if g.writer} for rank, rec in records.items()}
+    for find in (_desync, _behind, _not_completed):
+        if (verdict := _per_group(writer, find, "the checkpoint writer's ")) is not None:
+            return replace(verdict, phase=SAVE_PHASE)
     return None
 
 
 def _per_group(
-    records: Mapping[int, Mapping[str, GroupRecord]], find: Callable[[str, Mapping[int, GroupRecord]], Verdict | None]
+    records: Mapping[int, Mapping[str, GroupRecord]],
+    find: Callable[[str, Mapping[int, GroupRecord]], Verdict | None],
+    whose: str = "",
 ) -> Verdict | None:
-    """The first verdict `find` reaches on a process group that two or more ranks recorded."""
+    """The first verdict `find` reaches on a process group that two or more ranks recorded (`whose`: said before
+    the group's name in the evidence)."""
     for pg in sorted({pg for rec in records.values() for pg in rec}, key=_pg_order):
         members = {rank: rec[pg] for rank, rec in records.items() if pg in rec}
-        if len(members) >= 2 and (verdict := find(pg, members)) is not None:
+        if len(members) >= 2 and (verdict := find(f"{whose}process group {pg}", members)) is not None:
             return verdict
     return None
 
 
-def _desync(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
+def _desync(group: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
     """The first sequence number where the ranks' operations or sizes differ; the rank alone in its version."""
     seqs = sorted({c.seq for g in members.values() for c in g.recent})
     for seq in seqs:
         issued = {rank: c for rank, g in members.items() if (c := g.at(seq)) is not None}
-        versions = Counter((c.op, c.sizes) for c in issued.values())
+        versions = Counter(_version(c) for c in issued.values())
         if len(versions) < 2:
             continue
         (common, count), *rest = versions.most_common()
-        odd = [rank for rank, c in issued.items() if (c.op, c.sizes) != common]
+        odd = [rank for rank, c in issued.items() if _version(c) != common]
         others = sorted(set(issued) - set(odd))
         if len(odd) != 1 or count < 2 or (rest and rest[0][1] == count):
             return Verdict(
                 None,
                 DESYNC,
                 "flight_recorder",
-                f"process group {pg} collective #{seq}: ranks disagree ({_versions(issued)})",
+                f"{group} collective #{seq}: ranks disagree ({_versions(issued)})",
             )
         mine, theirs = issued[odd[0]], issued[others[0]]
         return Verdict(
             odd[0],
             DESYNC,
             "flight_recorder",
-            f"process group {pg} collective #{seq}: rank {odd[0]} issued {_op(mine)}, ranks "
-            f"{_ranks(others)} issued {_op(theirs)}",
+            f"{group} collective #{seq}: rank {odd[0]} issued {_op(mine)}, ranks {_ranks(others)} issued {_op(theirs)}",
         )
     return None
 
 
-def _behind(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
+def _behind(group: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
     """The rank that enqueued fewer collectives than its peers: stuck before the next one, or inside its last."""
     newest = max(g.enqueued for g in members.values())
     lowest = min(g.enqueued for g in members.values())
@@ -243,7 +279,7 @@ def _behind(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
             None,
             HOST_SIDE,
             "flight_recorder",
-            f"process group {pg}: ranks {_ranks(behind)} stopped "
+            f"{group}: ranks {_ranks(behind)} stopped "
             f"issuing collectives at #{lowest}, their peers went on to #{newest}",
         )
     rank, record = behind[0], members[behind[0]]
@@ -255,19 +291,18 @@ def _behind(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
             rank,
             IN_COLLECTIVE,
             "flight_recorder",
-            f"process group {pg} collective {name}: enqueued but never completed on rank {rank}, while "
+            f"{group} collective {name}: enqueued but never completed on rank {rank}, while "
             f"its peers completed it and wait in #{newest}",
         )
     return Verdict(
         rank,
         HOST_SIDE,
         "flight_recorder",
-        f"process group {pg}: rank {rank} completed collective {name} and issued no more, while its "
-        f"peers wait in #{newest}",
+        f"{group}: rank {rank} completed collective {name} and issued no more, while its peers wait in #{newest}",
     )
 
 
-def _not_completed(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
+def _not_completed(group: str, members: Mapping[int, GroupRecord]) -> Verdict | None:
     """All enqueued the same newest collective: the one rank that did not complete it (or, with device states,
     did not even start it) while its peers did."""
     newest = max(g.enqueued for g in members.values())
@@ -284,7 +319,7 @@ def _not_completed(pg: str, members: Mapping[int, GroupRecord]) -> Verdict | Non
         rank,
         IN_COLLECTIVE,
         "flight_recorder",
-        f"process group {pg} collective {name}: {what} on rank {rank}, while its peers got further",
+        f"{group} collective {name}: {what} on rank {rank}, while its peers got further",
     )
 
 
@@ -347,6 +382,20 @@ def _collective(entry: Any) -> Collective | None:
         json.dumps(entry.get("input_sizes"))[:MAX_FIELD_CHARS],
         state,
     )
+
+
+def _version(collective: Collective) -> tuple[str, str]:
+    """What every rank must agree on at one sequence number: the operation, and its sizes unless they differ by
+    design."""
+    sizes_differ = collective.op.split(":")[-1] in SIZES_DIFFER_BY_DESIGN
+    return (collective.op, "" if sizes_differ else collective.sizes)
+
+
+def _desc(process_group: Any) -> str:
+    """A group's description from an entry's `process_group` ([name, description]); "" when it has none."""
+    if isinstance(process_group, list) and len(process_group) == 2 and isinstance(process_group[1], str):
+        return process_group[1][:MAX_FIELD_CHARS]
+    return ""
 
 
 def _int(value: Any, default: int) -> int:

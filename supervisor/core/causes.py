@@ -7,6 +7,8 @@ What is recognised, in this order:
 - a collective that failed, said near the end (gloo's "Received data size doesn't match expected size", a peer's
   connection reset, NCCL's watchdog timeout), whether the rank raised or aborted: `collective failed: ...`
   (`desync: ...` for a mismatch); the culprit is then found from every rank's flight recorder;
+- NCCL saying it is used wrongly (`invalid usage`, `ncclInvalidUsage`, "Duplicate GPU detected": two ranks on one
+  GPU), whether the rank raised or aborted: `NCCL invalid usage: ...`, a config error, not retryable;
 - killed by a signal: `killed by SIGKILL`, plus `(out of memory: ...)` when the caller saw the kernel's
   OOM killer strike (the stderr of a killed process says nothing about who killed it);
 - exit 78 (the rank's settings are invalid): `exited with code 78: <its last line>`, not retryable;
@@ -63,6 +65,9 @@ COLLECTIVE_MARKS = (
     "NCCL communicator was aborted",
     "ncclRemoteError",
 )
+# NCCL refusing how it is used: the job's setup is wrong (two ranks given one GPU), the same at every relaunch.
+NCCL_MISUSE_MARKS = ("Duplicate GPU detected", "ncclInvalidUsage")
+NCCL_MISUSE_LINES = 80  # torch prints C++ frames ("frame #12: ...") after NCCL's message
 STATE_DICT_MARKS = (
     "Error(s) in loading state_dict",
     "size mismatch for",
@@ -93,7 +98,7 @@ class CauseKind(Enum):
     OOM = "oom"  # killed while the kernel's OOM killer struck in the ranks' cgroup
     DISK_FULL = "disk_full"
     CHECKPOINT_INCOMPATIBLE = "checkpoint_incompatible"  # the model does not match the checkpoint it loads
-    CONFIG = "config"  # the rank's settings are invalid (its exit 78)
+    CONFIG = "config"  # the rank's settings are invalid (its exit 78, or NCCL's invalid usage)
     HANG = "hang"
     ANOMALY = "anomaly"  # an anomaly abort (exit 65): rolled back, bounded by anomaly.max_tries
     CHECKPOINT_REFUSED = "checkpoint_refused"  # exit 66: relaunched from an older checkpoint
@@ -143,6 +148,8 @@ def explain(
     """The cause of a rank's non-zero exit, from the tail of its stderr and its returncode (negative: a signal)."""
     lines = _clean_lines(stderr_tail)
     aborted_or_exited = returncode > 0 and returncode != EXIT_CONFIG or returncode == -signal.SIGABRT
+    if aborted_or_exited and (misuse := _nccl_misuse(lines, returncode)):
+        return misuse
     if aborted_or_exited and (failed := _collective_failure(lines, returncode)):
         return failed
     if returncode < 0:
@@ -180,6 +187,27 @@ def _collective_failure(lines: list[str], returncode: int) -> Cause | None:
     line = line[line.index(mark) :] if mark in DESYNC_MARKS else line  # gloo's enforce text before it says nothing
     how = _signal_cause(-returncode, False).text if returncode < 0 else f"exited with code {returncode}"
     return Cause(CauseKind.COLLECTIVE, _cap(f"{kind}: {_brief(line)} ({how})"), f"{kind} ({how})")
+
+
+def _nccl_misuse(lines: list[str], returncode: int) -> Cause | None:
+    """NCCL refused how it was used, as the rank's last lines say: its most telling line (the duplicate GPU, else
+    what follows NCCL's "Last error:", else the error itself)."""
+    said = [line.strip() for line in lines[-NCCL_MISUSE_LINES:] if line.strip()]
+    hits = [i for i, line in enumerate(said) if _is_nccl_misuse(line)]
+    if not hits:
+        return None
+    duplicate = next((line for line in reversed(said) if NCCL_MISUSE_MARKS[0] in line), None)
+    if duplicate is not None:
+        line = duplicate[duplicate.index(NCCL_MISUSE_MARKS[0]) :]  # without NCCL's "host:pid:tid [0] init.cc:497"
+    else:
+        after = [i + 1 for i in range(hits[0], len(said) - 1) if said[i] == "Last error:"]
+        line = said[after[-1]] if after else said[hits[-1]]
+    how = _signal_cause(-returncode, False).text if returncode < 0 else f"exited with code {returncode}"
+    return Cause(CauseKind.CONFIG, _cap(f"NCCL invalid usage: {_brief(line)} ({how})"), f"NCCL invalid usage ({how})")
+
+
+def _is_nccl_misuse(line: str) -> bool:
+    return any(mark in line for mark in NCCL_MISUSE_MARKS) or ("NCCL" in line and "invalid usage" in line)
 
 
 def _signal_cause(signum: int, oom_killed: bool) -> Cause:

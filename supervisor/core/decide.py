@@ -742,7 +742,7 @@ def _refine_hang(state: State, hang: Hang, event: StacksCollected) -> Hang:
     if event.culprit is None:
         return replace(hang, stacks=event.paths, step=steps.get(hang.rank, hang.step))
     culprit = state.ranks[event.culprit]
-    phase = culprit.heartbeat_phase or "launch"
+    phase = (verdict.phase if verdict is not None else None) or culprit.heartbeat_phase or "launch"
     timeout = (
         state.policy.hang.first_heartbeat_s
         if phase == "launch"

@@ -50,6 +50,7 @@ __all__ = [
     "Record",
     "SignalRanks",
     "SignalReceived",
+    "SlowSaves",
     "StacksCollected",
     "Started",
     "State",
@@ -153,6 +154,15 @@ class ChildExited:
 
 
 @dataclass(frozen=True)
+class SlowSaves:
+    """A rank's background checkpoint writes outlast its save interval: each save waits for the previous one."""
+
+    write_s: float  # the write that was waited for
+    interval_s: float  # the training between the two saves
+    setting: str  # what to set, in the rank's words ("worker.save_checkpoint_steps: 40 or more")
+
+
+@dataclass(frozen=True)
 class HeartbeatSeen:
     """A rank's heartbeat file holds a new record."""
 
@@ -172,6 +182,7 @@ class HeartbeatSeen:
     anomalies: tuple[tuple[str, int], ...] | None = None  # what this rank process saw itself: (kind, count)
     age_s: float = 0.0  # how long before the supervisor got it the rank wrote it (a node agent batches its beats)
     inexact: str | None = None  # why the rank's resume is not exact (worker.verify), once it knows
+    slow_saves: SlowSaves | None = None  # once its background writes outlast its save interval
 
 
 @dataclass(frozen=True)

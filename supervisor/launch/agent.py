@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.core import HeartbeatSeen
-from supervisor.launch.gpu_health import gpu_problems
+from supervisor.launch.gpu_health import ENV_VISIBLE, count_gpus, gpu_problems
 from supervisor.launch.launcher import publish_order
 from supervisor.launch.ranks import Ranks, free_port, local_env, signal_group, spawn_ranks
 from supervisor.launch.stacks import collect_stacks
@@ -82,6 +82,8 @@ class Agent:
             port=free_port("0.0.0.0"),
             slurm_node_id=os.environ.get("SLURM_NODEID"),
             gpu_problems=gpu_problems(),
+            gpus=count_gpus().to_json(),  # judged against the job's `device` (`reported_shortage`)
+            cuda_visible_devices=os.environ.get(ENV_VISIBLE),  # what the ranks inherit here
         )
         fenced: str | None = None
         try:

@@ -23,7 +23,7 @@ import psutil
 from supervisor.config import JobConfig
 from supervisor.core import ChildExited, Event, Heartbeats, HeartbeatSeen, LaunchFailed, RankState, StacksCollected
 from supervisor.core.causes import oom_kill_count
-from supervisor.launch.gpu_health import gpu_problems
+from supervisor.launch.gpu_health import gpu_problems, preflight
 from supervisor.launch.ranks import Attempt, Ranks, launch_ranks, rank_envs
 from supervisor.launch.stacks import start_stack_collection
 from supervisor.launch.standby import FILL_AFTER_S, Standby, Standbys
@@ -65,6 +65,9 @@ class Launcher(Protocol):
 
     def hand_over(self) -> None:
         """Stop without killing what a successor may live in: the ranks are fenced by their agents."""
+
+    def prestart(self) -> None:
+        """A relaunch is decided: start what can start before its resume point is chosen (on the main thread)."""
 
     def launch(self, attempt: Attempt) -> Spawned | LaunchFailed | None:
         """Start every rank; the outcome now, or None when it will be posted."""
@@ -165,10 +168,18 @@ class LocalLauncher:
     def hand_over(self) -> None:
         self.close()  # on one machine there is nobody to hand over to
 
+    def prestart(self) -> None:
+        """A standby for each rank that has none waiting, spawned now: its Python and imports overlap the choice of
+        the resume point (checksums read) and the clean-up of torn saves, which torchrun's restart has not to do."""
+        if self._standbys is not None:
+            self._standbys.fill()
+
     def launch(self, attempt: Attempt) -> Spawned | LaunchFailed:
         def on_exit(number: int, rank: int, code: int) -> None:
             self._post(ChildExited(number, rank, code))
 
+        if short := preflight(self._config):  # before every attempt: a GPU may have gone since the last one
+            return LaunchFailed(attempt.number, short, retryable=False)
         if problems := gpu_problems():  # relaunching on a GPU that needs a reset fails again: another machine
             self._log.error("gpu_unhealthy", attempt=attempt.number, problems=problems)
             return LaunchFailed(
@@ -286,7 +297,7 @@ class LocalLauncher:
 
     def _refill_standbys(self) -> None:
         """Once the attempt trains (every rank past a step, or FILL_AFTER_S), so standbys never slow its start."""
-        if self._standbys is None or self._ranks is None:
+        if self._standbys is None or self._ranks is None or not self._config.standby.keep_warm:
             return
         if len(self._training) == self._config.nproc_per_node or time.monotonic() - self._launched_at > FILL_AFTER_S:
             self._standbys.fill()

@@ -47,6 +47,7 @@ from supervisor.core import (
 from supervisor.core.blame import IN_COLLECTIVE, SILENT
 from supervisor.core.causes import Cause, CauseKind
 from supervisor.launch import slurmctl
+from supervisor.launch.gpu_health import reported_shortage
 from supervisor.launch.launcher import Isolated, Spawned, publish_order
 from supervisor.launch.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
 from supervisor.launch.ranks import Attempt, Placement, contract_env, rank_argv
@@ -273,6 +274,9 @@ class SlurmLauncher:
         return self._attempt is not None
 
     # ---- launching ----
+
+    def prestart(self) -> None:
+        """Nothing: the agents start their ranks when the attempt's launch reaches them."""
 
     def launch(self, attempt: Attempt) -> None:
         """Ask Slurm for the nodes (in a thread: the controller may be slow or out of reach); `_Planned` goes on."""
@@ -515,6 +519,12 @@ class SlurmLauncher:
             peer.send({"type": "exit"})  # a late agent of an older attempt, or a node not in this one
             peer.close()
             return []
+        if short := reported_shortage(self._config, hello, node.name):  # the job asks more of its nodes than they have
+            peer.send({"type": "exit"})
+            peer.close()
+            self._kill_steps()
+            self._hello_deadline = None
+            return [LaunchFailed(attempt, short, retryable=False)]
         problems = hello.get("gpu_problems")
         if isinstance(problems, list) and problems:  # NVML on that node says a GPU needs a reset: not this attempt
             peer.send({"type": "exit"})

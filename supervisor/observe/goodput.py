@@ -19,11 +19,14 @@ time between categories, so the categories always add up to `wall_s`:
   past step R (up to their last progress) moves from productive to lost; the time from an attempt's last progress to
   its failure or forced stop (the step in flight) is lost at once. An anomaly rollback (resuming further back) and a
   supervisor that died mid-run (its successor resumes from the newest checkpoint) lose work the same way.
+- `startup_s`: the run's start-up, unproductive as in ByteRobust's accounting, but no failure's: from the
+  supervisor's process start (Python, imports, the config) through the first launch to its first step progress, or
+  to the end of that first attempt if it never got there. A supervisor that takes over after one died mid-run or
+  asked to be requeued is restarting the run, not starting it: its start-up is `restart_s`.
 - `restart_s`: downtime from a failure to the next attempt's first step progress: stopping the failed attempt,
-  backoff, process start, checkpoint load, up to the first step. The first launch's start-up (`Started` to the first
-  step) counts here too ("startup": as ByteRobust, initial start-up is unproductive), and so does the gap while no
-  supervisor ran after one died mid-run (the state file was left in a non-final state) or ended asking to be
-  requeued (exit 75: a job's time limit, too few healthy nodes).
+  backoff, process start, checkpoint load, up to the first step; also the gap while no supervisor ran after one
+  died mid-run (the state file was left in a non-final state) or ended asking to be requeued (exit 75: a job's
+  time limit, too few healthy nodes), and the successor's own start-up. 0 in a run without a restart.
 - `save_s`: time spent saving checkpoints, from the heartbeats' cumulative `save_s` (the most any rank of the attempt
   reports), taken out of training time (kept or not); saves of checkpoints never used count here too.
 - `hang_s`: from the last progress of an attempt to the moment a hang is declared (from the launch, for a hang
@@ -59,7 +62,8 @@ from worker.contract import EXIT_REQUEUE
 
 __all__ = ["CATEGORIES", "REPORTED", "Goodput", "describe", "ideal_step_time"]
 
-CATEGORIES = ("productive_s", "lost_s", "restart_s", "save_s", "hang_s", "stopped_s")  # tracked; slow_s is split
+CATEGORIES = ("productive_s", "lost_s", "startup_s", "restart_s", "save_s", "hang_s", "stopped_s")  # slow_s is split
+OPTIONAL = ("startup_s",)  # categories a state file of an older version lacks: 0 there
 REPORTED = ("productive_s", "slow_s", *CATEGORIES[1:])  # the status's, adding up to wall_s
 KEPT_MAX = 4096  # kept-timeline points in memory: the recent ones at full resolution, older ones thinned
 KEPT_SAVED = 32  # of them, in the state file for the next supervisor (a rollback after its death)
@@ -70,7 +74,8 @@ _TAIL = "tail"  # training since the attempt's last progress: kept if the attemp
 
 
 class Goodput:
-    """Splits wall time into productive, lost, restart, save, hang and stopped time; see the module docstring."""
+    """Splits wall time into productive, lost, start-up, restart, save, hang and stopped time; see the module
+    docstring."""
 
     def __init__(
         self,
@@ -91,6 +96,7 @@ class Goodput:
         if category is not None:
             self._totals[category] += gap
         self._process_started = process_started if category is None else None  # else the gap holds it
+        self._starting = category != "restart_s"  # downtime is start-up until the first attempt trains or ends
         self._wall = sum(self._totals.values())
         self._tail = 0.0
         self._last: float | None = None  # monotonic time of the last event seen
@@ -108,7 +114,7 @@ class Goodput:
 
     def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
         if self._last is None and self._process_started is not None and now > self._process_started:
-            self._add("restart_s", now - self._process_started)  # Python, imports, the config: a stopwatch's start
+            self._add(self._down, now - self._process_started)  # Python, imports, the config: a stopwatch's start
             self._wall += now - self._process_started
         if self._last is not None and self._category is not None and now > self._last:
             self._add(self._category, now - self._last)
@@ -125,6 +131,8 @@ class Goodput:
             self._attempt_ended(state, now)
         self._running = state.phase is Phase.RUNNING and state.attempt == self._attempt
         self._category = _category(state, self._progressed)
+        if self._category == "restart_s":
+            self._category = self._down
         if state.phase.terminal and not self._ended:
             self._ended = True
             records.append(("info", "goodput", self.status()["goodput"]))
@@ -203,7 +211,8 @@ class Goodput:
                 if trained > 0:  # a step-time sample: training since the last progress, saves taken out
                     self._rates.append((trained / (event.step - self._top), event.step - self._top))
             else:  # the first progress: since it was written the rank trained, it was not starting up
-                self._add(_TAIL, self._take("restart_s", event.age_s))
+                self._add(_TAIL, self._take(self._down, event.age_s))
+                self._starting = False
             self._progressed, self._top = True, event.step
             self._kept.append((event.step, self._totals["productive_s"]))
             if len(self._kept) > KEPT_MAX:
@@ -214,10 +223,11 @@ class Goodput:
         hang = state.hang is not None and state.hang.attempt == self._attempt
         clean = state.phase in (Phase.FINISHED, Phase.STOPPED) and all(r.returncode == 0 for r in state.ranks)
         if hang and not self._progressed:  # hung before its first step: its whole start-up was waiting for it
-            self._add("hang_s", self._take("restart_s", now - self._launched_at))
+            self._add("hang_s", self._take(self._down, now - self._launched_at))
         elif clean and not self._heard:  # no heartbeat (no worker library), yet it did its work
-            self._add("productive_s", self._take("restart_s", now - self._launched_at))
+            self._add("productive_s", self._take(self._down, now - self._launched_at))
         self._add("hang_s" if hang else "productive_s" if clean else "lost_s", self._take(_TAIL, self._tail))
+        self._starting = False  # whatever comes next follows a failure or a stop
 
     # ---- the kept timeline ----
 
@@ -237,6 +247,11 @@ class Goodput:
         return lost
 
     # ---- moving seconds ----
+
+    @property
+    def _down(self) -> str:
+        """Where time waiting for a step goes: start-up before the run's first attempt trained, else restart."""
+        return "startup_s" if self._starting else "restart_s"
 
     def _add(self, category: str, seconds: float) -> None:
         if category == _TAIL:
@@ -335,7 +350,10 @@ def _carried(previous: Mapping[str, Any]) -> tuple[dict[str, float], list[tuple[
     """The previous totals (all valid, or none) and its kept timeline (or one point holding all its productive
     time: without steps, none of it can be rolled back)."""
     goodput = previous.get("goodput")
-    if not isinstance(goodput, Mapping) or not all(_seconds(goodput.get(name)) for name in CATEGORIES):
+    if not isinstance(goodput, Mapping):
+        return {}, [(0, 0.0)]
+    goodput = {**dict.fromkeys(OPTIONAL, 0.0), **goodput}
+    if not all(_seconds(goodput.get(name)) for name in CATEGORIES):
         return {}, [(0, 0.0)]
     totals = {name: float(goodput[name]) for name in CATEGORIES}
     if _seconds(goodput.get("slow_s")):  # reported apart; tracked as training of kept steps
@@ -399,7 +417,10 @@ def _gap(previous: Mapping[str, Any], wall_now: float) -> tuple[float, str | Non
 
 def describe(goodput: Any) -> str | None:
     """'goodput 87.3 % (productive 12m04s, lost 41s, ...)'; None for a missing or malformed block, or no time yet."""
-    if not isinstance(goodput, Mapping) or not all(_seconds(goodput.get(n)) for n in ("wall_s", *CATEGORIES)):
+    if not isinstance(goodput, Mapping):
+        return None
+    goodput = {**dict.fromkeys(OPTIONAL, 0.0), **goodput}
+    if not all(_seconds(goodput.get(n)) for n in ("wall_s", *CATEGORIES)):
         return None
     if goodput["wall_s"] == 0:
         return None
@@ -409,6 +430,7 @@ def describe(goodput: Any) -> str | None:
         ("productive", "productive_s"),
         *([("slow steps", "slow_s")] if _seconds(goodput.get("slow_s")) else []),
         ("lost", "lost_s"),
+        ("start-up", "startup_s"),
         ("restarts", "restart_s"),
         ("saves", "save_s"),
         ("hangs", "hang_s"),

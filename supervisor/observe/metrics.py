@@ -31,6 +31,7 @@ GOODPUT_CATEGORIES = (
     "productive",
     "slow",
     "lost",
+    "startup",
     "restart",
     "save",
     "hang",

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeGuard
 
+from supervisor.core.model import duration
 from supervisor.observe.status import MAX_STATE_BYTES
 from supervisor.rundir.journal import journal_files
 from worker.contract import RunLayout
@@ -111,6 +112,7 @@ class Timeline:
     steps: int  # the highest applied step logged
     state: str | None  # the supervisor's last phase (state.json)
     goodput: float | None  # the supervisor's goodput ratio (state.json): kept steps at the ideal rate over wall time
+    startup_s: float | None  # of the wall time, the run's start-up (state.json's goodput block)
     flagged: tuple[int, ...]  # ranks flagged as stragglers (state.json or the journal)
     notes: tuple[str, ...]  # files not read whole, lines skipped
 
@@ -123,6 +125,8 @@ class Timeline:
             parts.append(_count(self.counts["straggler"], "straggler flag"))
         if self.goodput is not None:
             parts.append(f"goodput {100 * self.goodput:.1f} %")
+        if self.startup_s is not None:
+            parts.append(f"start-up {duration(self.startup_s)}")
         return ", ".join(parts)
 
 
@@ -212,6 +216,7 @@ def _assemble(
         steps=lead.steps,
         state=status.get("state") if isinstance(status.get("state"), str) else None,
         goodput=_ratio(status.get("goodput")),
+        startup_s=_startup(status.get("goodput")),
         flagged=tuple(flagged),
         notes=tuple(notes),
     )
@@ -592,6 +597,14 @@ def _ratio(goodput: Any) -> float | None:
     ratio = goodput.get("ratio") if isinstance(goodput, dict) else None
     if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 <= ratio <= 1:
         return float(ratio)
+    return None
+
+
+def _startup(goodput: Any) -> float | None:
+    """The goodput block's start-up seconds, if they are a finite number."""
+    seconds = goodput.get("startup_s") if isinstance(goodput, dict) else None
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < math.inf:
+        return float(seconds)
     return None
 
 

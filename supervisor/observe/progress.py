@@ -8,15 +8,16 @@ an observer answers with journal records to write, and lends its `status()` to t
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any, Protocol
 
-from supervisor.core import Event, HeartbeatSeen, RanksLaunched, State
+from supervisor.core import Event, HeartbeatSeen, RanksLaunched, SlowSaves, State
 from supervisor.rundir.watch import progress_fields
 
 __all__ = ["Counts", "JournalRecord", "Observer", "Progress"]
 
 JournalRecord = tuple[str, str, dict[str, Any]]  # (level, event name, fields)
-MAX_REASONS = 8  # distinct reasons for an inexact resume kept per attempt (each rank's are journalled anyway)
+MAX_REASONS = 8  # distinct reasons for an inexact resume kept per attempt, slow-saving ranks shown (all journalled)
 RATE_WINDOW_S = 30.0  # steps per second over about this long: smooth, yet quick to follow a slowdown
 
 
@@ -82,8 +83,9 @@ class Progress:
 
 
 class Counts:
-    """Skipped batches and anomalies by kind over every attempt this supervisor ran, the newest save's duration, and
-    the ranks of this attempt that said their resume is not exact (journalled once per rank and reason).
+    """Skipped batches and anomalies by kind over every attempt this supervisor ran, the newest save's duration, the
+    ranks of this attempt that said their resume is not exact (journalled once per rank and reason), and those whose
+    background checkpoint writes outlast their save interval (journalled once per rank).
 
     A rank process counts from zero, so each attempt is kept apart: skips are agreed, the same on every rank (the
     attempt's largest count is taken); anomalies are each rank's own sightings (summed over ranks).
@@ -97,6 +99,7 @@ class Counts:
         self._last_save: dict[int, float] = {}  # rank -> its newest save's duration, this attempt
         self._inexact: dict[str, list[int]] = {}  # why a resume is not exact -> the ranks that said so, this attempt
         self._said: dict[int, str] = {}  # rank -> the newest reason it gave
+        self._slow_saves: dict[int, SlowSaves] = {}  # rank -> its word that saves wait for the previous one
         self._attempt = 0
 
     def observe(self, event: Event, state: State, now: float) -> list[JournalRecord]:
@@ -104,12 +107,14 @@ class Counts:
             return []
         if event.attempt != self._attempt:
             self._attempt, self._last_save, self._inexact, self._said = event.attempt, {}, {}, {}
+            self._slow_saves = {}
         if event.skipped is not None:
             self._skipped[event.attempt] = max(self._skipped.get(event.attempt, 0), event.skipped)
         if event.anomalies is not None:
             self._anomalies[event.attempt, event.rank] = event.anomalies
         if event.last_save_s is not None:
             self._last_save[event.rank] = event.last_save_s
+        records = self._slow_saves_said(event)
         if event.inexact is not None and self._said.get(event.rank) != event.inexact:
             self._said[event.rank] = event.inexact
             ranks = self._inexact.get(event.inexact)
@@ -118,8 +123,16 @@ class Counts:
             if ranks is not None and event.rank not in ranks:
                 ranks.append(event.rank)
             fields = {"attempt": event.attempt, "rank": event.rank, "reason": event.inexact}
-            return [("warning", "resume_inexact", fields)]
-        return []
+            records.append(("warning", "resume_inexact", fields))
+        return records
+
+    def _slow_saves_said(self, event: HeartbeatSeen) -> list[JournalRecord]:
+        """The journal's `save_slower_than_interval`, the first time a rank of this attempt says so."""
+        if event.slow_saves is None or event.rank in self._slow_saves:
+            return []
+        self._slow_saves[event.rank] = said = event.slow_saves
+        fields = {"attempt": event.attempt, "rank": event.rank, **asdict(said)}
+        return [("warning", "save_slower_than_interval", fields)]
 
     def status(self) -> dict[str, Any]:
         kinds: dict[str, int] = dict(self._carried_anomalies)
@@ -131,7 +144,15 @@ class Counts:
             "anomalies": dict(sorted(kinds.items())),
             "last_save_s": max(self._last_save.values(), default=None),
             "resume_inexact": [{"reason": why, "ranks": sorted(ranks)} for why, ranks in self._inexact.items()],
+            "save_slower_than_interval": self._slow_saves_status(),
         }
+
+    def _slow_saves_status(self) -> dict[str, Any] | None:
+        """How many ranks of this attempt said their writes outlast their save interval, and the slowest few."""
+        if not self._slow_saves:
+            return None
+        slowest = sorted(self._slow_saves.items(), key=lambda said: (-said[1].write_s, said[0]))[:MAX_REASONS]
+        return {"ranks": len(self._slow_saves), "slowest": [{"rank": rank, **asdict(said)} for rank, said in slowest]}
 
 
 def _carried_counts(previous: dict[str, Any]) -> tuple[int, dict[str, int]]:

@@ -219,9 +219,9 @@ def _supervisor(layout: RunLayout, status: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _sane_reason(said: Any) -> bool:
+def _sane_reason(said: Any, key: str = "reason") -> bool:
     """A reason as the supervisor wrote it: one printable line (the state file may have been tampered with)."""
-    reason = said.get("reason") if isinstance(said, dict) else None
+    reason = said.get(key) if isinstance(said, dict) else None
     return isinstance(reason, str) and reason.isprintable() and len(reason) <= 400
 
 
@@ -236,6 +236,21 @@ def _inexact_lines(inexact: Any) -> list[str]:
     if len(said) > SHOWN_IN_SUMMARY:
         lines.append(f"  ... and {len(said) - SHOWN_IN_SUMMARY} more reasons (status --json lists them)")
     return lines
+
+
+def _slow_save_lines(said: Any) -> list[str]:
+    """'saves wait for the previous write (2 ranks): rank 0's took 3.1 s, ...; set ...', for the slowest rank."""
+    slowest = said.get("slowest") if isinstance(said, dict) else None
+    first = slowest[0] if isinstance(slowest, list) and slowest and isinstance(slowest[0], dict) else {}
+    rank, write_s, interval_s = first.get("rank"), first.get("write_s"), first.get("interval_s")
+    if not (type(rank) is int and _is_number(write_s) and _is_number(interval_s) and _sane_reason(first, "setting")):
+        return []  # none, or a tampered state file
+    ranks = said.get("ranks")
+    who = f"{ranks} ranks" if type(ranks) is int and ranks > 1 else f"rank {rank}"
+    return [
+        f"  saves wait for the previous write ({who}): rank {rank}'s took {write_s:.3g} s, with {interval_s:.3g} s "
+        f"of training between saves; set {first['setting']}"
+    ]
 
 
 def render(status: dict[str, Any]) -> str:
@@ -255,6 +270,7 @@ def render(status: dict[str, Any]) -> str:
     if goodput := describe_goodput(status.get("goodput")):  # None for a missing or tampered block
         lines.append(f"  {goodput}")
     lines += _inexact_lines(status.get("resume_inexact"))
+    lines += _slow_save_lines(status.get("save_slower_than_interval"))
     lines += _heartbeat_lines(status)
     lines += _node_lines(status)
     lines += _rank_lines(status["ranks"], status.get("rank_compute_s"))

@@ -26,7 +26,7 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
-from supervisor.core import HeartbeatSeen
+from supervisor.core import HeartbeatSeen, SlowSaves
 from worker.contract import RunLayout
 from worker.files import ensure_dir, read_json
 
@@ -301,7 +301,19 @@ def progress_fields(record: dict[str, Any]) -> dict[str, Any]:
         "skipped": record.get("skipped") if _is_count(record.get("skipped")) else None,
         "anomalies": _anomaly_counts(record.get("anomalies")),
         "inexact": _text_or_none(record.get("inexact")),
+        "slow_saves": _slow_saves(record.get("slow_saves")),
     }
+
+
+def _slow_saves(value: object) -> SlowSaves | None:
+    """A rank's word that its background writes outlast its save interval: two sane durations and one line."""
+    if not isinstance(value, dict):
+        return None
+    write_s, interval_s = _nonnegative_or_none(value.get("write_s")), _nonnegative_or_none(value.get("interval_s"))
+    setting = _text_or_none(value.get("setting"))
+    if write_s is None or interval_s is None or setting is None:
+        return None
+    return SlowSaves(write_s, interval_s, setting)
 
 
 def _text_or_none(value: object) -> str | None:

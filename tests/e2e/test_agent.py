@@ -110,12 +110,15 @@ def test_the_agent_introduces_itself_with_the_token_and_a_free_port(supervisor):
 
 def test_the_agent_says_in_its_hello_which_gpus_nvml_calls_unhealthy(supervisor, tmp_path):
     """No NVML here: nothing known; with nvidia-ml-py saying GPU 0 needs a reset, the hello says so (the supervisor
-    then loses the node for this attempt: docs/hangs.md)."""
+    then loses the node for this attempt: docs/hangs.md), with the GPUs NVML counts and the node's
+    CUDA_VISIBLE_DEVICES (the supervisor's preflight of `device: cuda`)."""
     assert supervisor.hello["gpu_problems"] is None
     (tmp_path / "nvml").mkdir()
-    fake = FakeSupervisor(tmp_path / "nvml", env={"PYTHONPATH": str(REPO / "tests" / "fake_nvml")})
+    env = {"PYTHONPATH": str(REPO / "tests" / "fake_nvml"), "CUDA_VISIBLE_DEVICES": "0"}
+    fake = FakeSupervisor(tmp_path / "nvml", env=env)
     try:
         assert fake.hello["gpu_problems"] == ["GPU 0: NVML asks for a GPU reset"]
+        assert (fake.hello["gpus"], fake.hello["cuda_visible_devices"]) == ({"gpus": 1, "how": "counted by NVML"}, "0")
     finally:
         fake.close()
 

@@ -258,3 +258,31 @@ def test_a_gpu_that_nvml_says_needs_a_reset_is_not_launched_on_and_the_run_asks_
     assert unhealthy["problems"] == ["GPU 0: NVML asks for a GPU reset"]
     assert "unhealthy GPU on this machine: GPU 0: NVML asks for a GPU reset" in done.status()["reason"]
     assert not [e for e in journal(tmp_path / "run") if e["event"] == "ranks_launched"]
+
+
+def test_a_gpu_lost_between_attempts_stops_the_run_with_exit_78_before_the_relaunch(tmp_path: Path):
+    """device: cuda with 2 ranks: NVML (a stand-in on PYTHONPATH) shows 2 GPUs for the first attempt, whose rank 0
+    then takes one away and fails; the relaunch is refused before any rank starts, exit 78, naming 1 GPU and 2 ranks."""
+    gpus = tmp_path / "gpus"
+    gpus.write_text("2")
+    lose_one = "import os, sys; r = os.environ['RANK']; r == '0' and open(sys.argv[1], 'w').write('1'); sys.exit(3)"
+    config = tmp_path / "job.yaml"
+    job = {
+        "command": [sys.executable, "-c", lose_one, str(gpus)],
+        "nproc_per_node": 2,
+        "device": "cuda",
+        "restart": {"max_restarts": 3, "backoff_initial_s": 0.0},
+    }
+    config.write_text(yaml.safe_dump(job))
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(PYTHONPATH=str(REPO / "tests" / "fake_nvml"), FAKE_NVML_GPUS=str(gpus))
+    argv = [sys.executable, "-m", "supervisor", "run", str(config), "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = finish(proc, tmp_path / "run", timeout=30)
+
+    assert done.returncode == 78, done.stderr[-3000:]
+    short = "device: cuda needs a GPU per rank (nproc_per_node: 2), but this machine shows 1 GPU (counted by NVML)"
+    assert said(done)[0].startswith(f"trainwarden: run failed: not launched: {short}")
+    (failed,) = [e for e in journal(tmp_path / "run") if e["event"] == "launch_failed"]
+    assert (failed["attempt"], failed["error"], failed["retryable"]) == (1, short, False)
+    assert attempts_launched(tmp_path / "run") == 1

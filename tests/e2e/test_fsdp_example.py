@@ -1,8 +1,9 @@
 """examples/fsdp_train.py under the real supervisor: FSDP2 with sharded checkpoints written in the background.
 
 A kill -9 during a background write, a hang and a stop, then a rerun, end bitwise equal to an uninterrupted run
-(compared through `trainwarden export`); the same run dir goes on with 4 ranks, then with 2 again, and across both
-changes every sample is trained once: no id skipped, none seen twice."""
+(compared through `trainwarden export`), in which a save waits for a slow write before it and says so; the same run
+dir goes on with 4 ranks, then with 2 again, and across both changes every sample is trained once: no id skipped,
+none seen twice."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ pytestmark = [
 SAVE_EVERY = 5
 KILL = "1:sigkill_in_async_write@10"  # rank 1 dies inside the background write of 10: resumed from 5
 HANG = "0:hang@17"  # once relaunched, rank 0 hangs after step 17: resumed from 15
+SLOW_WRITE_S = 3.0
+SLOW_WRITE = f"0:slow_async_write@5:{SLOW_WRITE_S:g}"  # uninterrupted: the save of 10 waits for the write of 5
 UNTIL_STOPPED = 100_000  # the interrupted run ends by its stop; --lr-decay-steps keeps every run's schedule
 STEPS_AFTER_STOP = 5
 PER_RANK_BATCH = 2
@@ -92,10 +95,12 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, interrupted: tuple[Path, int]) -> Finished:
-    """The uninterrupted run to where the interrupted one ends, logging its sample ids."""
+    """The uninterrupted run to where the interrupted one ends, logging its sample ids; rank 0's write of step 5 takes
+    SLOW_WRITE_S longer (nothing else changes)."""
     tmp = tmp_path_factory.mktemp("reference")
     steps = interrupted[1] + STEPS_AFTER_STOP
-    done = run_supervisor(fsdp_job(tmp, steps=steps, samples=tmp / "ids.jsonl"), tmp / "run", timeout=120)
+    job = fsdp_job(tmp, steps=steps, samples=tmp / "ids.jsonl", faults=SLOW_WRITE)
+    done = run_supervisor(job, tmp / "run", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -123,6 +128,31 @@ def test_a_kill_in_a_background_write_a_hang_and_a_stop_end_bitwise_equal_to_an_
     assert got.keys() == want.keys() and len(got) > 20
     unequal = [name for name in want if not torch.equal(got[name], want[name])]
     assert not unequal, f"differ from the uninterrupted run: {unequal}"
+
+
+def test_a_save_due_while_the_previous_write_runs_waits_for_it_counts_the_wait_and_says_so(reference: Finished) -> None:
+    """Saves every 5 steps, rank 0's write of 5 stretched by 3 s: its save of 10 waits for it, the stall holding the
+    wait; the rank says its writes outlast its save interval and what to set, the supervisor journals it once and
+    `status` shows it, and goodput counts the wait as save time."""
+    events = rank_events(reference.run_dir, 0)
+    staged = {e["step"]: e for e in events if e["event"] == "checkpoint_staged"}
+    (said,) = (e for e in events if e["event"] == "save_slower_than_interval")
+    assert (said["step"], said["interval_steps"]) == (10, SAVE_EVERY) and said["write_s"] >= SLOW_WRITE_S
+    waited = staged[10]["waited_s"]  # the write began as the loop went on, and ran SLOW_WRITE_S at least
+    assert SLOW_WRITE_S - said["interval_s"] - 0.1 <= waited <= staged[10]["stall_s"]
+    assert said["setting"].startswith("worker.save_checkpoint_steps: ")
+
+    journalled = [e for e in journal(reference.run_dir) if e["event"] == "save_slower_than_interval"]
+    assert [e["setting"] for e in journalled if e["rank"] == 0] == [said["setting"]]  # once
+    status = reference.status()
+    shown = {e["rank"]: e for e in status["save_slower_than_interval"]["slowest"]}
+    assert shown[0] == {
+        "rank": 0,
+        "write_s": said["write_s"],
+        "interval_s": said["interval_s"],
+        "setting": said["setting"],
+    }
+    assert status["goodput"]["save_s"] >= waited - 0.5  # the wait is save time, not training
 
 
 def sample_ids(path: Path) -> list[list[int]]:

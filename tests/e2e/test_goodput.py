@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.observe.goodput import REPORTED, describe
-from tests.e2e.conftest import REPO, journal, run_supervisor, write_config
+from tests.e2e.conftest import REPO, journal, run_supervisor, trainwarden_status, write_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,7 +30,8 @@ def step_times(run_dir: Path, rank: int) -> dict[tuple[int, int], float]:
 
 def test_goodput_of_a_run_with_one_kill(tmp_path: Path):
     """Rank 1 SIGKILLed after step 28 of 40 (checkpoints every 10): the relaunch resumes from 20, the training of
-    steps 21-28 is lost, start-up and kill-to-first-step are restart time, and the categories add up to wall_s."""
+    steps 21-28 is lost, start-up is its own share, kill-to-first-step is restart time, and the categories add up
+    to wall_s."""
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "job.yaml", steps=40, env={"TRAINWARDEN_FAULTS": "1:sigkill@28"})
     launched = time.time()  # the stopwatch starts with the command: the supervisor's own start-up counts
@@ -47,8 +48,9 @@ def test_goodput_of_a_run_with_one_kill(tmp_path: Path):
     crash = seconds(next(e["time"] for e in events if e["event"] == "rank_crashed"))
     lost = steps[0, 28] - steps[0, 20]  # heartbeats show steps up to 0.5 s late; the step in flight adds a little
     assert lost - 0.6 <= goodput["lost_s"] <= lost + 1.0, (lost, goodput)
-    restart = (steps[0, 1] - launched) + (steps[1, 21] - crash)
-    assert restart - 1.0 <= goodput["restart_s"] <= restart + 1.5, (restart, goodput)
+    startup, restart = steps[0, 1] - launched, steps[1, 21] - crash  # each to a step's heartbeat, dated by its age
+    assert startup - 0.75 <= goodput["startup_s"] <= startup + 1.0, (startup, goodput)
+    assert restart - 0.75 <= goodput["restart_s"] <= restart + 1.0, (restart, goodput)
     assert goodput["save_s"] > 0
     assert goodput["hang_s"] == goodput["stopped_s"] == 0
     assert sum(goodput[name] for name in REPORTED) == pytest.approx(goodput["wall_s"], rel=0.01)
@@ -66,3 +68,11 @@ def test_goodput_of_a_run_with_one_kill(tmp_path: Path):
         check=True,
     )
     assert f"\n  {line}\n" in human.stdout
+
+
+def test_a_fault_free_run_spends_no_time_on_restarts(reference_run: Path):
+    """`status --json` of an uninterrupted demo run: its start-up is start-up, and no second went to restarts."""
+    goodput = trainwarden_status(reference_run)["goodput"]
+    assert goodput["restart_s"] == 0, goodput
+    assert goodput["startup_s"] > 0, goodput
+    assert "start-up" in describe(goodput)

@@ -48,7 +48,7 @@ def test_plot_of_a_run_with_a_kill_and_a_spike_shows_them(tmp_path: Path) -> Non
     timeline = read_timeline(RunLayout(run_dir))
     assert plotted.stdout == f"wrote {out}: {timeline.summary()}\n"
     assert re.fullmatch(
-        rf"{STEPS} steps, 1 crash, 1 skipped step, 4 checkpoints, goodput \d+\.\d %", timeline.summary()
+        rf"{STEPS} steps, 1 crash, 1 skipped step, 4 checkpoints, goodput \d+\.\d %, start-up \S+", timeline.summary()
     )
     assert [m.step for m in timeline.marks if m.kind == "checkpoint"] == [10, 20, 30, 40]
     (crash,) = [m for m in timeline.marks if m.kind == "crash"]

@@ -265,6 +265,23 @@ def test_standbys_can_be_turned_off(tmp_path: Path) -> None:
     assert not facts(run_dir, 1, 0)["prewarmed"]
 
 
+def test_without_keep_warm_no_standby_waits_and_a_relaunch_spawns_them_at_its_decision(tmp_path: Path) -> None:
+    """`keep_warm: false`: nothing idle while the run trains; the relaunch's ranks still start as standbys, spawned
+    when it is decided, so their imports overlap the choice of the resume point."""
+    config, run_dir, crash = facts_job(tmp_path, {"keep_warm": False})
+    proc = start_supervisor(config, run_dir)
+    first = run_dir / "logs" / "attempt_0" / "rank_1.out"
+    wait(proc, lambda: first.exists() and first.stat().st_size > 0, "rank 1 to start")
+    time.sleep(1.5)  # the pool would be filled at the next poll (once a second) after the ranks' training heartbeat
+    assert standbys(proc) == {}
+    crash.touch()
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert facts(run_dir, 1, 0)["prewarmed"]
+
+
 def test_a_standby_taken_while_still_importing_runs_the_script_once_its_imports_are_done(tmp_path: Path) -> None:
     (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(3)\n")
     config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["slow_to_import"]})

@@ -1,5 +1,6 @@
 """Naming a hang's culprit from plain values: real gloo flight recorder dumps (torch 2.13, 2 and 4 ranks, each hang
-made by hand: tests/unit/flight_records) and hand-written ones for what gloo cannot show (NCCL's device states)."""
+made by hand; the background-save ones recorded by `bench/hang_blame.py --keep`, trimmed: tests/unit/flight_records)
+and hand-written ones for what gloo cannot show (NCCL's device states)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,18 @@ def recorded(name: str) -> dict[int, Any]:
 
 
 def entry(
-    seq: int, op: str = "all_reduce", sizes: Any = ((8,),), *, done: bool = True, pg: int = 0, state: str = "scheduled"
+    seq: int,
+    op: str = "all_reduce",
+    sizes: Any = ((8,),),
+    *,
+    done: bool = True,
+    pg: int = 0,
+    state: str = "scheduled",
+    desc: str = "default_pg",
 ) -> dict[str, Any]:
     return {
         "pg_id": pg,
+        "process_group": [str(pg), desc],
         "collective_seq_id": seq,
         "profiling_name": f"gloo:{op}",
         "input_sizes": sizes,
@@ -157,6 +166,78 @@ def test_process_groups_are_judged_apart_and_point_to_point_is_left_out():
     }
     verdict = judge(flights)
     assert (verdict.rank, verdict.cls) == (1, "host-side") and verdict.evidence.startswith("process group 1:")
+
+
+def test_a_scatters_sizes_differ_by_design_and_the_training_group_names_the_culprit():
+    """Recorded: a save's scatter in the checkpoint writer's group (rank 0, its root, sends [[4, 1]], its peers
+    nothing) was read as rank 0's desync; rank 0 hung in Python after step 7 and is named host-side in training's."""
+    flights = recorded("gloo_host_side_background_save_4_ranks")
+    assert {rank: f["1"].at(15).sizes for rank, f in flights.items()} == {0: "[[4, 1]]", 1: "[]", 2: "[]", 3: "[]"}
+    assert judge(flights) == Verdict(
+        0,
+        "host-side",
+        "flight_recorder",
+        "process group 0: rank 0 completed collective #19 (all_reduce [[9]]) and issued no more, while its peers "
+        "wait in #20",
+    )
+
+
+def test_a_rank_behind_in_training_and_in_the_writers_group_is_named_by_training_in_its_own_phase():
+    """Recorded: rank 1 hung at a save step, so its peers' writers wait for its writer too; training's group names
+    it, and the phase stays its heartbeat's (no save hang)."""
+    verdict = judge(recorded("gloo_host_side_at_a_save_4_ranks"))
+    assert (verdict.rank, verdict.cls, verdict.phase) == (1, "host-side", None)
+    assert verdict.evidence.startswith("process group 0: rank 1 completed collective #17 ")
+
+
+def test_a_stuck_checkpoint_writer_is_a_save_hang_named_by_the_writers_group():
+    """Recorded: rank 2's background write stalled inside a shard (hang_in_async_write); every loop then waited
+    for its save, training's group all even; the writer's group names rank 2, in phase save."""
+    assert judge(recorded("gloo_writer_stuck_4_ranks")) == Verdict(
+        2,
+        "host-side",
+        "flight_recorder",
+        "the checkpoint writer's process group 1: rank 2 completed collective #22 (scatter []) and issued no more, "
+        "while its peers wait in #23",
+        "save",
+    )
+
+
+@pytest.mark.parametrize("op", ["gloo:scatter", "gloo:gather", "gloo:broadcast", "nccl:all_to_all"])
+def test_a_root_based_or_variable_size_collective_with_other_sizes_is_no_desync_but_another_operation_is(op: str):
+    """Its sizes differ by design (a root's data, an all-to-all's splits); a rank issuing another operation at the
+    same sequence number is still the desync."""
+    root = {0: flight({**entry(5, sizes=[[3, 4]], done=False), "profiling_name": op})}
+    peers = {rank: flight({**entry(5, sizes=[], done=False), "profiling_name": op}) for rank in (1, 2)}
+    assert judge({**root, **peers}) is None
+    verdict = judge({**root, **peers, 3: flight(entry(5, "all_reduce", done=False))})
+    assert (verdict.rank, verdict.cls) == (3, "desync")
+
+
+def test_the_training_groups_are_judged_before_the_checkpoint_writers():
+    """A mismatch in the writer's group waits while training's group names a rank behind."""
+    writer = "trainwarden_checkpoint_writer"
+    flights = {
+        rank: flight(entry(6), entry(7, done=False), entry(3, "all_gather", pg=1, desc=writer, done=False))
+        for rank in (0, 1)
+    }
+    flights[2] = flight(entry(6), entry(3, "barrier", pg=1, desc=writer, done=False))
+    verdict = judge(flights)
+    assert (verdict.rank, verdict.cls, verdict.phase) == (2, "host-side", None)
+    assert verdict.evidence.startswith("process group 0: ")
+    flights[2] = flight(entry(6), entry(7, done=False), entry(3, "barrier", pg=1, desc=writer, done=False))
+    verdict = judge(flights)
+    assert (verdict.rank, verdict.cls, verdict.phase) == (2, "desync", "save")
+    assert verdict.evidence.startswith("the checkpoint writer's process group 1 collective #3: rank 2 issued barrier")
+
+
+@pytest.mark.parametrize(
+    ("process_group", "desc"),
+    [(["1", "trainwarden_checkpoint_writer"], "trainwarden_checkpoint_writer"), ("x", ""), (["1", 5], ""), (None, "")],
+)
+def test_a_groups_description_is_read_from_a_name_and_description_pair_only(process_group: Any, desc: str):
+    record = parse_flight({"entries": [{**entry(1), "process_group": process_group}]})
+    assert record["0"].desc == desc and record["0"].writer is bool(desc)
 
 
 @pytest.mark.parametrize(

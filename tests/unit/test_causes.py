@@ -329,3 +329,62 @@ def test_a_collective_that_failed_because_a_peer_went_away_is_a_collective_failu
 def test_a_rank_killed_from_outside_is_a_signal_whatever_its_stderr_said():
     """SIGKILL (an operator, the OOM killer) is not the collective's doing, even after such a line."""
     assert explain(GLOO_PEER_GONE, -signal.SIGKILL, library_dirs=LIBS).kind is CauseKind.SIGNAL
+
+
+# Two ranks given one GPU (torch 2.4, NCCL 2.20), as torch.distributed prints it.
+NCCL_DUPLICATE_GPU = b"""\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/home/u/proj/train.py", line 60, in main
+[rank1]:     model = DDP(model, device_ids=[local_rank])
+[rank1]:   File "/v/site-packages/torch/distributed/utils.py", line 288, in _verify_param_shape_across_processes
+[rank1]:     return dist._verify_params_across_processes(process_group, tensors, logger)
+[rank1]: torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, \
+invalid usage (run with NCCL_DEBUG=WARN for details), NCCL version 2.20.5
+[rank1]: ncclInvalidUsage: This usually reflects invalid usage of NCCL library.
+[rank1]: Last error:
+[rank1]: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000
+"""
+# Another misuse, from an older torch (no hint in parentheses) with C++ frames after it.
+NCCL_OTHER_MISUSE = (
+    b"torch.distributed.DistBackendError: NCCL error in: /opt/pytorch/torch/csrc/distributed/c10d/"
+    b"ProcessGroupNCCL.cpp:1287, invalid usage, NCCL version 2.17.1\n"
+    b"ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\n"
+    b"Last error:\n"
+    b"Invalid config blocking attribute value -2147483648\n"
+    b"Exception raised from getNCCLComm at /opt/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1287\n"
+    + b"".join(b"frame #%d: c10::Error::Error() + 0x%x\n" % (i, i) for i in range(30))
+)
+
+
+def test_nccl_duplicate_gpu_is_a_config_error_naming_the_ranks_not_retried():
+    """NCCL's invalid usage for two ranks on one GPU is not retryable; the cause is the line naming them."""
+    cause = explain(NCCL_DUPLICATE_GPU, 1, library_dirs=LIBS)
+    assert cause == Cause(
+        CauseKind.CONFIG,
+        "NCCL invalid usage: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000 (exited with code 1)",
+        "NCCL invalid usage (exited with code 1)",
+    )
+    assert not cause.retryable
+
+
+def test_nccl_invalid_usage_names_its_last_error_whether_raised_or_aborted():
+    """Any other misuse NCCL reports is named by the line after its "Last error:", an abort included."""
+    for returncode, how in ((1, "exited with code 1"), (-signal.SIGABRT, "killed by SIGABRT")):
+        cause = explain(NCCL_OTHER_MISUSE, returncode, library_dirs=LIBS)
+        assert cause.kind is CauseKind.CONFIG and not cause.retryable
+        assert cause.text == f"NCCL invalid usage: Invalid config blocking attribute value -2147483648 ({how})"
+
+
+def test_nccl_debug_warning_of_a_duplicate_gpu_is_named_without_its_log_prefix():
+    """NCCL_DEBUG=WARN's own line ("host:pid:tid [0] init.cc:497 NCCL WARN Duplicate GPU ...") is enough."""
+    warned = (
+        b"n1:29880:30398 [0] init.cc:497 NCCL WARN Duplicate GPU detected : rank 2 and rank 0 both on CUDA device 0\n"
+    )
+    assert explain(warned, 1).text == (
+        "NCCL invalid usage: Duplicate GPU detected : rank 2 and rank 0 both on CUDA device 0 (exited with code 1)"
+    )
+
+
+def test_a_rank_killed_from_outside_after_nccl_misuse_is_a_signal():
+    """SIGKILL is not NCCL's doing, whatever the rank wrote before it."""
+    assert explain(NCCL_DUPLICATE_GPU, -signal.SIGKILL, library_dirs=LIBS).kind is CauseKind.SIGNAL

@@ -269,6 +269,7 @@ def test_top_level_list_refused(tmp_path):
     ("text", "expected"),
     [
         ("nproc_per_node: 0", "'nproc_per_node' must be between 1 and 1024, got 0"),
+        ("device: gpu", "'device' must be cpu or cuda, got 'gpu'"),
         ("restart: {max_restarts: -1}", "'restart.max_restarts' must be 0 or more, got -1"),
         ("restart: {crash_loop_attempts: 1}", "'restart.crash_loop_attempts' must be 0 (off) or at least 2, got 1"),
         ("restart: {backoff_factor: 0.5}", "'restart.backoff_factor' must be at least 1, got 0.5"),

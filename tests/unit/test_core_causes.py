@@ -23,7 +23,7 @@ from supervisor.core import (
     decide,
 )
 from supervisor.core.blame import Verdict
-from supervisor.core.causes import Cause, CauseKind, explain_exit
+from supervisor.core.causes import Cause, CauseKind, explain, explain_exit
 from supervisor.core.rollback import AbortInfo
 from tests.unit.test_core import HUNG_AT, NOW, PIDS, POLICY, STACKS, beat, record, running, shape, with_hang
 from worker.contract import EXIT_ANOMALY, EXIT_CONFIG, EXIT_CRASH_LOOP
@@ -265,6 +265,18 @@ def test_stacks_naming_the_culprit_make_last_failure_hang_and_history_agree():
     )
 
 
+def test_a_save_hang_named_by_the_checkpoint_writers_group_is_in_phase_save_with_its_timeout():
+    """The culprit's heartbeat said train; the evidence (its background writer stuck) says save: the hang is in the
+    save phase, with the save timeout."""
+    state = beat(beat(running(), 0, 1, NOW + 5, step=30), 1, 1, NOW + 10, step=30)
+    state, _ = decide(state, Tick(), HUNG_AT)
+    verdict = Verdict(1, "host-side", "flight_recorder", "the checkpoint writer's process group 1: rank 1 ...", "save")
+    state, _ = decide(state, StacksCollected(0, STACKS, culprit=1, verdict=verdict), HUNG_AT + 1)
+    save_timeout_s = POLICY.hang.phase_timeouts_s["save"]
+    assert (state.hang.rank, state.hang.phase, state.hang.timeout_s) == (1, "save", save_timeout_s)
+    assert "silent in phase save after step 30" in state.cause
+
+
 def test_hang_tie_names_the_rank_behind():
     """Ranks whose last beats were seen at the same instant: the one at the lower step is named hung."""
     state = beat(beat(running(), 0, 1, NOW + 10, step=31), 1, 1, NOW + 10, step=30)
@@ -303,3 +315,23 @@ def test_a_failed_collective_seeks_its_culprit_before_the_kill_and_charges_the_f
         "(first seen as rank 0: desync: Received data size doesn't match expected size (killed by SIGABRT))"
     )
     assert (state.phase, state.attempt) == (Phase.STARTING, 1)
+
+
+def test_nccl_invalid_usage_fails_the_first_attempt_with_exit_78_and_its_cause():
+    """Two ranks on one GPU (NCCL's duplicate-GPU error, read from the rank's stderr) ends the run at the first
+    attempt with EXIT_CONFIG, restarts to spare, the NCCL line in the reason and the cause."""
+    stderr = (
+        b"torch.distributed.DistBackendError: NCCL error in: NCCLUtils.hpp:275, invalid usage "
+        b"(run with NCCL_DEBUG=WARN for details), NCCL version 2.20.5\n"
+        b"ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\n"
+        b"Last error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 0\n"
+    )
+    cause = explain(stderr, 1)
+    state, actions = fail(running(LOOSE), cause)
+    assert shape(actions) == ["rank_crashed", "not_retryable", SignalRanks(0, signal.SIGTERM)]
+    state, _ = decide(state, ChildExited(0, 1, 1), NOW + 1)  # the other rank, of the same error or the stop
+    assert (state.phase, state.exit_code, state.restarts, state.cause) == (Phase.FAILED, EXIT_CONFIG, 0, cause.text)
+    assert state.reason == (
+        "not retryable: rank 0 failed in attempt 0: NCCL invalid usage: Duplicate GPU detected : rank 1 and rank 0 "
+        "both on CUDA device 0 (exited with code 1)"
+    )

@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.launch.agent import beat_record
 from supervisor.launch.wire import Hub, Peer
-from supervisor.rundir.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
+from supervisor.rundir.watch import (
+    HeartbeatFiles,
+    HeartbeatsChanged,
+    HeartbeatUnreadable,
+    HeartbeatWatcher,
+    progress_fields,
+)
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, ensure_dir
 
@@ -165,3 +172,19 @@ def test_the_hub_takes_a_new_peer_on_a_reused_descriptor_number() -> None:
     finally:
         hub.close()
         new_end.close()
+
+
+def test_a_ranks_word_on_slow_saves_reads_the_same_from_its_file_and_from_a_node_agents_forward(
+    layout: RunLayout,
+) -> None:
+    """`slow_saves` in a heartbeat file becomes the beat's SlowSaves, and survives an agent's forward (as JSON) intact;
+    one with a bad duration or a control character is dropped, the beat kept."""
+    said = {"write_s": 3.2, "interval_s": 0.4, "setting": "worker.save_checkpoint_steps: 40 or more"}
+    record = {"attempt": 0, "rank": 0, "seq": 1, "step": 10, "phase": "train", "slow_saves": said}
+    atomic_write_json(layout.heartbeat(0), record, root=layout.root, durable=False)
+    seen = HeartbeatFiles(layout).read(0)
+    assert seen is not None and seen.slow_saves is not None and vars(seen.slow_saves) == said
+    forwarded = json.loads(json.dumps(beat_record(seen)))
+    assert progress_fields(forwarded)["slow_saves"] == seen.slow_saves
+    for bad in ({**said, "write_s": -1}, {**said, "interval_s": "0.4"}, {**said, "setting": "\x1b[2J"}, [3.2, 0.4]):
+        assert progress_fields({"slow_saves": bad})["slow_saves"] is None

@@ -105,7 +105,8 @@ def expect(**seconds: float) -> dict[str, Any]:
 
 
 def test_clean_run_is_startup_then_productive():
-    """Started to the first step is start-up (restart_s); from there to the last rank's clean exit is productive."""
+    """Started to the first step is start-up (startup_s: no restart happened); from there to the last rank's clean
+    exit is productive."""
     run = Run()
     run.start()
     run.beat(5, 1)
@@ -114,7 +115,7 @@ def test_clean_run_is_startup_then_productive():
     run.exit(106, 0, 0)
     run.exit(106, 1, 0)
     assert run.state.phase is Phase.FINISHED
-    assert run.split() == expect(restart_s=5, productive_s=101)
+    assert run.split() == expect(startup_s=5, productive_s=101)
     status = run.goodput.status()["goodput"]
     assert status["ratio"] == round(101 / 106, 4)
     assert run.records == [("info", "goodput", status)]
@@ -131,7 +132,7 @@ def test_save_time_comes_out_of_training_as_the_most_any_rank_reports():
     run.beat(60, 55, save_s=3.0)
     run.exit(70, 0, 0)
     run.exit(70, 1, 0)
-    assert run.split() == expect(restart_s=5, productive_s=62, save_s=3)
+    assert run.split() == expect(startup_s=5, productive_s=62, save_s=3)
 
 
 def test_crash_loses_the_training_past_the_resume_step():
@@ -145,17 +146,17 @@ def test_crash_loses_the_training_past_the_resume_step():
     run.beat(30, 25)
     run.exit(32, 1, -signal.SIGKILL)  # the step in flight since t=30: lost at once
     assert run.state.phase is Phase.STOPPING
-    assert run.split() == expect(restart_s=5, productive_s=25, lost_s=2)
+    assert run.split() == expect(startup_s=5, productive_s=25, lost_s=2)
     run.exit(33, 0, -signal.SIGTERM)
     run.launch(36, resume_step=15)
-    assert run.split() == expect(restart_s=5 + 4, productive_s=15, lost_s=2 + 10)
+    assert run.split() == expect(startup_s=5, restart_s=4, productive_s=15, lost_s=2 + 10)
     assert ("info", "work_lost", {"attempt": 1, "resume_step": 15, "last_step": 25, "lost_s": 10.0}) in run.records
     run.beat(40, 16)
     run.beat(90, 65)
     run.exit(91, 0, 0)
     run.exit(91, 1, 0)
     assert run.state.phase is Phase.FINISHED
-    assert run.split() == expect(restart_s=5 + 8, productive_s=15 + 51, lost_s=12)
+    assert run.split() == expect(startup_s=5, restart_s=8, productive_s=15 + 51, lost_s=12)
 
 
 def test_relaunch_from_scratch_loses_every_step():
@@ -167,7 +168,7 @@ def test_relaunch_from_scratch_loses_every_step():
     run.exit(25, 1, 1)
     run.exit(26, 0, -signal.SIGTERM)
     run.launch(27)
-    assert run.split() == expect(restart_s=5 + 2, lost_s=20)
+    assert run.split() == expect(startup_s=5, restart_s=2, lost_s=20)
 
 
 def test_hang_counts_from_the_last_progress_to_the_declaration():
@@ -181,7 +182,7 @@ def test_hang_counts_from_the_last_progress_to_the_declaration():
     assert run.state.phase is Phase.RUNNING
     run.feed(Tick(), 46)
     assert run.state.hang is not None and run.state.phase is Phase.STOPPING
-    assert run.split() == expect(restart_s=5, productive_s=20, hang_s=21)
+    assert run.split() == expect(startup_s=5, productive_s=20, hang_s=21)
     run.feed(StacksCollected(0, ()), 48)
     run.exit(49, 0, -signal.SIGKILL)
     run.exit(50, 1, -signal.SIGKILL)
@@ -190,7 +191,7 @@ def test_hang_counts_from_the_last_progress_to_the_declaration():
     run.beat(59, 25)
     run.exit(60, 0, 0)
     run.exit(60, 1, 0)
-    assert run.split() == expect(restart_s=5 + 9, productive_s=19 + 5, hang_s=21, lost_s=1)
+    assert run.split() == expect(startup_s=5, restart_s=9, productive_s=19 + 5, hang_s=21, lost_s=1)
 
 
 def test_hang_before_the_first_step_counts_from_the_launch():
@@ -199,7 +200,7 @@ def test_hang_before_the_first_step_counts_from_the_launch():
     run.start()
     run.feed(Tick(), 33)
     assert run.state.hang is not None
-    assert run.split() == expect(restart_s=2, hang_s=31)
+    assert run.split() == expect(startup_s=2, hang_s=31)
 
 
 def test_graceful_stop_keeps_every_step():
@@ -214,7 +215,7 @@ def test_graceful_stop_keeps_every_step():
     run.exit(26, 0, 0, stopped_at=step)
     run.exit(26, 1, 0, stopped_at=step)
     assert run.state.phase is Phase.STOPPED
-    assert run.split() == expect(restart_s=5, productive_s=21)
+    assert run.split() == expect(startup_s=5, productive_s=21)
 
 
 def test_forced_stop_is_stopped_time_and_loses_the_step_in_flight():
@@ -229,7 +230,7 @@ def test_forced_stop_is_stopped_time_and_loses_the_step_in_flight():
     run.exit(23, 0, -signal.SIGKILL)
     run.exit(24, 1, -signal.SIGKILL)
     assert run.state.phase is Phase.STOPPED
-    assert run.split() == expect(restart_s=5, productive_s=15, lost_s=2, stopped_s=2)
+    assert run.split() == expect(startup_s=5, productive_s=15, lost_s=2, stopped_s=2)
 
 
 def forced_stop_status() -> dict[str, Any]:
@@ -249,20 +250,21 @@ def test_supervisor_restart_carries_totals_and_counts_the_gap_as_stopped():
     """A new supervisor 100 s after a stopped one: its totals carry over, the gap is stopped time, and resuming from
     checkpoint 10 loses the steps 10-16 the old one trained (from the kept timeline it left)."""
     run = Run(Goodput(forced_stop_status(), wall_now=5100.0))
-    assert run.split() == expect(restart_s=5, productive_s=15, lost_s=2, stopped_s=2 + 100)
+    assert run.split() == expect(startup_s=5, productive_s=15, lost_s=2, stopped_s=2 + 100)
     run.start(500, resume_step=10, launched=502)
-    assert run.split() == expect(restart_s=5 + 2, productive_s=9, lost_s=2 + 6, stopped_s=102)
+    assert run.split() == expect(startup_s=5 + 2, productive_s=9, lost_s=2 + 6, stopped_s=102)  # started anew
     run.beat(505, 11)
     run.beat(514, 20)
     run.exit(515, 0, 0)
     run.exit(515, 1, 0)
-    assert run.split() == expect(restart_s=10, productive_s=9 + 10, lost_s=8, stopped_s=102)
+    assert run.split() == expect(startup_s=10, productive_s=9 + 10, lost_s=8, stopped_s=102)
 
 
 def test_gap_after_a_supervisor_that_died_mid_run_is_restart_time():
     """A state file left 'running' means the supervisor died: the time until the next one counts as restart."""
     previous = {**forced_stop_status(), "state": "running"}
-    assert Goodput(previous, wall_now=5030.0).totals()["restart_s"] == pytest.approx(5 + 30)
+    totals = Goodput(previous, wall_now=5030.0).totals()
+    assert (totals["startup_s"], totals["restart_s"]) == (pytest.approx(5), pytest.approx(30))
 
 
 @pytest.mark.parametrize("state", ["stopped", "failed"])
@@ -270,7 +272,7 @@ def test_gap_after_a_run_that_asked_to_be_requeued_is_restart_time(state: str):
     """Exit 75 (time limit, too few healthy nodes): the wait in Slurm's queue is an outage of the run, not a stop."""
     previous = {**forced_stop_status(), "state": state, "exit_code": 75}
     totals = Goodput(previous, wall_now=5030.0).totals()
-    assert (totals["restart_s"], totals["stopped_s"]) == (pytest.approx(5 + 30), pytest.approx(2))
+    assert (totals["restart_s"], totals["stopped_s"]) == (pytest.approx(30), pytest.approx(2))
 
 
 @pytest.mark.parametrize("state", [["running"], {"running": 1}, None, 7])
@@ -378,7 +380,9 @@ def test_successor_of_a_supervisor_that_died_mid_run_loses_the_training_past_the
     assert previous["goodput_kept"][-4:] == [[20, 20.0], [21, 20.0], [22, 21.0], [40, 31.0]]
     successor = Run(Goodput(previous, wall_now=5060.0))
     successor.start(500, resume_step=20, launched=502)
-    assert successor.split() == expect(restart_s=5 + 60 + 2, productive_s=20, lost_s=12, save_s=5)  # wall_s 104
+    assert successor.split() == expect(
+        startup_s=5, restart_s=60 + 2, productive_s=20, lost_s=12, save_s=5
+    )  # wall_s 104
     assert ("info", "work_lost", {"attempt": 0, "resume_step": 20, "last_step": 40, "lost_s": 12.0}) in (
         successor.records
     )
@@ -390,7 +394,7 @@ def test_successor_of_a_supervisor_that_died_just_after_a_late_save_report_loses
     previous = died_at(checkpointed_run(saves=True), 30.5)
     successor = Run(Goodput(previous, wall_now=5060.0))
     successor.start(500, resume_step=20, launched=502)
-    assert successor.split() == expect(restart_s=5 + 60 + 2, productive_s=20, lost_s=0.5, save_s=5)
+    assert successor.split() == expect(startup_s=5, restart_s=60 + 2, productive_s=20, lost_s=0.5, save_s=5)
 
 
 def test_successor_of_a_supervisor_that_died_mid_run_without_save_reports_loses_the_training_past_the_checkpoint():
@@ -400,7 +404,7 @@ def test_successor_of_a_supervisor_that_died_mid_run_without_save_reports_loses_
     run.beat(41, 40)
     successor = Run(Goodput(died_at(run, 42), wall_now=5060.0))
     successor.start(500, resume_step=20, launched=502)
-    assert successor.split() == expect(restart_s=5 + 60 + 2, productive_s=20, lost_s=17)
+    assert successor.split() == expect(startup_s=5, restart_s=60 + 2, productive_s=20, lost_s=17)
 
 
 def test_ranks_without_steps_are_start_up_until_a_clean_end_makes_them_productive():
@@ -408,10 +412,10 @@ def test_ranks_without_steps_are_start_up_until_a_clean_end_makes_them_productiv
     run = Run()
     run.start()
     run.feed(Tick(), 50)
-    assert run.split() == expect(restart_s=50)
+    assert run.split() == expect(startup_s=50)
     run.exit(60, 0, 0)
     run.exit(60, 1, 0)
-    assert run.split() == expect(restart_s=2, productive_s=58)
+    assert run.split() == expect(startup_s=2, productive_s=58)
 
 
 def test_long_run_thins_old_points_yet_rolls_back_exactly_near_the_end():
@@ -473,7 +477,7 @@ def test_describe_renders_one_line_and_refuses_malformed_blocks():
         "ratio": 0.8044,
     }
     assert describe(block) == (
-        "goodput 80.4 % (productive 12m04s, lost 41s, restarts 1m02s, saves 20s, hangs 0s, stopped 53s)"
+        "goodput 80.4 % (productive 12m04s, lost 41s, start-up 0s, restarts 1m02s, saves 20s, hangs 0s, stopped 53s)"
     )
     assert describe({**block, "ratio": None}).startswith("goodput n/a (")
     for bad in (
@@ -512,7 +516,10 @@ def test_status_render_shows_the_goodput_line_and_skips_a_tampered_one():
     run.exit(7, 0, 0)
     run.exit(7, 1, 0)
     status = {"state": "finished", "attempt": 0, "restarts": 0, "ranks": [], **run.goodput.status()}
-    line = "goodput 28.6 % (productive 2s, slow steps 0s, lost 0s, restarts 5s, saves 0s, hangs 0s, stopped 0s)"
+    line = (
+        "goodput 28.6 % (productive 2s, slow steps 0s, lost 0s, start-up 5s, restarts 0s, saves 0s, hangs 0s, "
+        "stopped 0s)"
+    )
     assert f"\n  {line}\n" in render(status) + "\n"
     for bad in ({"wall_s": "lots"}, [], None, {**status["goodput"], "ratio": math.nan}):
         text = render({**status, "goodput": bad})
@@ -532,7 +539,7 @@ def test_attempt_resuming_at_the_last_step_trains_nothing():
     run.exit(6, 0, 0)
     run.exit(6, 1, 0)
     assert run.state.phase is Phase.FINISHED
-    assert run.split() == expect(restart_s=6)
+    assert run.split() == expect(startup_s=6)
 
 
 def test_totals_carry_over_through_the_state_file(tmp_path):
@@ -566,7 +573,7 @@ def test_time_on_fewer_ranks_than_configured_is_counted_apart_and_carried_over()
     run.beat(25, 20, ranks=(0,))
     run.exit(26, 0, 0)
     status = run.goodput.status()["goodput"]
-    assert run.split() == expect(restart_s=5, productive_s=21)
+    assert run.split() == expect(startup_s=5, productive_s=21)
     assert status["shrunk_s"] == pytest.approx(24.0)  # from the launch: the whole attempt ran shrunk
     assert describe(status).endswith("; 24s of it on fewer ranks")
     assert Goodput({"goodput": status, "state": "finished"}).status()["goodput"]["shrunk_s"] == pytest.approx(24.0)
@@ -611,7 +618,7 @@ def test_beats_read_late_are_dated_when_they_were_written():
     for k in range(21):
         run.beat(5 + k, 1 + 10 * k, age=random.Random(k).uniform(0, 0.4))
     assert run.goodput.ideal_step_s() == pytest.approx(0.1)
-    assert run.goodput.totals()["restart_s"] == pytest.approx(5)
+    assert run.goodput.totals()["startup_s"] == pytest.approx(5)
 
 
 def test_steps_count_from_where_the_run_started():
@@ -660,3 +667,16 @@ def test_a_successor_carries_the_kept_training_whole_and_the_ideal_step_time():
 )
 def test_ideal_step_time_is_the_step_weighted_mean_within_three_mads_of_the_median(samples, ideal):
     assert ideal_step_time(samples) == (None if ideal is None else pytest.approx(ideal))
+
+
+def test_a_first_attempt_that_fails_before_any_step_is_start_up_then_restart():
+    """The first attempt dies before its first step: start-up up to its failure; the relaunch is restart time."""
+    run = Run()
+    run.start()
+    run.exit(4, 0, -signal.SIGKILL)
+    run.exit(4, 1, -signal.SIGKILL)
+    run.feed(Tick(), 5)
+    run.launch(6)
+    run.beat(8, 1)
+    run.beat(18, 11)
+    assert run.split() == expect(startup_s=4, restart_s=4, productive_s=10)

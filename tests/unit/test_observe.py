@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from supervisor.core import HeartbeatSeen, Policy, RanksLaunched, initial_state
+from supervisor.core import HeartbeatSeen, Policy, RanksLaunched, SlowSaves, initial_state
 from supervisor.observe.progress import Counts, Progress
 
 STATE = initial_state(
@@ -46,13 +46,20 @@ def test_counts_take_agreed_skips_once_and_each_ranks_own_anomalies():
         "anomalies": {"amp_overflow": 1, "global_norm_spike": 1, "non_finite": 2},
         "last_save_s": 0.25,
         "resume_inexact": [],
+        "save_slower_than_interval": None,
     }  # the relaunch's own newest save
 
 
 def test_counts_without_worker_library_fields_are_zero():
     counts = Counts()
     counts.observe(beat(0, 3), STATE, 1.0)
-    assert counts.status() == {"skipped_steps": 0, "anomalies": {}, "last_save_s": None, "resume_inexact": []}
+    assert counts.status() == {
+        "skipped_steps": 0,
+        "anomalies": {},
+        "last_save_s": None,
+        "resume_inexact": [],
+        "save_slower_than_interval": None,
+    }
 
 
 def test_counts_go_on_from_a_previous_supervisors_totals_and_ignore_a_tampered_file():
@@ -65,6 +72,7 @@ def test_counts_go_on_from_a_previous_supervisors_totals_and_ignore_a_tampered_f
         "anomalies": {"global_norm_spike": 1, "non_finite": 3},
         "last_save_s": None,
         "resume_inexact": [],
+        "save_slower_than_interval": None,
     }
     for garbage in (
         {"skipped_steps": -1, "anomalies": {"x": "many"}},
@@ -76,6 +84,7 @@ def test_counts_go_on_from_a_previous_supervisors_totals_and_ignore_a_tampered_f
             "anomalies": {},
             "last_save_s": None,
             "resume_inexact": [],
+            "save_slower_than_interval": None,
         }
 
 
@@ -110,3 +119,29 @@ def test_ranks_that_say_their_resume_is_not_exact_are_journalled_once_and_shown_
     ]
     counts.observe(beat(1, 9, attempt=1), relaunched, 2.0)
     assert counts.status()["resume_inexact"] == []
+
+
+def test_ranks_whose_writes_outlast_their_save_interval_are_journalled_once_and_shown_slowest_first():
+    """Each rank's word is journalled the first time it comes; status counts the ranks and names the slowest first,
+    until the next attempt."""
+    counts, relaunched = Counts(), replace(STATE, attempt=1)
+    quick, slow = SlowSaves(1.5, 0.4, "worker.save_checkpoint_steps: 19 or more"), SlowSaves(3.2, 0.4, "x: 40")
+    said = counts.observe(beat(1, 10, slow_saves=quick), STATE, 1.0)
+    assert said == [
+        (
+            "warning",
+            "save_slower_than_interval",
+            {"attempt": 0, "rank": 1, "write_s": 1.5, "interval_s": 0.4, "setting": quick.setting},
+        )
+    ]
+    assert counts.observe(beat(1, 11, slow_saves=quick), STATE, 1.5) == []  # said once
+    assert counts.observe(beat(0, 11, slow_saves=slow), STATE, 1.5)[0][2]["rank"] == 0
+    assert counts.status()["save_slower_than_interval"] == {
+        "ranks": 2,
+        "slowest": [
+            {"rank": 0, "write_s": 3.2, "interval_s": 0.4, "setting": "x: 40"},
+            {"rank": 1, "write_s": 1.5, "interval_s": 0.4, "setting": quick.setting},
+        ],
+    }
+    counts.observe(beat(1, 12, attempt=1), relaunched, 2.0)
+    assert counts.status()["save_slower_than_interval"] is None

@@ -46,7 +46,7 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
     max_leaves=25,
 )
-HEARTBEAT_KEYS = ("attempt", "rank", "seq", "step", "phase", "step_time_s", "pid", "time", "inexact")
+HEARTBEAT_KEYS = ("attempt", "rank", "seq", "step", "phase", "step_time_s", "pid", "time", "inexact", "slow_saves")
 HOSTILE_TEXT = st.sampled_from(
     [
         "NaN",
@@ -113,6 +113,8 @@ def test_heartbeat_reader_returns_a_beat_or_says_unreadable(run: RunLayout, data
     assert isinstance(beat.phase, str) and beat.phase.isprintable()
     assert beat.step_time_s is None or beat.step_time_s > 0
     assert beat.inexact is None or (isinstance(beat.inexact, str) and beat.inexact.isprintable())
+    slow = beat.slow_saves
+    assert slow is None or (min(slow.write_s, slow.interval_s) >= 0 and slow.setting.isprintable())
 
 
 ABORT_KEYS = ("event", "attempt", "step", "batch", "first_anomaly_step", "first_anomaly_batch", "suspect_ranks")

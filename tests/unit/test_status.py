@@ -196,6 +196,20 @@ def test_render_says_which_ranks_resumed_inexactly_and_why():
         assert "resume not exact" not in render({**base, "resume_inexact": tampered})
 
 
+def test_render_names_the_slowest_rank_whose_saves_wait_for_the_previous_write_and_what_to_set():
+    """The slowest rank's write, the training between saves and its setting, with how many ranks said so; a
+    tampered block shows nothing."""
+    base = {**snapshot(running(), now=NOW, extra={"run_dir": "runs/x", "last_checkpoint": {"step": 25}})}
+    slowest = {"rank": 1, "write_s": 3.21, "interval_s": 0.4, "setting": "worker.save_checkpoint_steps: 41 or more"}
+    lines = render({**base, "save_slower_than_interval": {"ranks": 2, "slowest": [slowest]}}).splitlines()
+    assert (
+        "  saves wait for the previous write (2 ranks): rank 1's took 3.21 s, with 0.4 s of training between saves; "
+        "set worker.save_checkpoint_steps: 41 or more"
+    ) in lines
+    for tampered in (None, [], {"ranks": 1}, {"slowest": [{**slowest, "setting": "\x1b[2J"}]}, {"slowest": ["x"]}):
+        assert "saves wait" not in render({**base, "save_slower_than_interval": tampered})
+
+
 def crash_looping() -> State:
     """Two attempts of a 1-rank run that raised ValueError at step 40 after resuming from 25; the second is failing."""
     boom = Cause(CauseKind.EXCEPTION, "ValueError: boom (train.py:12 in step)", "ValueError (train.py:12 in step)")
