@@ -21,7 +21,7 @@ import contextlib
 import os
 import re
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,43 +169,45 @@ def reported_shortage(config: JobConfig, hello: Mapping[str, Any], node: str) ->
 
 def gpu_problems(nvml: Any = None) -> list[str] | None:
     """One line per unhealthy GPU of this machine; None when NVML is not there (no package, no driver)."""
-    if nvml is None:
-        try:
-            import pynvml
-        except ImportError:
+    with _nvml_session(nvml) as session:
+        if session is None:
             return None
-        nvml = pynvml
-    try:
-        nvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...: no GPUs to judge
-        return None
-    try:
         return [
             f"GPU {index}: {problem}"
-            for index in range(nvml.nvmlDeviceGetCount())
-            for problem in _device_problems(nvml, nvml.nvmlDeviceGetHandleByIndex(index))
+            for index in range(session.nvmlDeviceGetCount())
+            for problem in _device_problems(session, session.nvmlDeviceGetHandleByIndex(index))
         ]
-    finally:
-        with contextlib.suppress(Exception):
-            nvml.nvmlShutdown()
 
 
 def _nvml_count(nvml: Any) -> int | None:
     """NVML's count of this node's GPUs; None without nvidia-ml-py or a driver it can talk to."""
+    with _nvml_session(nvml) as session:
+        if session is None:
+            return None
+        try:
+            return int(session.nvmlDeviceGetCount())
+        except Exception:  # noqa: BLE001 - an NVML that cannot count: another way to count
+            return None
+
+
+@contextlib.contextmanager
+def _nvml_session(nvml: Any) -> Iterator[Any]:
+    """NVML initialised (`nvml`, else the pynvml module), shut down afterwards; None where there is none to talk
+    to (no nvidia-ml-py, no driver)."""
     if nvml is None:
         try:
             import pynvml
         except ImportError:
-            return None
+            yield None
+            return
         nvml = pynvml
     try:
         nvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...: another way to count
-        return None
+    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...: no NVML to ask
+        yield None
+        return
     try:
-        return int(nvml.nvmlDeviceGetCount())
-    except Exception:  # noqa: BLE001 - an NVML that cannot count: another way to count
-        return None
+        yield nvml
     finally:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()

@@ -250,8 +250,18 @@ def test_a_standby_that_dies_unused_turns_standbys_off_and_the_relaunch_starts_c
     assert facts(run_dir, 1, 0)["restart_count"] == "1"
 
 
-def test_standbys_can_be_turned_off(tmp_path: Path) -> None:
-    config, run_dir, crash = facts_job(tmp_path, COLD)
+@pytest.mark.parametrize(
+    ("standby", "warm"),
+    [(COLD, []), ({"keep_warm": False}, [(1, [0, 1])])],
+    ids=["turned off", "not kept warm"],
+)
+def test_no_standby_waits_while_the_run_trains_when_turned_off_or_not_kept_warm(
+    tmp_path: Path, standby: dict[str, Any], warm: list[tuple[int, list[int]]]
+) -> None:
+    """`enabled: false`: every rank starts cold. `keep_warm: false`: nothing idle while the run trains, yet the
+    relaunch's ranks start as standbys, spawned when it is decided, so their imports overlap the choice of the
+    resume point."""
+    config, run_dir, crash = facts_job(tmp_path, standby)
     proc = start_supervisor(config, run_dir)
     first = run_dir / "logs" / "attempt_0" / "rank_1.out"
     wait(proc, lambda: first.exists() and first.stat().st_size > 0, "rank 1 to start")
@@ -261,25 +271,9 @@ def test_standbys_can_be_turned_off(tmp_path: Path) -> None:
     done = finish(proc, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
-    assert warm_launches(run_dir) == [] and "standbys_ready" not in done.status()
-    assert not facts(run_dir, 1, 0)["prewarmed"]
-
-
-def test_without_keep_warm_no_standby_waits_and_a_relaunch_spawns_them_at_its_decision(tmp_path: Path) -> None:
-    """`keep_warm: false`: nothing idle while the run trains; the relaunch's ranks still start as standbys, spawned
-    when it is decided, so their imports overlap the choice of the resume point."""
-    config, run_dir, crash = facts_job(tmp_path, {"keep_warm": False})
-    proc = start_supervisor(config, run_dir)
-    first = run_dir / "logs" / "attempt_0" / "rank_1.out"
-    wait(proc, lambda: first.exists() and first.stat().st_size > 0, "rank 1 to start")
-    time.sleep(1.5)  # the pool would be filled at the next poll (once a second) after the ranks' training heartbeat
-    assert standbys(proc) == {}
-    crash.touch()
-    done = finish(proc, run_dir)
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert warm_launches(run_dir) == [(1, [0, 1])]
-    assert facts(run_dir, 1, 0)["prewarmed"]
+    assert warm_launches(run_dir) == warm
+    assert facts(run_dir, 1, 0)["prewarmed"] == bool(warm)
+    assert ("standbys_ready" in done.status()) == bool(warm)
 
 
 def test_a_standby_taken_while_still_importing_runs_the_script_once_its_imports_are_done(tmp_path: Path) -> None:
