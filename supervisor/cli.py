@@ -19,13 +19,13 @@ from supervisor.core import Phase, State
 from supervisor.export import ExportError, export_weights
 from supervisor.launch.gpu_health import preflight
 from supervisor.launch.launcher import LocalLauncher
-from supervisor.launch.nodes import Ledger, render_rows, update_ledger
+from supervisor.launch.nodes import USABLE, Ledger, render_rows, update_ledger
 from supervisor.launch.slurm import SlurmLauncher, in_allocation
-from supervisor.launch.slurmctl import SlurmError, allocation, node_states
-from supervisor.launch.succession import end_job, take_lease, wait_after_handover
+from supervisor.launch.slurmctl import PING_TIMEOUT_S, SlurmError, allocation, node_states, shortfall
+from supervisor.launch.succession import end_job, take_lease, take_over, wait_after_handover
 from supervisor.observe.console import ENV_LOG_FORMAT, LOG_FORMATS, Console, choose_format
 from supervisor.observe.goodput import describe as describe_goodput
-from supervisor.observe.status import StatusError, read_status, render
+from supervisor.observe.status import StatusError, read_status, render, shown_state
 from supervisor.rundir.journal import open_journal
 from supervisor.rundir.lease import LOCAL_TTL_S, Lease
 from supervisor.runner import LauncherFactory, RunDirBusy, Supervisor, lock_run_dir
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    args.argv = [arg for arg in argv if arg != "--successor"]  # what a successor supervisor is started with
+    # What a successor supervisor is started with.
+    args.argv = [arg for arg in argv if arg not in ("--successor", "--take-over")]
     try:
         code = args.func(args)
         sys.stdout.flush()  # a reader gone early (`status | head -1`) shows up here, not as a traceback at exit
@@ -92,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
         "--ignore-stop-file",
         action="store_true",
         help="launch although the stop file is present (its current content is not acted on)",
+    )
+    run.add_argument(
+        "--take-over",
+        action="store_true",
+        help="for a batch script whose supervisor died on its live host without ending the run (killed, a Python "
+        "error): take the run over here, wait as the job's keeper if a successor on another node took it first, "
+        "or exit at once with the run's exit code if it ended",
     )
     run.add_argument("--successor", action="store_true", help=argparse.SUPPRESS)  # started by a node agent
     run.set_defaults(func=_run)
@@ -177,7 +185,10 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    problem = _slurm_problem(config) if _multi_node(config) else preflight(config)  # each node's agent checks its own
+    # Each node's agent checks its own GPUs. A run carried on within its job (a successor, a take-over) was checked at
+    # its start: a job that lost nodes since is the launcher's to handle (fewer nodes, or exit 75 and the next job).
+    carried_on = args.successor or args.take_over
+    problem = (None if carried_on else _slurm_problem(config)) if _multi_node(config) else preflight(config)
     if problem:
         print(f"trainwarden: cannot launch: {problem}", file=sys.stderr)
         return EXIT_CONFIG
@@ -185,17 +196,20 @@ def _run(args: argparse.Namespace) -> int:
     multi = _multi_node(config)
     try:
         lock = None if multi else lock_run_dir(layout)  # many nodes: the lease alone, a successor is elsewhere
-        lease = take_lease(
-            layout,
-            ttl_s=config.slurm.node_timeout_s if multi else LOCAL_TTL_S,
-            batch=not args.successor,
-            locked_here=lock is not None,
-        )
+        ttl_s = config.slurm.node_timeout_s if multi else LOCAL_TTL_S
+        if args.take_over and not args.successor:
+            lease = take_over(layout, ttl_s=ttl_s, say=_say, locked_here=lock is not None)
+        else:
+            lease = take_lease(layout, ttl_s=ttl_s, batch=not args.successor, locked_here=lock is not None)
     except RunDirBusy as exc:
         print(f"trainwarden: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except (OSError, ValueError) as exc:
         return _unusable(layout, exc)
+    if isinstance(lease, int):  # --take-over: the run's exit code (it ended, or a successor ended it)
+        if lock is not None:
+            lock.close()
+        return lease
     if isinstance(lease, str):
         print(f"trainwarden: {lease}", file=sys.stderr)
         return EXIT_FAILED
@@ -223,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
             layout,
             code,
             exclude=_excluded_now(layout, config),
-            nodes=(config.nodes, config.nodes + config.spare_nodes),
+            nodes=(config.min_nodes, config.nodes + config.spare_nodes),
             say=_say,
         )
     return code
@@ -264,6 +278,14 @@ def _supervise(
         outcome = wait_after_handover(layout, lease, say=_say)
         if isinstance(outcome, int):
             return outcome
+        journal.log.warning(  # the run it handed over is its own again: nobody took it over, its link is back
+            "supervisor_resumed",
+            generation=outcome.generation,
+            previous_generation=lease.generation,
+            host=outcome.host,
+            handed_over=supervisor.handed_over,
+            attempt=supervisor.state.attempt,
+        )
         lease = outcome
 
 
@@ -326,7 +348,7 @@ def _say_outcome(state: State, layout: RunLayout) -> None:
     cause = state.cause if state.failures and state.failures[-1].attempt == state.attempt else None  # not a launch's
     if cause and reason.endswith(f": {cause}"):  # a crash loop's reason ends with the cause: say it once
         reason = reason.removesuffix(f": {cause}")
-    outcome = "run stopped" if state.phase is Phase.STOPPED else "run failed"
+    outcome = "run " + shown_state(state.phase.value, state.exit_code)  # 75: interrupted (resubmit)
     where = f" (rank logs: {logs})" if logs.is_dir() and state.exit_code else ""  # none before a launch
     print(f"trainwarden: {outcome}: {reason}{where}", file=sys.stderr)
     if cause and state.exit_code:
@@ -367,8 +389,34 @@ def _status(args: argparse.Namespace) -> int:
         nodes = status.get("excluded_nodes") or []
         print(",".join(str(node) for node in nodes if isinstance(node, str) and node.isprintable()))
     else:
+        status = _with_node_standing(RunLayout(Path(args.run_dir)), status)
         print(json.dumps(status, indent=1) if args.json else render(status))
     return 0
+
+
+def _with_node_standing(layout: RunLayout, status: dict[str, Any]) -> dict[str, Any]:
+    """Each excluded node's standing as `trainwarden nodes` gives it now: one truth for both commands, the ledger's
+    verdict with Slurm's view where Slurm answers here. (The state file's was worked out when it was written, with
+    Slurm's states from before the attempt: a node Slurm marked down since would still read "cooling down".)"""
+    nodes = status.get("nodes")
+    excluded = (
+        [n for n in nodes if isinstance(n, dict) and n.get("state") == "excluded"] if isinstance(nodes, list) else []
+    )
+    if not excluded:
+        return status
+    try:
+        ledger = Ledger.load(layout)
+    except (OSError, ValueError):
+        return status
+    policy = _ledger_policy(layout)
+    rules = {k: policy[k] for k in SlurmConfig().ledger_rules}
+    states = _slurm_states({fault.node for fault in ledger.faults})
+    rows = {row["node"]: row for row in ledger.rows(time.time(), **rules, slurm_states=states)}
+    for node in excluded:
+        row = rows.get(node.get("node"))
+        if row is not None:
+            node["why"] = row["reason"] if row["status"] != USABLE else "usable again from the next attempt"
+    return status
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -392,7 +440,18 @@ def _stop(args: argparse.Namespace) -> int:
         return 1
     when = "at the next step every rank can agree on" if args.at_step is None else f"at step {args.at_step}"
     then = "continue" if args.keep_going else "exit"
-    print(f"wrote {content or '(empty)'} to {path}: the run saves a checkpoint {when}, then {then}s")
+    idle = _no_rank_running(layout)
+    if idle is None:
+        print(f"wrote {content or '(empty)'} to {path}: the run saves a checkpoint {when}, then {then}s")
+    elif args.keep_going:
+        print(
+            f"wrote {content} to {path}: but no rank is running ({idle[0]}): nothing can be saved now, so the "
+            "supervisor drops this save-and-continue order (stop_request_dropped)"
+        )
+    else:
+        print(
+            f"wrote {content or '(empty)'} to {path}: no rank is running ({idle[0]}), so none can save now: {idle[1]}"
+        )
     # One rule for every later start (a requeue, a resubmission, systemd, a successor): the file is kept.
     until = "once that checkpoint is saved, remove it" if args.keep_going else "to go on later, remove it"
     print(
@@ -428,6 +487,9 @@ def _nodes(args: argparse.Namespace) -> int:
         # A run that may shrink (slurm.min_nodes) may also start on fewer nodes: Slurm gives what it has.
         low = min(policy["min_nodes"], policy["nodes"]) or policy["nodes"]
         high = policy["nodes"] + policy["spare_nodes"]
+        if missing := _partition_shortfall(excluded, low):  # a job that could never start is not submitted
+            print(f"trainwarden: no job to submit: {missing}", file=sys.stderr)
+            return 1
         print(
             f"--nodes={low}"
             + (f"-{high}" if high > low else "")
@@ -436,6 +498,14 @@ def _nodes(args: argparse.Namespace) -> int:
     elif not args.forget:
         print(render_rows(ledger.rows(now, **rules, slurm_states=states)))
     return 0
+
+
+def _partition_shortfall(excluded: list[str], minimum: int) -> str | None:
+    """What the partition lacks for a job of `minimum` nodes away from `excluded`, where Slurm answers (`sinfo`)."""
+    try:
+        return shortfall(excluded, minimum, timeout=PING_TIMEOUT_S)
+    except SlurmError:
+        return None  # no Slurm here (a laptop), or its controller is out of reach: sbatch has the last word
 
 
 def _ledger_policy(layout: RunLayout) -> dict[str, Any]:
@@ -487,6 +557,42 @@ def _plot(args: argparse.Namespace) -> int:
         print(f"trainwarden: plot: {note}", file=sys.stderr)
     print(summary)
     return 0
+
+
+def _no_rank_running(layout: RunLayout) -> tuple[str, str] | None:
+    """(why no rank can save for a stop now, where the run then ends), from the state file; None while ranks run
+    (or nothing says otherwise: a run that never wrote its state, one that ended)."""
+    try:
+        status = read_status(layout)
+    except StatusError:
+        return None
+    state = status.get("state")
+    found = status.get("ranks")
+    ranks: list[Any] = found if isinstance(found, list) else []
+    if state in ("finished", "stopped", "failed"):
+        return None
+    if not status.get("supervisor_alive"):
+        why = "no supervisor holds the run now: a takeover or a restart is under way"
+    elif state in ("starting", "backoff"):
+        why = f"the run is between attempts: {state}"
+    elif state == "stopping" and not status.get("stop_order"):
+        why = "the ranks of a failed attempt are going down"
+    elif not any(isinstance(r, dict) and r.get("pid") is not None and r.get("returncode") is None for r in ranks):
+        why = "every rank has exited"
+    else:
+        return None
+    checkpoint = status.get("last_checkpoint")
+    newest = checkpoint.get("step") if isinstance(checkpoint, dict) else None
+    if "newest_state" in status:  # the supervisor's own answer while no rank runs (a memory snapshot's step too)
+        newest = status["newest_state"]
+    progress = status.get("progress")
+    heard = progress.get("step") if isinstance(progress, dict) else None
+    if type(newest) is not int:
+        return why, "no checkpoint is complete, so the run ends with nothing saved and starts again from its beginning"
+    past = f", up to step {heard} (the last heard)," if type(heard) is int and heard > newest else ""
+    return why, (
+        f"the run ends stopped at its newest complete state, step {newest}; the steps trained past it{past} are lost"
+    )
 
 
 def _not_stoppable(layout: RunLayout) -> str | None:

@@ -105,6 +105,9 @@ class SlurmConfig:
     # With no spare left, go on with fewer nodes, down to this many, rather than exit 75 (null: `nodes`, never
     # shrink). Below `nodes` needs sharded checkpoints (worker.checkpoint_format: dcp), which reshard on load.
     min_nodes: int | None = None
+    # Before the job's time limit (its end time, read from Slurm), save at an agreed step and exit 75 this long
+    # ahead: the batch script's `#SBATCH --signal=B:USR1@N` lead when it has one, else this.
+    time_limit_margin_s: float = 300.0
 
     @property
     def ledger_rules(self) -> LedgerRules:
@@ -208,6 +211,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.max_node_failures": (lambda v: v >= 1, "at least 1"),
     "slurm.node_failure_window_s": (lambda v: v > 0, "more than 0"),
     "slurm.node_cooldown_s": (lambda v: v >= 0, "0 or more"),
+    "slurm.time_limit_margin_s": (lambda v: v >= 0, "0 or more"),
     "stragglers.margin": (lambda v: v > 0, "more than 0"),
     "stragglers.sustain_s": (lambda v: v >= 0, "0 or more"),
     "standby.prewarm_imports": (

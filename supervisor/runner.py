@@ -47,9 +47,11 @@ from supervisor.core import (
     next_deadline,
 )
 from supervisor.core.causes import explain
+from supervisor.core.decide import ends_at
 from supervisor.core.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
 from supervisor.launch.launcher import Isolated, Launcher, LocalLauncher, Spawned
 from supervisor.launch.ranks import Attempt
+from supervisor.launch.time_limit import TimeLimitWatch
 from supervisor.launch.trees import become_subreaper, kill_predecessor_leftovers
 from supervisor.observe.goodput import Goodput
 from supervisor.observe.metrics import MetricsExporter
@@ -73,12 +75,13 @@ from supervisor.rundir.checkpoints import (
 from supervisor.rundir.journal import Journal
 from supervisor.rundir.lease import ABDICATED, RELEASED, Lease, LeaseHolder, LeaseLost, read_relayed_signal
 from supervisor.rundir.rank_logs import abort_info, count, last_event, last_step, stderr_tail
-from supervisor.rundir.watch import StopFileChanged, StopFileWatcher
+from supervisor.rundir.watch import HeartbeatUnreadable, StopFileChanged, StopFileWatcher, read_heartbeat
 from worker.contract import (
     EXIT_ANOMALY,
     EXIT_CHECKPOINT_REFUSED,
     RunLayout,
     named_store,
+    newest_complete,
     parse_checkpoint_name,
     resume_stores,
 )
@@ -94,6 +97,8 @@ DEADLINE_REFRESH_S = 0.5
 STATUS_SHARE = 0.02  # of the supervisor's CPU time, at most, goes to the state file and what is published with it
 MAX_LOGGED_CHARS = 500  # of a path or error a rank logged, as it reaches the journal and the status
 STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
+# Phases in which no rank can save for a stop: a stop then ends the run at its newest complete state.
+NO_RANK_SAVES = (Phase.STARTING, Phase.BACKOFF, Phase.STOPPING)
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)  # USR1: Slurm's time-limit warning
 # (config, layout, post, log) -> the launcher that starts and watches the ranks
 LauncherFactory = Callable[[JobConfig, RunLayout, Callable[[object], None], Any], Launcher]
@@ -161,6 +166,8 @@ class Supervisor:
         self._launcher = launcher(config, layout, self._inbox.put_nowait, self.log)
         self._launching: LaunchPrepared | None = None  # what the ranks being started resume from
         self._stop_watcher = StopFileWatcher(self.stop_file, self._inbox.put_nowait)
+        # Inside a Slurm job: its end time, read now and then (a successor gets no time-limit warning of its own).
+        self._time_limit = TimeLimitWatch.in_job(config.slurm.time_limit_margin_s, self._inbox.put_nowait, self.log)
         self._next_poll = 0.0
         self._next_status = 0.0  # the state file is written at a Tick once this has passed
         self._deadline: tuple[float, float | None] | None = None  # (worked out when, next_deadline) while valid
@@ -172,7 +179,11 @@ class Supervisor:
         # Bookkeeping beside the core: it never decides anything.
         self._observers: list[Observer] = [Progress(), Counts(previous)]  # counts carried over
         started = time.monotonic() - _process_age()  # a stopwatch starts with the command
-        self._observers.append(Goodput(previous, wall_now=time.time(), process_started=started))  # carried over
+        job = os.environ.get("SLURM_JOB_ID")  # a requeued job runs again under its own id
+        beat = _last_beat(layout, previous, config.world_size)  # a predecessor that died heard up to about there
+        self._observers.append(
+            Goodput(previous, wall_now=time.time(), process_started=started, job=job, last_beat=beat)  # carried over
+        )
         self._observers.append(Stragglers(config.stragglers))
         self.status_listeners: list[Callable[[dict[str, Any]], None]] = []  # shown each status, once it is written
         self._metrics = MetricsExporter(config.metrics, self.log)  # opt-in: off, it costs one check per status
@@ -187,6 +198,8 @@ class Supervisor:
             self._lease.start()
         self._launcher.start()
         self._stop_watcher.start()
+        if self._time_limit is not None:
+            self._time_limit.start()
         self.log.info(
             "supervisor_started",
             pid=os.getpid(),
@@ -218,6 +231,8 @@ class Supervisor:
             else:
                 self._launcher.hand_over()  # the agents fence their ranks; a successor may live in their step
             self._stop_watcher.stop()
+            if self._time_limit is not None:
+                self._time_limit.stop()
             self._metrics.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -262,16 +277,34 @@ class Supervisor:
             self._stop_file_seen = present[0]
             self.log.warning("stop_file_ignored", path=str(self.stop_file))
             return False
+        newest = self._newest_complete()  # no rank runs: the run ends at its newest complete state
         self.log.error(
             "stop_file_present",
             path=str(self.stop_file),
             action="not launching; remove the file or pass --ignore-stop-file",
+            step=newest,
         )
+        source = f"stop file {self.stop_file}"
         self.state = replace(
-            self.state, phase=Phase.STOPPED, reason=f"not started: stop file {self.stop_file} is present"
+            self.state,
+            phase=Phase.STOPPED,
+            stopped_at=newest,
+            stop_source=source,
+            reason=f"not started: {source} is present; {ends_at(newest)}",
         )
+        self._observe(Tick())  # goodput books what was trained past that state (a successor's) as lost
         self._write_status(durable=True)
         return True
+
+    def _newest_complete(self) -> int | None:
+        """The newest state complete on every rank (unverified; a snapshot's too): where a run stopped while no rank
+        runs ends, and where its next start would resume."""
+        worker = self.config.worker
+        try:
+            found = newest_complete(resume_stores(self.layout, worker), self.config.world_size, worker.prefix)
+        except (OSError, ValueError):
+            return None
+        return None if found is None else found[1]
 
     def _relayed_signal(self) -> list[Event]:
         """A signal the job's batch process got while it waits as the job's keeper for us, a successor (Slurm's
@@ -413,6 +446,8 @@ class Supervisor:
             event = pending.popleft()
             if not isinstance(event, (Heartbeats, HeartbeatSeen)):
                 self._deadline = None
+            if isinstance(event, (StopRequested, SignalReceived)) and self.state.phase in NO_RANK_SAVES:
+                event = replace(event, newest_step=self._newest_complete())  # where the run ends if it stops now
             self.state, actions = decide(self.state, event, time.monotonic())
             self._observe(event)
             for action in actions:
@@ -699,6 +734,8 @@ class Supervisor:
             "lease_generation": None if self._lease is None else self._lease.lease.generation,
             "started_at": self._started_at,
             "last_checkpoint": {"step": steps[-1]} if steps else None,
+            # While no rank runs: where a stop would end the run (a memory snapshot's step included), for `stop`.
+            **({"newest_state": self._newest_complete()} if self.state.phase in NO_RANK_SAVES else {}),
             "last_checkpoint_at": self._completed_at(steps[-1]) if steps else None,
             "logs": str(self.layout.attempt_log(self.state.attempt, 0, "err").parent),
             **self._launcher.details(),
@@ -720,6 +757,27 @@ def _previous_status(layout: RunLayout) -> dict[str, Any]:
         return read_status(layout)
     except StatusError:
         return {}
+
+
+def _last_beat(layout: RunLayout, previous: dict[str, Any], world_size: int) -> tuple[int, float] | None:
+    """After a supervisor that died mid-run (its host crashed): the newest step the ranks of its attempt wrote in
+    their heartbeat files, and when (the file's mtime, wall clock). It heard them up to about there, after it last
+    wrote its state. The first and the last rank are read (other nodes, the same steps): a start of thousands of
+    ranks does not read thousands of files."""
+    attempt = previous.get("attempt")
+    if previous.get("state") not in ("running", "stopping") or type(attempt) is not int:
+        return None
+    newest: tuple[int, float] | None = None
+    for rank in sorted({0, world_size - 1}):
+        path = layout.heartbeat(rank)
+        try:
+            seen = read_heartbeat(path, rank)
+            when = os.lstat(path).st_mtime
+        except (HeartbeatUnreadable, OSError):
+            continue
+        if seen is not None and seen.attempt == attempt and (newest is None or seen.step > newest[0]):
+            newest = (seen.step, when)
+    return newest
 
 
 def _previous_step_gaps(previous: dict[str, Any], window: int) -> tuple[float, ...]:

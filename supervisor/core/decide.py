@@ -33,7 +33,11 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
              pending relaunch
     BACKOFF  --deadline--> STARTING (next attempt)
     BACKOFF  --SignalReceived--> STOPPED
+    STARTING, BACKOFF --a stop (no rank runs to save)--> STOPPED at the newest complete state the runner names
+             (`stopped_at`; the steps trained past it are lost); STOPPING before a relaunch: the same, once all down
     STARTING --LaunchFailed--> FAILED (with EXIT_CONFIG if not retryable)
+    any      --the job's time limit less its margin (TimeLimitRead, then Tick)--> as on Slurm's warning (SIGUSR1):
+             save at an agreed step, STOPPED with EXIT_REQUEUE (`time_limit_near`); a SIGTERM at the limit, too
 
 Every failed attempt leaves a `Failure` (the rank that failed first, the step it reached, the cause). The crash-loop
 breaker ends the run with EXIT_CRASH_LOOP once the last `crash_loop_attempts` attempts failed with the same cause at
@@ -79,11 +83,13 @@ from supervisor.core.model import (
     StopStage,
     Then,
     Tick,
+    TimeLimitRead,
     describe_exit,
     hang_deadline,
     rank_deadline,
     saving,
     signal_name,
+    time_limit_deadline,
 )
 from supervisor.core.rollback import AbortInfo, plan_rollback
 from supervisor.core.stop_requests import StopRequest, agreed_step
@@ -99,9 +105,14 @@ from worker.contract import (
 __all__ = [
     "crash_loop",
     "decide",
+    "ends_at",
     "saves_end",
     "stopping_on_request",
 ]
+
+# A SIGTERM this close to the job's end time, or after it, is the scheduler ending the job at its time limit (its
+# end time has a one-second resolution, and it enforces the limit on a timer), never a person's stop.
+TIME_LIMIT_TERM_SLACK_S = 10.0
 
 # ---- transitions ---------------------------------------------------------------------------
 
@@ -200,12 +211,13 @@ def _on_clean_exit(state: State, event: ChildExited) -> tuple[State, list[Action
         state = replace(state, phase=Phase.FINISHED, deadline=None, reason=None)
         return state, [*actions, _record("run_finished", attempt=state.attempt, restarts=state.restarts)]
     step = event.stopped_at
+    why = "for the job's time limit" if state.stopped_code == EXIT_REQUEUE else "on request"  # exit 75: requeue me
     state = replace(
         state,
         phase=Phase.STOPPED,
         deadline=None,
         stopped_at=step,
-        reason=f"stopped on request ({state.stop_source}) at step {step}, checkpoint {step} saved",
+        reason=f"stopped {why} ({state.stop_source}) at step {step}, checkpoint {step} saved",
     )
     return state, [*actions, _record("run_stopped", attempt=state.attempt, step=step, source=state.stop_source)]
 
@@ -402,11 +414,14 @@ def stopping_on_request(state: State) -> bool:
 
 
 def _on_stop_requested(state: State, event: StopRequested, now: float) -> tuple[State, list[Action]]:
-    return _request_stop(state, event.request, now)
+    return _request_stop(state, event.request, now, event.newest_step)
 
 
-def _request_stop(state: State, request: StopRequest, now: float) -> tuple[State, list[Action]]:
-    """Order every rank to save at an agreed step, then exit or go on; without ranks, stop or say why not."""
+def _request_stop(
+    state: State, request: StopRequest, now: float, newest: int | None = None
+) -> tuple[State, list[Action]]:
+    """Order every rank to save at an agreed step, then exit or go on; without ranks, stop at the newest complete
+    state (`newest`, which the runner looks up while no rank runs) or say why not."""
     source = request.source
     if state.phase is Phase.RUNNING:
         earliest = agreed_step(state.ranks, now)
@@ -419,11 +434,42 @@ def _request_stop(state: State, request: StopRequest, now: float) -> tuple[State
         why = "no rank reports its steps" if state.phase is Phase.RUNNING else f"no ranks running ({state.phase.value})"
         return state, [_record("stop_request_dropped", level="warning", source=source, step=request.step, reason=why)]
     if state.phase is Phase.STOPPING:  # cancels a pending relaunch; a run already failing still fails
-        state = replace(state, then=Then.FAIL if state.then is Then.FAIL else Then.STOP)
+        state = _stop_instead(state, source, newest)
         return state, [_record("stop_requested", source=source, how="ranks already stopping")]
-    reason = f"stopped on request ({source}) with no ranks running"
-    state = replace(state, phase=Phase.STOPPED, deadline=None, reason=reason)
-    return state, [_record("run_stopped", attempt=state.attempt, source=source)]
+    leftovers: list[Action] = [KillLeftovers(state.attempt)] if state.phase is Phase.STARTING else []
+    return _stopped_without_ranks(state, source, newest, leftovers)
+
+
+def _stop_instead(state: State, source: str, newest: int | None) -> State:
+    """A stop while the ranks of a failed attempt go down: no relaunch; the run ends at the newest complete state
+    (no rank saves for this stop). A run already failing still fails."""
+    if state.then is not Then.RELAUNCH:  # already failing, or already stopping: an earlier stop's words stand
+        return state
+    reason = f"stopped on request ({source}) while a failed attempt's ranks went down: {ends_at(newest)}"
+    return replace(state, then=Then.STOP, stopped_at=newest, stop_source=source, reason=reason)
+
+
+def _stopped_without_ranks(
+    state: State, source: str, newest: int | None, actions: list[Action]
+) -> tuple[State, list[Action]]:
+    """A stop while no rank runs (a backoff, a relaunch being prepared, a takeover): nobody can save at an agreed
+    step, so the run ends at its newest complete state; what was trained past it is lost (goodput counts it)."""
+    state = replace(
+        state,
+        phase=Phase.STOPPED,
+        deadline=None,
+        stopped_at=newest,
+        stop_source=source,
+        reason=f"stopped on request ({source}) with no rank running: {ends_at(newest)}",
+    )
+    return state, [*actions, _record("run_stopped", attempt=state.attempt, source=source, step=newest, ranks="none")]
+
+
+def ends_at(newest: int | None) -> str:
+    """Where a run stopped while no rank runs ends, in words."""
+    if newest is None:
+        return "no checkpoint is complete, so the run starts again from its beginning when resumed"
+    return f"the run ends at its newest complete state, step {newest}; steps trained past it are lost"
 
 
 def _order_stop(state: State, request: StopRequest, earliest: int, now: float) -> tuple[State, list[Action]]:
@@ -598,7 +644,7 @@ def _all_down(state: State, now: float) -> tuple[State, list[Action]]:
     if state.then is Then.STOP:
         if state.saves_lost:
             return _stopped_losing_saves(state, actions)
-        state = replace(state, phase=Phase.STOPPED, deadline=None, reason="stopped on request")
+        state = replace(state, phase=Phase.STOPPED, deadline=None, reason=state.reason or "stopped on request")
         return state, actions + [_record("run_stopped", attempt=state.attempt)]
     if state.then is Then.FAIL:
         exhausted = f"{state.last_failure}; restarts exhausted ({state.restarts}/{state.policy.max_restarts})"
@@ -817,6 +863,11 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
     if event.signum == signal.SIGUSR1:  # Slurm's warning before the time limit: save, stop, be requeued
         state = replace(state, stopped_code=EXIT_REQUEUE)
     actions: list[Action] = [_record("signal_received", signal=signal_name(event.signum), phase=state.phase.value)]
+    limit = state.time_limit
+    at_limit = limit is not None and limit.at is not None and now >= limit.at - TIME_LIMIT_TERM_SLACK_S
+    if event.signum == signal.SIGTERM and limit is not None and at_limit:
+        state = replace(state, stopped_code=EXIT_REQUEUE)  # the job's time limit, not a person: be requeued
+        actions.append(_record("time_limit_reached", level="warning", end_time=limit.end_time))
     if state.phase is Phase.RUNNING:
         if interrupts >= 2:  # a second Ctrl-C means now
             state, stop = _begin_stop(state, Then.STOP, now)
@@ -828,14 +879,16 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
         return state, actions + stop
     if state.phase is Phase.STOPPING:
         # A stop request cancels a pending relaunch, but a run already failing still fails.
-        state = replace(state, then=Then.FAIL if state.then is Then.FAIL else Then.STOP)
+        state = _stop_instead(state, signal_name(event.signum), event.newest_step)
         if interrupts >= 2:  # a second Ctrl-C means now
             state, kill = _at_once(state, now)
             actions += kill
         return state, actions
     if state.phase is Phase.BACKOFF:
-        state = replace(state, phase=Phase.STOPPED, deadline=None, reason="stopped on request")
-        return state, actions + [_record("run_stopped", attempt=state.attempt)]
+        return _stopped_without_ranks(state, signal_name(event.signum), event.newest_step, actions)
+    if state.phase is Phase.STARTING:  # whatever the launch started meanwhile is killed
+        actions.append(KillLeftovers(state.attempt))
+        return _stopped_without_ranks(state, signal_name(event.signum), event.newest_step, actions)
     state, stop = _begin_stop(state, Then.STOP, now)
     return state, actions + stop
 
@@ -860,7 +913,50 @@ def _at_once(state: State, now: float) -> tuple[State, list[Action]]:
     return _kill(state, now)
 
 
+def _on_time_limit(state: State, event: TimeLimitRead, now: float) -> tuple[State, list[Action]]:
+    return _check_time_limit(replace(state, time_limit=event), now)
+
+
+def _check_time_limit(state: State, now: float) -> tuple[State, list[Action]]:
+    """Once the job's end time is its margin away, the run ends as on Slurm's warning: every rank saves at an agreed
+    step and exits, and the run ends with EXIT_REQUEUE to be resubmitted or requeued. A stop already under way keeps
+    its own exit code (a person's stop stays one); a pending relaunch is cancelled (it could not save in time)."""
+    due = time_limit_deadline(state)
+    if due is None or now < due:
+        return state, []
+    limit = state.time_limit
+    assert limit is not None and limit.at is not None  # a deadline means both
+    state = replace(state, time_limit_near=True)
+    record = _record(
+        "time_limit_near",
+        level="warning",
+        end_time=limit.end_time,
+        margin_s=limit.margin_s,
+        left_s=round(max(0.0, limit.at - now), 1),
+        phase=state.phase.value,
+    )
+    stopping = stopping_on_request(state) or (state.phase is Phase.STOPPING and state.then is not Then.RELAUNCH)
+    if stopping:
+        return state, [record]
+    state = replace(state, stopped_code=EXIT_REQUEUE)
+    source = f"ends {limit.end_time or 'soon'}, margin {limit.margin_s:g} s"
+    if state.phase is Phase.RUNNING:
+        state, stop = _request_stop(state, StopRequest(None, True, source), now)
+        return state, [record, *stop]
+    if state.phase is Phase.STOPPING:  # the ranks are going down for a relaunch: there is no time for one
+        reason = f"stopped for the job's time limit ({source}) while a failed attempt's ranks went down"
+        return replace(state, then=Then.STOP, stop_source=source, reason=reason), [record]
+    # BACKOFF, or STARTING (whatever the launch started meanwhile is killed): no rank runs to save anything
+    leftovers: list[Action] = [KillLeftovers(state.attempt)] if state.phase is Phase.STARTING else []
+    reason = f"stopped for the job's time limit ({source}) with no rank running"
+    state = replace(state, phase=Phase.STOPPED, deadline=None, reason=reason)
+    return state, [record, *leftovers, _record("run_stopped", attempt=state.attempt, source=source)]
+
+
 def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]]:
+    state, near = _check_time_limit(state, now)
+    if near:
+        return state, near
     if state.phase is Phase.RUNNING:
         if state.deadline is not None and now >= state.deadline:  # the graceful stop took too long
             state, stop = _begin_stop(state, Then.STOP, now)
@@ -983,4 +1079,5 @@ _HANDLERS: dict[type, Callable[[State, Any, float], tuple[State, list[Action]]]]
     SignalReceived: _on_signal,
     StopRequested: _on_stop_requested,
     Tick: _on_tick,
+    TimeLimitRead: _on_time_limit,
 }

@@ -58,6 +58,8 @@ __all__ = [
     "StopStage",
     "Then",
     "Tick",
+    "TimeLimitRead",
+    "time_limit_deadline",
 ]
 
 
@@ -198,6 +200,7 @@ class StopRequested:
     """Someone asked for a checkpoint at a step, then an exit or not (stop file); signals arrive as SignalReceived."""
 
     request: StopRequest
+    newest_step: int | None = None  # while no rank runs: the newest state complete on every rank (the run ends there)
 
 
 @dataclass(frozen=True)
@@ -223,11 +226,25 @@ class SignalReceived:
     """The supervisor got a signal (SIGTERM, SIGINT, ...)."""
 
     signum: int
+    newest_step: int | None = None  # while no rank runs: the newest state complete on every rank (the run ends there)
 
 
 @dataclass(frozen=True)
 class Tick:
     """Time passed; deadlines are checked."""
+
+
+@dataclass(frozen=True)
+class TimeLimitRead:
+    """The job's end time as the scheduler says it now (read again now and then: a time limit can be changed).
+
+    `at`: when the job ends, in the supervisor's clock (monotonic; None: no limit); `end_time`: as the scheduler
+    wrote it, for the journal; `margin_s`: how long before `at` the run saves at an agreed step and ends with
+    EXIT_REQUEUE (the job's own warning lead, `--signal=B:USR1@N`, when it has one)."""
+
+    at: float | None
+    margin_s: float
+    end_time: str = ""
 
 
 Event = (
@@ -241,6 +258,7 @@ Event = (
     | SignalReceived
     | StopRequested
     | Tick
+    | TimeLimitRead
 )
 
 # ---- actions: imperatives ------------------------------------------------------------------
@@ -430,6 +448,8 @@ class State:
     failures: tuple[Failure, ...] = ()  # the newest FAILURES_KEPT failed attempts, oldest first
     saves_lost: tuple[tuple[int, int | None], ...] = ()  # (rank, step): went down inside a save, this attempt
     stopped_code: int = 0  # the exit code of a clean stop: EXIT_REQUEUE when Slurm's time-limit warning asked
+    time_limit: TimeLimitRead | None = None  # the job's end time, as last read
+    time_limit_near: bool = False  # the run is ending for it: saving at an agreed step, then EXIT_REQUEUE
     reason: str | None = None
 
     @property
@@ -506,9 +526,17 @@ def hang_deadline(state: State) -> float | None:
 
 
 def next_deadline(state: State) -> float | None:
-    """The earliest moment a Tick can change anything: the phase deadline or the hang deadline."""
-    present = [d for d in (state.deadline, hang_deadline(state)) if d is not None]
+    """The earliest moment a Tick can change anything: the phase deadline, the hang deadline or the time limit's."""
+    present = [d for d in (state.deadline, hang_deadline(state), time_limit_deadline(state)) if d is not None]
     return min(present) if present else None
+
+
+def time_limit_deadline(state: State) -> float | None:
+    """When the run must begin to end for the job's time limit (its margin before it), until it has begun."""
+    limit = state.time_limit
+    if limit is None or limit.at is None or state.time_limit_near or state.phase.terminal:
+        return None
+    return limit.at - limit.margin_s
 
 
 def describe_exit(returncode: int) -> str:

@@ -14,7 +14,7 @@ import fcntl
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeGuard, cast
 
@@ -33,6 +33,7 @@ __all__ = [
     "TooFewNodes",
     "is_strong_slurm_state",
     "parse_sinfo",
+    "partition_shortfall",
     "plan_nodes",
     "render_rows",
     "update_ledger",
@@ -294,3 +295,25 @@ def plan_nodes(
     if len(usable) < (needed if minimum is None else minimum):
         raise TooFewNodes(needed if minimum is None else minimum, usable, excluded)
     return usable[:needed], usable[needed:]
+
+
+def partition_shortfall(
+    partition: Mapping[str, str], excluded: Iterable[str], minimum: int, *, name: str | None = None
+) -> str | None:
+    """Why a job of at least `minimum` nodes away from `excluded` can never start in a partition whose nodes Slurm
+    lists as `partition` (`sinfo -N` states), in one line naming what is missing; None when it can. Usable: listed,
+    not excluded, and not down, drained or failed (a strong state: what the ledger takes out for good too)."""
+    out = set(excluded)
+    usable = sorted(node for node, state in partition.items() if node not in out and not is_strong_slurm_state(state))
+    if len(usable) >= minimum:
+        return None
+    ledger = sorted(node for node in partition if node in out)
+    down = sorted(node for node, state in partition.items() if node not in out and is_strong_slurm_state(state))
+    what = [f"{len(usable)} usable ({', '.join(usable)})" if usable else "none usable"]
+    if ledger:
+        what.append(f"excluded by the run's node ledger: {', '.join(ledger)}")
+    if down:
+        what.append(f"out in Slurm: {', '.join(f'{node} {partition[node]}' for node in down)}")
+    where = f"partition {name}" if name else "the cluster"
+    needs = f"it needs at least {minimum} node(s), {len(partition)} in it"
+    return f"{where} can never hold the job: {needs}, {'; '.join(what)}"

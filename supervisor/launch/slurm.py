@@ -54,7 +54,7 @@ from supervisor.launch.ranks import Attempt, Placement, contract_env, rank_argv
 from supervisor.launch.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, StackDumps, judge
 from supervisor.launch.succession import Succession
 from supervisor.launch.wire import Hub, Peer, WireError
-from supervisor.rundir.lease import ABDICATED, RELEASED, Lease
+from supervisor.rundir.lease import ABDICATED, HELD, RELEASED, Lease
 from supervisor.rundir.lease import read as read_lease
 from supervisor.rundir.watch import progress_fields
 from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
@@ -232,6 +232,20 @@ class SlurmLauncher:
         if self._lease is None:
             return
         before = read_lease(self._layout, self._lease.generation - 1)
+        if before is not None and before.host == self._host and before.job == self._lease.job and before.batch:
+            if before.state == HELD or (before.state == RELEASED and before.exit_code is None):
+                # The batch script's supervisor died on this live host (killed, a Python error) without ending the
+                # run; the script started us (`--take-over`). Its host lives: nobody is charged.
+                self._log.warning(
+                    "supervisor_replaced",
+                    node=self._host,
+                    previous_pid=before.pid,
+                    previous_generation=before.generation,
+                    lease=before.state,
+                    generation=self._lease.generation,
+                    charged=None,
+                )
+            return
         if before is None or before.state == RELEASED or before.host == self._host or before.job != self._lease.job:
             return
         self._log.warning(

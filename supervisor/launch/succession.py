@@ -12,7 +12,7 @@ The batch script's own supervisor, if it lives on (a partition, not a crash), ha
 ranks and abdicated when it found itself cut off; once its link is back it waits as the job's keeper while the
 successor supervises, and exits with the successor's exit code, so that the job ends as the batch script says
 (its resubmission logic included). With no keeper (the batch host died), the successor ends the job itself:
-`scancel`, or, for "requeue me" (75), a Slurm requeue away from the excluded nodes.
+`scancel`, for "requeue me" (75) after submitting the next job for a node range away from the excluded nodes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 from supervisor.launch import slurmctl
 from supervisor.rundir.lease import (
+    ABDICATED,
     HELD,
     RELAYED_SIGNALS,
     RELEASED,
@@ -44,7 +45,7 @@ from supervisor.rundir.lease import (
 from worker.contract import EXIT_REQUEUE, RunLayout
 from worker.files import open_append
 
-__all__ = ["Succession", "end_job", "stand_for_successor", "take_lease", "wait_after_handover"]
+__all__ = ["Succession", "end_job", "stand_for_successor", "take_lease", "take_over", "wait_after_handover"]
 
 STAGGER_S = 1.0  # the n-th candidate in the order waits n times this long: the first one normally wins
 POLL_S = 0.25
@@ -119,6 +120,34 @@ def take_lease(layout: RunLayout, *, ttl_s: float, batch: bool, locked_here: boo
     return taken if taken is not None else f"{layout.root}: another supervisor claimed it at the same moment"
 
 
+def take_over(
+    layout: RunLayout, *, ttl_s: float, say: Callable[[str], None], locked_here: bool = False
+) -> Lease | int | str:
+    """`trainwarden run --take-over`: a fresh supervisor started by the batch script after its own supervisor
+    died on this live host without ending the run (SIGKILL, the OOM killer, a Python error). The predecessor is
+    surely gone (the script waited for it: its pid is dead here), and its agents fenced their ranks when its streams
+    ended, so the run is ours at once: a new lease. If a successor on another node of this job claimed the run
+    first, the run's exit code once that successor ended it (we wait as the job's keeper meanwhile, passing Slurm's
+    signals on), or a lease if it is ours again. The run's exit code at once if this job's run already ended (its
+    lease released with one); why not (one line) if another job's supervisor holds the run."""
+    job = slurmctl.job_id()
+    top = newest(layout)
+    if top is not None and top.state == RELEASED and top.exit_code is not None and top.job == job:
+        say(f"the run already ended with exit {top.exit_code}: nothing to take over")
+        return top.exit_code
+    taken = take_lease(layout, ttl_s=ttl_s, batch=True, locked_here=locked_here)
+    if isinstance(taken, Lease):
+        return taken
+    holder = newest(layout)
+    if holder is None or job is None or holder.job != job or holder.batch or holder.state == ABDICATED:
+        return taken  # another job's supervisor (or another batch process of ours) holds the run: not ours to keep
+    if holder.state == RELEASED:
+        return holder.exit_code if holder.exit_code is not None else taken
+    # A successor on another node of this job claimed the run first (the lease lapsed before we started).
+    watching = Lease(holder.generation - 1, socket.gethostname(), os.getpid(), time.time(), ttl_s, ABDICATED, job, True)
+    return wait_after_handover(layout, watching, say=say)
+
+
 def wait_after_handover(
     layout: RunLayout,
     lease: Lease,
@@ -146,7 +175,14 @@ def _wait(
     while True:
         top = newest(layout)
         if top is not None and top.generation > lease.generation and top.state == RELEASED:
-            return top.exit_code if lease.batch and top.exit_code is not None else 0
+            code = top.exit_code if lease.batch and top.exit_code is not None else 0
+            if lease.batch:  # the job's keeper: its exit code ends the job, as the batch script says
+                said = "no exit code" if top.exit_code is None else f"exit code {top.exit_code}"
+                say(
+                    f"the supervisor on {top.host} (lease generation {top.generation}) ended the run with {said}; "
+                    f"the job's keeper exits with {code}"
+                )
+            return code
         now = time.time()
         free = (
             top is None
@@ -156,8 +192,9 @@ def _wait(
             )
         )
         if free and caught:  # asked to stop while nobody supervises the run: nothing to save, stop now
-            say(f"{signal.Signals(caught[0]).name} while no supervisor holds the run: stopping")
-            return EXIT_REQUEUE if caught[0] == signal.SIGUSR1 else 0
+            code = EXIT_REQUEUE if caught[0] == signal.SIGUSR1 else 0
+            say(f"{signal.Signals(caught[0]).name} while no supervisor holds the run: stopping with exit code {code}")
+            return code
         if free and reachable():
             taken = take_lease(layout, ttl_s=lease.ttl_s, batch=lease.batch)
             if isinstance(taken, Lease):
@@ -183,8 +220,10 @@ def _wait(
 def end_job(
     layout: RunLayout, code: int, *, exclude: Iterable[str], nodes: tuple[int, int], say: Callable[[str], None]
 ) -> None:
-    """A successor's last act, where no batch script is left to end the job: `scancel` it, or requeue it away from
-    `exclude` for 75. A live keeper (the batch process) is given KEEPER_GRACE_S to end it as its script says."""
+    """A successor's last act, where no batch script is left to end the job: `scancel` it; for 75, first submit the
+    job's batch script again, for `nodes` (min, max) away from `exclude`, to start once this job ended (a requeue
+    could not change its node count), unless the partition could never hold that (`sinfo`): then one line says what
+    is missing. A live keeper (the batch process) is given KEEPER_GRACE_S to end it as its script says."""
     job = slurmctl.job_id()
     if job is None:
         return
@@ -194,14 +233,26 @@ def end_job(
             break
         time.sleep(1.0)  # Slurm ends this process with the job when the batch script exits
     try:
-        if code == EXIT_REQUEUE:
-            say(f"requeueing job {job} (the batch script is gone): exit 75, requeue me")
-            slurmctl.requeue_job(job, exclude=exclude, nodes=nodes)
+        if code == EXIT_REQUEUE and (missing := _shortfall(exclude, nodes[0])):
+            # Submitted, it would stay pending for ever ("Requested node configuration is not available").
+            say(f"not resubmitting job {job}: {missing}; ending it (exit 75: resubmit when nodes are back)")
+        elif code == EXIT_REQUEUE:
+            new = slurmctl.resubmit_job(job, exclude=exclude, nodes=nodes)
+            say(f"exit 75, requeue me: job {new} carries on once job {job} ended (the batch script is gone)")
         else:
             say(f"ending job {job} (the batch script is gone): the run ended with exit {code}")
-            slurmctl.cancel_job(job)
+        slurmctl.cancel_job(job)
     except slurmctl.SlurmError as exc:
         say(f"could not end job {job}: {exc}; end it with `scancel {job}`")
+
+
+def _shortfall(exclude: Iterable[str], minimum: int) -> str | None:
+    """What the partition lacks for a job of `minimum` nodes away from `exclude`; None if it can hold one or Slurm
+    cannot say (the job is submitted: Slurm's own verdict is the last word)."""
+    try:
+        return slurmctl.shortfall(exclude, minimum)
+    except slurmctl.SlurmError:
+        return None
 
 
 # ---- an agent standing for successor ----

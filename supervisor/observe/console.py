@@ -13,6 +13,8 @@ from typing import IO, Any
 
 import structlog
 
+from supervisor.observe.status import shown_state
+
 __all__ = ["ENV_LOG_FORMAT", "LOG_FORMATS", "Console", "choose_format", "status_line"]
 
 ENV_LOG_FORMAT = "TRAINWARDEN_LOG_FORMAT"
@@ -86,7 +88,7 @@ class Console:
 def status_line(status: dict[str, Any]) -> str:
     """One line: state, step/total, loss, steps/s, ETA, last checkpoint, attempt, restarts, goodput."""
     progress = status.get("progress") or {}
-    parts = [str(status.get("state", "?"))]
+    parts = [shown_state(status.get("state", "?"), status.get("exit_code"))]
     step, total = progress.get("step"), progress.get("total_steps")
     if step is not None:
         parts.append(f"step {step}/{total}" if total else f"step {step}")

@@ -18,7 +18,8 @@ time between categories, so the categories always add up to `wall_s`:
 - `lost_s`: training that was thrown away. When an attempt resumes from step R, the time earlier attempts trained
   past step R (up to their last progress) moves from productive to lost; the time from an attempt's last progress to
   its failure or forced stop (the step in flight) is lost at once. An anomaly rollback (resuming further back) and a
-  supervisor that died mid-run (its successor resumes from the newest checkpoint) lose work the same way.
+  supervisor that died mid-run (its successor resumes from the newest checkpoint) lose work the same way, and so
+  does a run that ends stopped at step S (`stopped_at`: a stop while no rank ran ends at the newest complete state).
 - `startup_s`: the run's start-up, unproductive as in ByteRobust's accounting, but no failure's: from the
   supervisor's process start (Python, imports, the config) through the first launch to its first step progress, or
   to the end of that first attempt if it never got there. A supervisor that takes over after one died mid-run or
@@ -26,7 +27,8 @@ time between categories, so the categories always add up to `wall_s`:
 - `restart_s`: downtime from a failure to the next attempt's first step progress: stopping the failed attempt,
   backoff, process start, checkpoint load, up to the first step; also the gap while no supervisor ran after one
   died mid-run (the state file was left in a non-final state) or ended asking to be requeued (exit 75: a job's
-  time limit, too few healthy nodes), and the successor's own start-up. 0 in a run without a restart.
+  time limit, too few healthy nodes) or was stopped by Slurm requeueing its job (`scontrol requeue`: the next
+  supervisor runs in the same job), and the successor's own start-up. 0 in a run without a restart.
 - `save_s`: time spent saving checkpoints, from the heartbeats' cumulative `save_s` (the most any rank of the attempt
   reports), taken out of training time (kept or not); saves of checkpoints never used count here too.
 - `hang_s`: from the last progress of an attempt to the moment a hang is declared (from the launch, for a hang
@@ -83,18 +85,25 @@ class Goodput:
         *,
         wall_now: float = math.nan,
         process_started: float | None = None,
+        job: str | None = None,
+        last_beat: tuple[int, float] | None = None,
     ) -> None:
         """`previous`: the state file an earlier supervisor of this run dir left (its totals carry over);
         `wall_now`: time.time() now, for the gap since it was written; `process_started`: when this supervisor's
-        process started, on the monotonic clock (its own start-up, before the first event, is start-up time too)."""
+        process started, on the monotonic clock (its own start-up, before the first event, is start-up time too);
+        `job`: the Slurm job this supervisor runs in (an earlier one of the same job was ended by a requeue);
+        `last_beat`: (step, wall time) of the newest heartbeat of the attempt an earlier supervisor that died mid-run
+        was running (its host crashed): it trained up to there after it last wrote its state."""
         carried, self._kept = _carried(previous or {})  # kept: (step, productive_s when first seen), from step 0
         self._ideal_carried = _carried_ideal(previous or {}) if carried else None
         self._origin = _carried_origin(previous or {}) if carried else None  # None: the first launch's resume step
         self._rates: deque[tuple[float, int]] = deque(maxlen=RATE_SAMPLES)  # (seconds per step, steps)
         self._totals = {name: carried.get(name, 0.0) for name in CATEGORIES}
-        gap, category = _gap(previous or {}, wall_now) if carried else (0.0, None)  # no totals: nothing known
+        gap, category = _gap(previous or {}, wall_now, job) if carried else (0.0, None)  # no totals: nothing known
         if category is not None:
             self._totals[category] += gap
+        if category == "restart_s" and last_beat is not None:
+            self._heard_after(last_beat, previous or {}, gap)
         self._process_started = process_started if category is None else None  # else the gap holds it
         self._starting = category != "restart_s"  # downtime is start-up until the first attempt trains or ends
         self._wall = sum(self._totals.values())
@@ -135,6 +144,8 @@ class Goodput:
             self._category = self._down
         if state.phase.terminal and not self._ended:
             self._ended = True
+            if state.phase is Phase.STOPPED and state.stopped_at is not None:
+                records += self._stopped_at(state, state.stopped_at)
             records.append(("info", "goodput", self.status()["goodput"]))
         return records
 
@@ -217,6 +228,32 @@ class Goodput:
             self._kept.append((event.step, self._totals["productive_s"]))
             if len(self._kept) > KEPT_MAX:
                 self._kept = _thinned(self._kept)
+
+    def _heard_after(self, last_beat: tuple[int, float], previous: Mapping[str, Any], gap: float) -> None:
+        """A supervisor that died mid-run trained up to `last_beat` after it last wrote its state: that time of the
+        gap was training (a resume from an older step loses it), not the outage; the work lost at a crash counts from
+        the last step heard, not from the last state written."""
+        step, at = last_beat
+        if step <= self._kept[-1][0]:
+            return
+        # Beats reach the supervisor a second or so after the ranks write them (an agent batches them): a beat written
+        # before the state file may be newer than anything in it. The training up to the state file is its tail.
+        since = at - previous["updated_at"]  # _gap checked updated_at
+        moved = max(0.0, min(since, gap, self._totals["restart_s"])) if math.isfinite(since) else 0.0
+        self._totals["restart_s"] -= moved
+        self._totals["productive_s"] += moved
+        self._kept.append((step, self._totals["productive_s"]))
+
+    def _stopped_at(self, state: State, step: int) -> list[JournalRecord]:
+        """The run ended stopped at `step`: what was trained past it is lost. Ranks saving at an agreed step trained
+        nothing past it; a stop while no rank ran (a backoff, a takeover) ends at the newest complete state, and the
+        steps trained since it are done again when the run is resumed."""
+        before = self._kept[-1][0]
+        lost = self._roll_back(step)
+        if lost <= 0:
+            return []
+        fields = {"attempt": state.attempt, "stopped_at": step, "last_step": before, "lost_s": round(lost, 3)}
+        return [("info", "work_lost", fields)]
 
     def _attempt_ended(self, state: State, now: float) -> None:
         """The tracked attempt left RUNNING: its training since the last progress is kept, lost or a hang."""
@@ -396,10 +433,11 @@ def _carried_points(points: Any, productive: float) -> list[tuple[int, float]] |
     return _lowered(kept, productive) if kept[0][0] == 0 else None
 
 
-def _gap(previous: Mapping[str, Any], wall_now: float) -> tuple[float, str | None]:
+def _gap(previous: Mapping[str, Any], wall_now: float, job: str | None = None) -> tuple[float, str | None]:
     """The wall-clock time since the previous supervisor last wrote its state, and where it goes: stopped after a
     stop or a failure, restart after a supervisor that died mid-run or asked to be requeued (exit 75: the time
-    limit, too few healthy nodes; the queue wait is an outage of the run); nowhere after a finished run."""
+    limit, too few healthy nodes; the queue wait is an outage of the run) or whose job Slurm requeued (`scontrol
+    requeue`: its SIGTERM stopped the run, and the same job, `job`, runs again); nowhere after a finished run."""
     updated_at = previous.get("updated_at")
     if not _seconds(updated_at) or not math.isfinite(wall_now):
         return 0.0, None
@@ -407,7 +445,8 @@ def _gap(previous: Mapping[str, Any], wall_now: float) -> tuple[float, str | Non
     state = previous.get("state")  # a string, unless the file was damaged: then it is no state we know
     categories = {"stopped": "stopped_s", "failed": "stopped_s", **dict.fromkeys(died, "restart_s")}
     category = categories.get(state) if isinstance(state, str) else None
-    if category == "stopped_s" and previous.get("exit_code") == EXIT_REQUEUE:
+    requeued = job is not None and previous.get("slurm_job") == job  # the same job again: Slurm requeued it
+    if category == "stopped_s" and (previous.get("exit_code") == EXIT_REQUEUE or requeued):
         category = "restart_s"
     return max(0.0, wall_now - updated_at), category
 

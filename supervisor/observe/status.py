@@ -12,12 +12,23 @@ from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind
 from supervisor.core.hangs import TRAIN_PHASE, phase_timeout
 from supervisor.observe.goodput import describe as describe_goodput
 from supervisor.rundir.lease import LOCAL_TTL_S, newest, pid_alive
-from worker.contract import RunLayout
+from worker.contract import EXIT_REQUEUE, RunLayout
 from worker.files import atomic_write_json, read_json
 
-__all__ = ["FAILURES_SHOWN", "StatusError", "read_history", "read_status", "render", "snapshot", "write_status"]
+__all__ = [
+    "FAILURES_SHOWN",
+    "INTERRUPTED",
+    "StatusError",
+    "read_history",
+    "read_status",
+    "render",
+    "shown_state",
+    "snapshot",
+    "write_status",
+]
 
 FAILURES_SHOWN = 5  # the newest failed attempts in `status`: enough to see a crash loop
+INTERRUPTED = "interrupted (resubmit)"  # how an end with EXIT_REQUEUE reads for people: the job is fine, run it again
 MAX_RANK_LINES = MAX_NODE_LINES = 16  # beyond this many, `status` summarises them (--json has every one)
 SHOWN_IN_SUMMARY = 5  # the ranks (nodes) worth a look that a summary names
 # A record per rank and node: about 1.5 MB at 1,024 nodes x 8 ranks (bench/fan_in.py), so not the 1 MiB of the
@@ -253,10 +264,19 @@ def _slow_save_lines(said: Any) -> list[str]:
     ]
 
 
+def shown_state(state: Any, exit_code: Any) -> str:
+    """The run's state as people read it: an end with exit 75 ("requeue me": a time limit with the save done, too
+    few healthy nodes) is `interrupted (resubmit)`, neither `failed` nor `stopped` (the state file keeps the phase)."""
+    if state in ("stopped", "failed") and exit_code == EXIT_REQUEUE and type(exit_code) is int:
+        return INTERRUPTED
+    return str(state)
+
+
 def render(status: dict[str, Any]) -> str:
     """A short human summary of a status dict."""
     lines = [
-        f"run {status.get('run_dir')}: {status['state']}, attempt {status['attempt']}, "
+        f"run {status.get('run_dir')}: {shown_state(status['state'], status.get('exit_code'))}, "
+        f"attempt {status['attempt']}, "
         f"restarts {status['restarts']}/{status.get('max_restarts')}"
     ]
     lines += _supervisor_lines(status)

@@ -6,11 +6,13 @@ import json
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from supervisor.observe.status import StatusError
 from tests.conftest import wait_until
 from tests.e2e.conftest import (
     REPO,
@@ -20,9 +22,10 @@ from tests.e2e.conftest import (
     journal,
     run_supervisor,
     start_supervisor,
+    trainwarden_status,
     write_config,
 )
-from worker.contract import EXIT_SAVE_LOST
+from worker.contract import EXIT_SAVE_LOST, RunLayout
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -217,3 +220,61 @@ def test_a_second_sigint_during_a_save_waits_for_it_and_a_third_abandons_it_sayi
     assert status["state"] == "stopped" and "rank 0 (step 20) went down inside it" in status["reason"]
     assert [e["signal"] for e in events_named(run_dir, "ranks_signalled")] == ["SIGTERM", "SIGKILL"]
     assert 20 not in checkpoint_steps(run_dir, 0)
+
+
+def plant_checkpoint(run_dir: Path, step: int, ranks: int = 2, prefix: str = "demo") -> None:
+    """A checkpoint of `step` complete on every rank (a file and its completion record), as an earlier run left it."""
+    layout = RunLayout(run_dir)
+    for rank in range(ranks):
+        data = b"weights"
+        path = layout.checkpoints.file(rank, step, prefix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        record = {"step": step, "file": path.name, "size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        layout.checkpoints.record(rank, step, prefix).write_text(json.dumps(record))
+
+
+def test_a_stop_while_no_rank_runs_says_so_and_ends_the_run_at_its_newest_complete_state(tmp_path: Path) -> None:
+    """Between attempts (a 60 s backoff after two crashes past checkpoint 10), `trainwarden stop` says that no rank
+    is running and that the run ends at its newest complete state, naming step 10; the supervisor ends the run
+    stopped there at once (exit 0), and goodput counts the steps trained past it as lost work, not `lost 0s`."""
+    run_dir = tmp_path / "run"
+    plant_checkpoint(run_dir, 10)
+    config = fake_job(
+        tmp_path,
+        env={"STEPS": "20", "EXIT": "1"},
+        restart={"max_restarts": 3, "backoff_initial_s": 60.0},
+        worker={"prefix": "demo"},
+    )
+    proc = start_supervisor(config, run_dir)
+
+    def in_backoff() -> bool:
+        try:
+            status = trainwarden_status(run_dir)
+        except StatusError:  # not written yet
+            return False
+        return status["state"] == "backoff" and status["last_checkpoint"] == {"step": 10}
+
+    try:
+        wait_until(in_backoff, timeout=60, what="the backoff, checkpoint 10 seen")
+        out = subprocess.run(
+            [sys.executable, "-m", "supervisor", "stop", str(run_dir)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    finally:
+        done = finish(proc, run_dir, timeout=60)
+    assert "no rank is running (the run is between attempts: backoff), so none can save now" in out.stdout
+    assert "the run ends stopped at its newest complete state, step 10; the steps trained past it" in out.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = done.status()
+    assert (status["state"], status["restarts"], status["stopped_at"]["step"]) == ("stopped", 1, 10)
+    assert "with no rank running: the run ends at its newest complete state, step 10" in status["reason"]
+    (stopped,) = events_named(run_dir, "run_stopped")
+    assert (stopped["step"], stopped["ranks"]) == (10, "none")
+    (lost,) = [e for e in events_named(run_dir, "work_lost") if "stopped_at" in e]
+    assert lost["stopped_at"] == 10 and lost["last_step"] > 10 and lost["lost_s"] > 0
+    assert events_named(run_dir, "goodput")[-1]["lost_s"] >= lost["lost_s"]

@@ -221,7 +221,8 @@ def test_too_few_healthy_nodes_exit_75_naming_the_node_and_a_resubmission_withou
     slurm.crash_node("twnode2")
     code, out = finished(slurm, job, tmp_path)
     assert code == 75, out[-3000:]
-    assert "--exclude=twnode2" in out and "run failed: not launched: needs 2 nodes, 1 usable left" in out
+    assert "--exclude=twnode2" in out
+    assert "run interrupted (resubmit): not launched: needs 2 nodes, 1 usable left" in out
     listed = subprocess.run(
         [TRAINWARDEN, "status", "--excluded-nodes", run_dir], capture_output=True, text=True, timeout=30, check=True
     ).stdout

@@ -194,7 +194,10 @@ def test_signal_while_starting_stops_at_once():
     state, actions = decide(initial_state(POLICY), SignalReceived(signal.SIGTERM), NOW)
     assert state.phase is Phase.STOPPED
     assert state.deadline is None
-    assert state.reason == "stopped on request"
+    assert state.reason == (
+        "stopped on request (SIGTERM) with no rank running: no checkpoint is complete, so the run starts again "
+        "from its beginning when resumed"
+    )
     assert state.stop_stage is None
     assert shape(actions) == ["signal_received", KillLeftovers(0), "run_stopped"]
 
@@ -547,7 +550,7 @@ def test_signal_in_backoff_stops_at_once():
     assert state.phase is Phase.STOPPED
     assert state.deadline is None
     assert state.attempt == 1
-    assert state.reason == "stopped on request"
+    assert state.reason is not None and state.reason.startswith("stopped on request (SIGTERM) with no rank running")
     assert shape(actions) == ["signal_received", "run_stopped"]
 
 

@@ -7,6 +7,7 @@ import signal
 from supervisor.core import (
     ChildExited,
     HeartbeatSeen,
+    KillLeftovers,
     Phase,
     PublishStopOrder,
     SignalRanks,
@@ -18,7 +19,7 @@ from supervisor.core import (
     decide,
 )
 from supervisor.core.stop_requests import StopRequest, agreed_step
-from tests.unit.test_core import NOW, POLICY, backoff, record, running, shape
+from tests.unit.test_core import NOW, POLICY, backoff, record, running, shape, stopping_for_crash
 from worker.contract import StopOrder
 
 FILE = "stop file /run/stop"
@@ -130,3 +131,58 @@ def test_requests_without_running_ranks():
     stopped, actions = decide(state, StopRequested(StopRequest(None, True, FILE)), NOW)
     assert (stopped.phase, stopped.exit_code) == (Phase.STOPPED, 0)
     assert shape(actions) == ["run_stopped"]
+
+
+def test_a_stop_in_backoff_ends_the_run_at_its_newest_complete_state():
+    """No rank runs to save at an agreed step: STOPPED at the newest complete state the runner names (stopped_at),
+    exit 0, the reason and the journal saying so."""
+    for event in (StopRequested(StopRequest(None, True, FILE), newest_step=100), SignalReceived(signal.SIGTERM, 100)):
+        state, actions = decide(backoff(), event, NOW)
+        assert (state.phase, state.exit_code, state.stopped_at) == (Phase.STOPPED, 0, 100)
+        source = FILE if isinstance(event, StopRequested) else "SIGTERM"
+        assert state.stop_source == source
+        assert state.reason == (
+            f"stopped on request ({source}) with no rank running: the run ends at its newest complete state, "
+            "step 100; steps trained past it are lost"
+        )
+        assert dict(record(actions, "run_stopped").fields) == {
+            "attempt": 1,
+            "source": source,
+            "step": 100,
+            "ranks": "none",
+        }
+
+
+def test_a_stop_with_no_complete_checkpoint_says_the_run_starts_again_from_its_beginning():
+    state, _ = decide(backoff(), StopRequested(StopRequest(None, True, FILE)), NOW)
+    assert state.stopped_at is None and state.reason is not None
+    assert state.reason.endswith("no checkpoint is complete, so the run starts again from its beginning when resumed")
+
+
+def test_a_stop_while_a_relaunch_is_being_prepared_kills_what_the_launch_started_and_ends_at_the_newest_state():
+    """STARTING (the relaunch's checkpoints being verified, its step being started): STOPPED at once."""
+    state, _ = decide(backoff(), Tick(), NOW + 10)
+    assert state.phase is Phase.STARTING
+    state, actions = decide(state, SignalReceived(signal.SIGTERM, newest_step=80), NOW + 10)
+    assert (state.phase, state.stopped_at) == (Phase.STOPPED, 80)
+    assert KillLeftovers(state.attempt) in actions
+
+
+def test_a_stop_while_a_failed_attempt_goes_down_cancels_the_relaunch_and_ends_at_the_newest_state():
+    """STOPPING before a relaunch: no relaunch; once every rank is down, STOPPED at the newest complete state."""
+    state = stopping_for_crash(POLICY)
+    state, actions = decide(state, StopRequested(StopRequest(None, True, FILE), newest_step=60), NOW)
+    assert (state.phase, state.then, state.stopped_at) == (Phase.STOPPING, Then.STOP, 60)
+    assert shape(actions) == ["stop_requested"]
+    state, _ = decide(state, ChildExited(0, 1, -15), NOW + 1)
+    assert (state.phase, state.exit_code, state.stopped_at) == (Phase.STOPPED, 0, 60)
+    assert state.reason is not None and "failed attempt's ranks went down" in state.reason and "step 60" in state.reason
+
+
+def test_a_stop_while_stopping_to_stop_keeps_the_first_stop():
+    """A stop already under way (its own agreed step) is not replaced by a later request's newest state."""
+    state, _ = decide(training(), SignalReceived(signal.SIGTERM), NOW)
+    state, _ = decide(state, Tick(), NOW + POLICY.stop_timeout_s + 1)  # the graceful stop timed out: STOPPING
+    assert (state.phase, state.then) == (Phase.STOPPING, Then.STOP)
+    after, _ = decide(state, StopRequested(StopRequest(None, True, FILE), newest_step=30), NOW + 400)
+    assert (after.then, after.stopped_at, after.stop_source) == (Then.STOP, None, "SIGTERM")

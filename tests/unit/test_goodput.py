@@ -22,12 +22,14 @@ from supervisor.core import (
     StacksCollected,
     Started,
     State,
+    StopRequested,
     Tick,
     decide,
     initial_state,
 )
 from supervisor.core.hangs import HangPolicy
 from supervisor.core.model import duration
+from supervisor.core.stop_requests import StopRequest
 from supervisor.observe.goodput import CATEGORIES, KEPT_MAX, KEPT_SAVED, REPORTED, Goodput, describe, ideal_step_time
 from supervisor.observe.progress import JournalRecord
 from supervisor.observe.status import read_status, render, snapshot, write_status
@@ -680,3 +682,58 @@ def test_a_first_attempt_that_fails_before_any_step_is_start_up_then_restart():
     run.beat(8, 1)
     run.beat(18, 11)
     assert run.split() == expect(startup_s=4, restart_s=4, productive_s=10)
+
+
+def test_a_stop_while_no_rank_runs_loses_the_training_past_the_newest_complete_state():
+    """A successor (the supervisor died at t=42, step 40) stopped before it launched, by a stop request or by the
+    stop file present at its start: the run ends at checkpoint 20, and the 12 s trained past it are lost, as they
+    would be had it resumed from there (not `lost 0s`)."""
+    run = checkpointed_run(saves=True)
+    run.beat(31, 22)
+    run.beat(41, 40)
+    previous = died_at(run, 42)
+    successor = Run(Goodput(previous, wall_now=5060.0))
+    successor.feed(Started(), 500)
+    successor.feed(StopRequested(StopRequest(None, True, "stop file x"), newest_step=20), 501)
+    assert (successor.state.phase, successor.state.stopped_at) == (Phase.STOPPED, 20)
+    assert successor.split() == expect(startup_s=5, restart_s=60 + 1, productive_s=20, lost_s=12, save_s=5)
+    assert ("info", "work_lost", {"attempt": 0, "stopped_at": 20, "last_step": 40, "lost_s": 12.0}) in (
+        successor.records
+    )
+    at_start = Run(Goodput(previous, wall_now=5060.0))  # the runner's stop_file_present: the state set, then a Tick
+    at_start.state = replace(at_start.state, phase=Phase.STOPPED, stopped_at=20)
+    at_start.feed(Tick(), 500)
+    assert at_start.split() == expect(startup_s=5, restart_s=60, productive_s=20, lost_s=12, save_s=5)
+
+
+def test_gap_after_slurm_requeued_the_job_is_restart_time():
+    """`scontrol requeue` SIGTERMs the job (the run ends stopped, exit 0) and runs it again under the same id: the
+    wait in between is an outage of the run, not a stop; another job after a stop is still a stop."""
+    previous = {**forced_stop_status(), "state": "stopped", "exit_code": 0, "slurm_job": "42"}
+    totals = Goodput(previous, wall_now=5030.0, job="42").totals()
+    assert (totals["restart_s"], totals["stopped_s"]) == (pytest.approx(30), pytest.approx(2))
+    totals = Goodput(previous, wall_now=5030.0, job="43").totals()
+    assert (totals["restart_s"], totals["stopped_s"]) == (pytest.approx(0), pytest.approx(32))
+
+
+def test_work_lost_at_a_crash_counts_from_the_last_step_heard_not_the_last_state_written():
+    """The supervisor's host crashed 5 s after it last wrote its state (t=42, step 40); its ranks beat up to step 50
+    meanwhile. Those 5 s were training, not the outage: resuming from checkpoint 20 loses 12 + 5 s, and a resume
+    from a checkpoint newer than the state file (45) still loses the training past it (not `lost 0s`)."""
+    run = checkpointed_run(saves=True)
+    run.beat(31, 22)
+    run.beat(41, 40)
+    previous = died_at(run, 42)
+    successor = Run(Goodput(previous, wall_now=5060.0, last_beat=(50, 5005.0)))
+    successor.start(500, resume_step=20, launched=502)
+    assert successor.split() == expect(startup_s=5, restart_s=55 + 2, productive_s=20, lost_s=12 + 5, save_s=5)
+    newer = Run(Goodput(previous, wall_now=5060.0, last_beat=(50, 5005.0)))
+    newer.start(500, resume_step=45, launched=502)
+    assert newer.split()["lost_s"] == pytest.approx(3)  # half of the 6 s from step 40's point (31 s) to 50's (37 s)
+    stale = Run(Goodput(previous, wall_now=5060.0, last_beat=(40, 5005.0)))  # no step past the state file's
+    assert stale.split() == Run(Goodput(previous, wall_now=5060.0)).split()
+    # A beat written before the state file but not heard by then (agents batch beats): no time moves, but its step
+    # does: the training the state file holds past step 40 (its tail, t=41-42) belonged to steps 40-50.
+    unheard = Run(Goodput(previous, wall_now=5060.0, last_beat=(50, 4999.0)))
+    unheard.start(500, resume_step=45, launched=502)
+    assert unheard.split()["lost_s"] == pytest.approx(0.5) and unheard.split()["restart_s"] == pytest.approx(62)

@@ -15,6 +15,7 @@ from supervisor.launch.nodes import (
     TooFewNodes,
     is_strong_slurm_state,
     parse_sinfo,
+    partition_shortfall,
     plan_nodes,
     render_rows,
     update_ledger,
@@ -384,9 +385,12 @@ def test_with_a_minimum_the_plan_shrinks_to_every_usable_node_and_refuses_below_
         ({"nodes": 2, "spare_nodes": 0, "min_nodes": "1"}, "--nodes=2"),  # the state file is untrusted: a default
     ],
 )
-def test_sbatch_args_name_the_node_range_the_run_can_use(tmp_path, capsys, policy, said):
+def test_sbatch_args_name_the_node_range_the_run_can_use(tmp_path, capsys, monkeypatch, policy, said):
     """`trainwarden nodes --sbatch-args`: from the smallest the run accepts to nodes + spares."""
+    from supervisor import cli
     from supervisor.cli import main
+
+    monkeypatch.setattr(cli, "shortfall", lambda excluded, minimum, timeout: None)  # the partition can hold it
     from supervisor.core import Policy, initial_state
     from supervisor.observe.status import snapshot, write_status
 
@@ -397,3 +401,55 @@ def test_sbatch_args_name_the_node_range_the_run_can_use(tmp_path, capsys, polic
     write_status(layout, snapshot(state, now=0.0, extra={"node_policy": policy}), durable=False)
     assert main(["nodes", "--sbatch-args", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"{said}\n"
+
+
+def test_sbatch_args_print_nothing_and_fail_when_the_partition_can_never_hold_the_job(tmp_path, capsys, monkeypatch):
+    """Two of four nodes excluded and a third drained, the run needing 2: no job to submit, one line says why."""
+    from supervisor import cli
+    from supervisor.cli import main
+
+    partition = {"n1": "down*", "n2": "idle", "n3": "drained", "n4": "idle"}
+    monkeypatch.setattr(cli, "node_states", lambda nodes: {n: partition[n] for n in nodes})
+    monkeypatch.setattr(
+        cli, "shortfall", lambda excluded, minimum, timeout: partition_shortfall(partition, excluded, minimum)
+    )
+    (tmp_path / "supervisor").mkdir()
+    layout = RunLayout(tmp_path)
+    Ledger((lost("n1", time.time()), lost("n2", time.time()))).save(layout)
+    from supervisor.core import Policy, initial_state
+    from supervisor.observe.status import snapshot, write_status
+
+    state = initial_state(
+        Policy(nproc=4, max_restarts=0, backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=1.0, kill_grace_s=1.0)
+    )
+    write_status(layout, snapshot(state, now=0.0, extra={"node_policy": {"nodes": 2, "spare_nodes": 1}}), durable=False)
+    assert main(["nodes", "--sbatch-args", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "trainwarden: no job to submit: the cluster can never hold the job: it needs at least 2 node(s), 4 in it, "
+        "1 usable (n4); excluded by the run's node ledger: n1, n2; out in Slurm: n3 drained\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("partition", "excluded", "minimum", "missing"),
+    [
+        ({"n1": "idle", "n2": "allocated", "n3": "mixed"}, ["n1"], 2, None),  # busy nodes count: they free up
+        ({"n1": "idle", "n2": "idle"}, [], 2, None),
+        ({"n1": "idle", "n2": "idle", "n3": "idle"}, ["n1", "n2", "elsewhere"], 2, "1 usable (n3); excluded by"),
+        ({"n1": "down*", "n2": "mixed+drain", "n3": "idle"}, [], 2, "out in Slurm: n1 down*, n2 mixed+drain"),
+        ({}, [], 1, "0 in it, none usable"),
+    ],
+)
+def test_partition_shortfall_counts_listed_nodes_neither_excluded_nor_out_in_slurm(
+    partition, excluded, minimum, missing
+):
+    """The sinfo check's arithmetic: usable = in the partition, not excluded by the ledger, not down/drained/failed;
+    enough of them for the smallest job the run accepts, or one line naming what is missing."""
+    said = partition_shortfall(partition, excluded, minimum, name="debug")
+    if missing is None:
+        assert said is None
+    else:
+        assert said is not None and said.startswith("partition debug can never hold the job: it needs at least ")
+        assert missing in said

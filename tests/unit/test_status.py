@@ -21,6 +21,7 @@ from supervisor.core import (
     initial_state,
 )
 from supervisor.core.causes import Cause, CauseKind
+from supervisor.observe.console import status_line
 from supervisor.observe.plot import read_timeline
 from supervisor.observe.status import (
     FAILURES_SHOWN,
@@ -29,6 +30,7 @@ from supervisor.observe.status import (
     read_history,
     read_status,
     render,
+    shown_state,
     snapshot,
     write_status,
 )
@@ -499,3 +501,21 @@ def test_the_state_file_of_a_thousand_node_run_is_read_back_whole(tmp_path):
         file.truncate(MAX_STATE_BYTES + 1)
     with pytest.raises(StatusError, match="larger than"):
         read_status(layout)
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "shown"),
+    [
+        ("failed", 75, "interrupted (resubmit)"),  # too few healthy nodes
+        ("stopped", 75, "interrupted (resubmit)"),  # the time limit, the save done
+        ("failed", 1, "failed"),
+        ("stopped", 0, "stopped"),
+        ("running", None, "running"),
+        ("failed", "75", "failed"),  # a tampered file: no number, no reading
+    ],
+)
+def test_an_end_with_exit_75_reads_interrupted_resubmit_not_failed(state: str, code: Any, shown: str):
+    assert shown_state(state, code) == shown
+    status = {**snapshot(running(), now=NOW, extra={}), "state": state, "exit_code": code, "supervisor_alive": False}
+    assert render(status).splitlines()[0].startswith(f"run None: {shown}, attempt 0,")
+    assert status_line(status).startswith(f"{shown} | ")

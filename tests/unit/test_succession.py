@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
 
 from supervisor.launch import slurmctl, succession
-from supervisor.launch.succession import Succession, stand_for_successor, take_lease, wait_after_handover
-from supervisor.rundir.lease import ABDICATED, HELD, RELEASED, Lease, claim, newest
+from supervisor.launch.succession import Succession, stand_for_successor, take_lease, take_over, wait_after_handover
+from supervisor.rundir.lease import ABDICATED, HELD, RELEASED, Lease, claim, newest, read_keeper
 from worker.contract import RunLayout
 
 HERE = socket.gethostname()
@@ -113,6 +114,10 @@ def test_the_batch_process_that_handed_over_ends_with_the_successors_exit_code(t
     claim(layout, Lease(2, "successor", 9, time.time(), TTL, RELEASED, "7", False, 75))
     said: list[str] = []
     assert wait_after_handover(layout, ours, say=said.append, reachable=lambda: True) == 75
+    assert said[-1] == (  # the keeper's log says which code it passes on
+        "the supervisor on successor (lease generation 2) ended the run with exit code 75; the job's keeper exits "
+        "with 75"
+    )
 
 
 def test_a_handed_over_successor_leaves_at_once_when_another_supervises(tmp_path):
@@ -131,24 +136,96 @@ def test_a_supervisor_whose_link_is_back_and_nobody_took_over_reclaims_the_run(t
     assert isinstance(again, Lease) and (again.generation, again.batch) == (2, True)
 
 
+def dead_pid() -> int:
+    """A pid no process of this host has."""
+    pid = 2**22 + 4321
+    while succession.pid_alive(pid):
+        pid += 1
+    return pid
+
+
+@pytest.mark.parametrize(
+    ("state", "code"), [(HELD, None), (RELEASED, None)], ids=["killed (lease still held)", "python error (released)"]
+)
+def test_a_fresh_batch_supervisor_takes_over_from_one_that_died_on_this_host_at_once(tmp_path, state, code):
+    """The batch script's supervisor was SIGKILLed (its fresh lease still held by a pid gone from this host) or died
+    of a Python error (released without an exit code): `--take-over` claims the next generation at once, without
+    waiting for the ttl, as the job's batch process."""
+    layout = RunLayout(tmp_path)
+    claim(layout, Lease(1, HERE, dead_pid(), time.time(), TTL, state, "7", True, code))
+    taken = take_over(layout, ttl_s=TTL, say=print)
+    assert isinstance(taken, Lease) and (taken.generation, taken.host, taken.batch) == (2, HERE, True)
+
+
+def test_take_over_of_a_run_this_job_ended_exits_with_the_runs_code_and_claims_nothing(tmp_path):
+    """The supervisor exited 1 because the run failed (its lease released with 1): no second run, the same code."""
+    layout = RunLayout(tmp_path)
+    claim(layout, Lease(1, HERE, dead_pid(), time.time(), TTL, RELEASED, "7", True, 1))
+    said: list[str] = []
+    assert take_over(layout, ttl_s=TTL, say=said.append) == 1
+    assert newest(layout).generation == 1 and "already ended with exit 1" in said[0]
+
+
+def test_take_over_of_a_run_an_earlier_job_released_starts_it_as_a_plain_run_would(tmp_path):
+    """The lease was released by the job before (exit 75, resubmitted): that is not this job's end."""
+    layout = RunLayout(tmp_path)
+    claim(layout, Lease(1, "other-host", 9, time.time(), TTL, RELEASED, "6", True, 75))
+    taken = take_over(layout, ttl_s=TTL, say=print)
+    assert isinstance(taken, Lease) and taken.generation == 2
+
+
+def test_take_over_waits_as_keeper_when_a_successor_elsewhere_claimed_first_and_ends_with_its_code(tmp_path):
+    """The lease lapsed before the fresh supervisor started and twnode2's agent took the run: the batch process
+    keeps the job alive (keeper file) and exits with the code the successor released."""
+    layout = RunLayout(tmp_path)
+    claim(layout, Lease(1, HERE, dead_pid(), time.time() - 2 * TTL, TTL, HELD, "7", True))
+    claim(layout, held(2, "twnode2", batch=False))
+    said: list[str] = []
+
+    def release_later() -> None:
+        time.sleep(0.5)
+        claim(layout, Lease(3, "twnode3", 9, time.time(), TTL, RELEASED, "7", False, 0))
+
+    threading.Thread(target=release_later, daemon=True).start()
+    assert take_over(layout, ttl_s=TTL, say=said.append) == 0
+    assert "handed over to twnode2" in said[0] and read_keeper(layout) is not None
+
+
+def test_take_over_refuses_a_run_another_jobs_live_supervisor_holds(tmp_path, monkeypatch):
+    """Not a successor of ours: the same refusal as a plain `trainwarden run`, no keeper."""
+    monkeypatch.setattr(slurmctl, "job_running", lambda job: job in ("7", "8"))
+    layout = RunLayout(tmp_path)
+    claim(layout, Lease(1, "other-host", 4242, time.time(), TTL, HELD, "8", True))
+    refused = take_over(layout, ttl_s=TTL, say=print)
+    assert isinstance(refused, str) and "already supervised by pid 4242 on other-host" in refused
+    assert read_keeper(layout) is None
+
+
 class _Slurm:
     """What the successor asks Slurm to do at the end, recorded instead of done."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[object, ...]] = []
+        self.missing: str | None = None  # what `sinfo` shows the partition lacks
+
+    def shortfall(self, exclude: object, minimum: int) -> str | None:
+        self.calls.append(("sinfo", tuple(exclude), minimum))
+        return self.missing
 
     def cancel_job(self, job: str) -> None:
         self.calls.append(("cancel", job))
 
-    def requeue_job(self, job: str, *, exclude: object, nodes: object) -> None:
-        self.calls.append(("requeue", job, tuple(exclude), nodes))
+    def resubmit_job(self, job: str, *, exclude: object, nodes: object) -> str:
+        self.calls.append(("resubmit", job, tuple(exclude), nodes))
+        return "8"
 
 
 @pytest.fixture
 def fake_slurm(monkeypatch: pytest.MonkeyPatch) -> _Slurm:
     fake = _Slurm()
     monkeypatch.setattr(slurmctl, "cancel_job", fake.cancel_job)
-    monkeypatch.setattr(slurmctl, "requeue_job", fake.requeue_job)
+    monkeypatch.setattr(slurmctl, "resubmit_job", fake.resubmit_job)
+    monkeypatch.setattr(slurmctl, "shortfall", fake.shortfall)
     return fake
 
 
@@ -159,7 +236,111 @@ def test_a_successor_with_no_keeper_cancels_the_job_when_the_run_ends(tmp_path, 
     assert fake_slurm.calls == [("cancel", "7")] and "ending job 7" in said[0]
 
 
-def test_a_successor_ending_75_requeues_the_job_away_from_the_excluded_nodes(tmp_path, fake_slurm):
-    """Requeue me: Slurm restarts the job's batch script later, with the node range and the exclusions set."""
-    succession.end_job(RunLayout(tmp_path), 75, exclude=["twnode1", "twnode2"], nodes=(2, 3), say=print)
-    assert fake_slurm.calls == [("requeue", "7", ("twnode1", "twnode2"), (2, 3))]
+def test_a_successor_ending_75_resubmits_the_job_for_a_node_range_away_from_the_excluded_nodes(tmp_path, fake_slurm):
+    """Requeue me: the batch script again as a new job after this one, for the node range the run accepts away from
+    the ledger's exclusions (a requeue would keep the job's node count); then this job ends."""
+    said: list[str] = []
+    succession.end_job(RunLayout(tmp_path), 75, exclude=["twnode1", "twnode2"], nodes=(2, 3), say=said.append)
+    assert fake_slurm.calls == [
+        ("sinfo", ("twnode1", "twnode2"), 2),
+        ("resubmit", "7", ("twnode1", "twnode2"), (2, 3)),
+        ("cancel", "7"),
+    ]
+    assert said == ["exit 75, requeue me: job 8 carries on once job 7 ended (the batch script is gone)"]
+
+
+def test_a_successor_ending_75_submits_nothing_the_partition_could_never_hold(tmp_path, fake_slurm):
+    """Two of four nodes excluded, a third drained, two needed: a new job would stay pending for ever
+    (BadConstraints); none is submitted, one line names what is missing, and the job ends."""
+    fake_slurm.missing = "partition debug can never hold the job: it needs at least 2 node(s), 4 in it, 1 usable"
+    said: list[str] = []
+    succession.end_job(RunLayout(tmp_path), 75, exclude=["twnode1", "twnode2"], nodes=(2, 3), say=said.append)
+    assert fake_slurm.calls == [("sinfo", ("twnode1", "twnode2"), 2), ("cancel", "7")]
+    assert said == [f"not resubmitting job 7: {fake_slurm.missing}; ending it (exit 75: resubmit when nodes are back)"]
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.records: list[tuple[str, dict[str, object]]] = []
+
+    def warning(self, event: str, **fields: object) -> None:
+        self.records.append((event, fields))
+
+
+@pytest.mark.parametrize(
+    ("before", "said"),
+    [
+        (Lease(1, HERE, 4242, 0.0, TTL, HELD, "7", True), "supervisor_replaced"),  # SIGKILLed: nobody charged
+        (Lease(1, HERE, 4242, 0.0, TTL, RELEASED, "7", True), "supervisor_replaced"),  # a Python error
+        (Lease(1, "twnode1", 4242, 0.0, TTL, HELD, "7", True), "supervision_taken_over"),  # its host died: charged
+        (Lease(1, HERE, 4242, 0.0, TTL, ABDICATED, "7", True), None),  # our own, taken back after isolation
+        (Lease(1, HERE, 4242, 0.0, TTL, RELEASED, "7", True, 75), None),  # the run ended: a fresh start
+    ],
+)
+def test_a_new_supervisor_names_how_it_took_over_and_charges_only_a_host_that_went(tmp_path, before, said):
+    """The predecessor died on this live host (its lease held, or released without an exit code): journaled as
+    replaced, no node charged. Its host went silent: that host is charged (as before)."""
+    from types import SimpleNamespace
+
+    from supervisor.launch.slurm import SlurmLauncher
+
+    layout = RunLayout(tmp_path)
+    claim(layout, before)
+    charged: list[str] = []
+    launcher = SimpleNamespace(
+        _lease=Lease(2, HERE, os.getpid(), time.time(), TTL, HELD, "7", True),
+        _layout=layout,
+        _host=HERE,
+        _log=_Log(),
+        _charge=lambda node, why, kind: charged.append(node),
+    )
+    SlurmLauncher._charge_predecessor(launcher)  # type: ignore[arg-type]
+    assert [event for event, _ in launcher._log.records] == ([said] if said else [])
+    assert charged == (["twnode1"] if said == "supervision_taken_over" else [])
+    if said == "supervisor_replaced":
+        (_, fields) = launcher._log.records[0]
+        assert fields == {
+            "node": HERE,
+            "previous_pid": 4242,
+            "previous_generation": 1,
+            "lease": before.state,
+            "generation": 2,
+            "charged": None,
+        }
+
+
+SHOW_JOB = (
+    "JobId=41 JobName=trainwarden-demo UserId=root(0) JobState=RUNNING Reason=None Requeue=1 TimeLimit=01:00:00 "
+    "Partition=sim NodeList=twnode[1-3] NumNodes=3 WorkDir=/home/me/work StdOut=/dev/null"
+)
+
+
+@pytest.mark.parametrize(
+    ("show_job", "exclude", "nodes", "args"),
+    [
+        (
+            SHOW_JOB,
+            ["twnode2", "twnode1"],
+            (2, 3),
+            [
+                "--dependency=afterany:41",
+                "--nodes=2-3",
+                "--exclude=twnode1,twnode2",
+                "--partition=sim",
+                "--job-name=trainwarden-demo",
+                "--chdir=/home/me/work",
+                "--time=01:00:00",
+            ],
+        ),
+        (
+            "JobId=42 JobName=x Partition=(null) TimeLimit=UNLIMITED WorkDir=/w",
+            [],
+            (2, 2),
+            ["--dependency=afterany:42", "--nodes=2", "--job-name=x", "--chdir=/w"],
+        ),
+    ],
+)
+def test_the_next_job_asks_for_the_node_range_and_only_the_ledgers_exclusions(show_job, exclude, nodes, args):
+    """What sbatch gets for the job after a 75 whose batch script is gone: the range (min_nodes or nodes to nodes +
+    spares), the ledger's exclusions, and what Slurm knows of the first job that its script may not say."""
+    assert slurmctl.resubmit_args(show_job, exclude=exclude, nodes=nodes) == args

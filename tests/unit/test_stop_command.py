@@ -1,0 +1,52 @@
+"""`trainwarden stop` while no rank runs says so, and where the run then ends, from the state file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from supervisor import cli
+from worker.contract import RunLayout
+
+RUNNING_RANKS = [{"rank": 0, "pid": 10, "returncode": None}, {"rank": 1, "pid": 11, "returncode": None}]
+ENDS = "the run ends stopped at its newest complete state, step 100; the steps trained past it, up to step 110"
+
+
+@pytest.mark.parametrize(
+    ("status", "why"),
+    [
+        ({"state": "running", "supervisor_alive": True, "ranks": RUNNING_RANKS}, None),
+        ({"state": "running", "supervisor_alive": True, "ranks": RUNNING_RANKS, "stop_order": {}}, None),
+        ({"state": "backoff", "supervisor_alive": True}, "the run is between attempts: backoff"),
+        ({"state": "starting", "supervisor_alive": True}, "the run is between attempts: starting"),
+        ({"state": "stopping", "supervisor_alive": True}, "the ranks of a failed attempt are going down"),
+        ({"state": "stopping", "supervisor_alive": True, "stop_order": {"step": 5}, "ranks": RUNNING_RANKS}, None),
+        ({"state": "running", "supervisor_alive": False, "ranks": RUNNING_RANKS}, "no supervisor holds the run now"),
+        ({"state": "running", "supervisor_alive": True, "ranks": [{"pid": 10, "returncode": 0}]}, "every rank"),
+        ({"state": "stopped", "supervisor_alive": False}, None),  # ended: the stop file only blocks a later start
+    ],
+)
+def test_no_rank_running_says_why_and_where_the_run_ends(monkeypatch, status: dict[str, Any], why: str | None):
+    full = {"last_checkpoint": {"step": 100}, "progress": {"step": 110}, **status}
+    monkeypatch.setattr(cli, "read_status", lambda _layout: full)
+    found = cli._no_rank_running(RunLayout("/nowhere"))
+    if why is None:
+        assert found is None
+    else:
+        assert found is not None and found[0].startswith(why) and found[1].startswith(ENDS)
+
+
+def test_without_a_complete_checkpoint_the_run_ends_with_nothing_saved(monkeypatch):
+    monkeypatch.setattr(cli, "read_status", lambda _layout: {"state": "backoff", "supervisor_alive": True})
+    found = cli._no_rank_running(RunLayout("/nowhere"))
+    assert found is not None and found[1].startswith("no checkpoint is complete, so the run ends with nothing saved")
+
+
+def test_the_supervisors_own_newest_state_wins_over_the_last_checkpoint(monkeypatch):
+    """While no rank runs the supervisor publishes where a stop would end the run (a memory snapshot newer than the
+    last regular checkpoint included): the command names that step."""
+    status = {"state": "backoff", "supervisor_alive": True, "last_checkpoint": {"step": 100}, "newest_state": 105}
+    monkeypatch.setattr(cli, "read_status", lambda _layout: status)
+    found = cli._no_rank_running(RunLayout("/nowhere"))
+    assert found is not None and "newest complete state, step 105;" in found[1]
