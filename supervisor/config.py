@@ -108,6 +108,9 @@ class SlurmConfig:
     # Before the job's time limit (its end time, read from Slurm), save at an agreed step and exit 75 this long
     # ahead: the batch script's `#SBATCH --signal=B:USR1@N` lead when it has one, else this.
     time_limit_margin_s: float = 300.0
+    # While the Slurm controller does not answer, what needs it (a new step, a resubmission) waits for it this long
+    # before the run ends (exit 75); the ranks already running go on meanwhile.
+    controller_wait_s: float = 300.0
 
     @property
     def ledger_rules(self) -> LedgerRules:
@@ -212,6 +215,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.node_failure_window_s": (lambda v: v > 0, "more than 0"),
     "slurm.node_cooldown_s": (lambda v: v >= 0, "0 or more"),
     "slurm.time_limit_margin_s": (lambda v: v >= 0, "0 or more"),
+    "slurm.controller_wait_s": (lambda v: v >= 0, "0 or more"),
     "stragglers.margin": (lambda v: v > 0, "more than 0"),
     "stragglers.sustain_s": (lambda v: v >= 0, "0 or more"),
     "standby.prewarm_imports": (

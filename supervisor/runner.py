@@ -79,6 +79,7 @@ from supervisor.rundir.watch import HeartbeatUnreadable, StopFileChanged, StopFi
 from worker.contract import (
     EXIT_ANOMALY,
     EXIT_CHECKPOINT_REFUSED,
+    EXIT_FAILED,
     RunLayout,
     named_store,
     newest_complete,
@@ -581,7 +582,10 @@ class Supervisor:
         ):
             named, why = choice.passed_over[0]
             return LaunchFailed(
-                attempt, f"the checkpoint named by worker.resume_training (step {named}) is not usable: {why}"
+                attempt,
+                f"the checkpoint named by worker.resume_training (step {named}) is not usable: {why}",
+                retryable=False,
+                exit_code=EXIT_FAILED,
             )
         if resume_step is None and choice.passed_over and self.config.worker.no_usable_checkpoint == "refuse":
             newest, why = choice.passed_over[0]
@@ -589,6 +593,8 @@ class Supervisor:
                 attempt,
                 f"no usable checkpoint (newest, step {newest}: {why}); "
                 "refusing to start from scratch (worker.no_usable_checkpoint: refuse)",
+                retryable=False,
+                exit_code=EXIT_FAILED,
             )
         if self._lease is not None and not self._lease.valid():  # launching now could race a successor
             self._hand_over(

@@ -104,12 +104,13 @@ class CauseKind(Enum):
     CHECKPOINT_REFUSED = "checkpoint_refused"  # exit 66: relaunched from an older checkpoint
     NODE_LOST = "node_lost"  # its node went silent or its node agent died: relaunched without that node
     COLLECTIVE = "collective"  # a collective failed (a desync, a peer gone): the flight recorders name the culprit
+    LAUNCH = "launch"  # the ranks could not be started, for a reason that may pass (Slurm could not create the step)
 
 
 # A repeat of these at the same step is the script failing the same way: a crash loop.
 _REPEATABLE = {CauseKind.EXCEPTION, CauseKind.EXIT, CauseKind.OOM, CauseKind.DISK_FULL, CauseKind.COLLECTIVE}
 # These count toward "no progress" too: a kill or a hang before any step past the resume point.
-_BREAKABLE = _REPEATABLE | {CauseKind.SIGNAL, CauseKind.HANG}
+_BREAKABLE = _REPEATABLE | {CauseKind.SIGNAL, CauseKind.HANG, CauseKind.LAUNCH}
 _NOT_RETRYABLE = {CauseKind.CHECKPOINT_INCOMPATIBLE, CauseKind.CONFIG}
 
 

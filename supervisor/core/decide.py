@@ -35,7 +35,9 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     BACKOFF  --SignalReceived--> STOPPED
     STARTING, BACKOFF --a stop (no rank runs to save)--> STOPPED at the newest complete state the runner names
              (`stopped_at`; the steps trained past it are lost); STOPPING before a relaunch: the same, once all down
-    STARTING --LaunchFailed--> FAILED (with EXIT_CONFIG if not retryable)
+    STARTING --LaunchFailed, retryable--> BACKOFF (a failed attempt: restarts, backoff and the crash-loop breaker
+             apply) | FAILED once restarts are exhausted
+    STARTING --LaunchFailed, not retryable--> FAILED (with EXIT_CONFIG, or the exit code the launcher names)
     any      --the job's time limit less its margin (TimeLimitRead, then Tick)--> as on Slurm's warning (SIGUSR1):
              save at an agreed step, STOPPED with EXIT_REQUEUE (`time_limit_near`); a SIGTERM at the limit, too
 
@@ -97,6 +99,7 @@ from worker.contract import (
     EXIT_ANOMALY,
     EXIT_CONFIG,
     EXIT_CRASH_LOOP,
+    EXIT_FAILED,
     EXIT_REQUEUE,
     EXIT_SAVE_LOST,
     StopOrder,
@@ -159,10 +162,34 @@ def _on_launch_failed(state: State, event: LaunchFailed, now: float) -> tuple[St
         "launch_failed", level="error", attempt=event.attempt, error=event.error, retryable=event.retryable
     )
     if event.exit_code is not None:
-        return replace(_fail(state, f"not launched: {event.error}"), failure_code=event.exit_code), [record]
+        said = "could not launch ranks" if event.exit_code == EXIT_FAILED else "not launched"  # a permanent failure
+        return replace(_fail(state, f"{said}: {event.error}"), failure_code=event.exit_code), [record]
     if not event.retryable:
         return replace(_fail(state, f"not launched: {event.error}"), failure_code=EXIT_CONFIG), [record]
-    return _fail(state, f"could not launch ranks: {event.error}"), [record]
+    if state.phase is not Phase.STARTING or event.attempt != state.attempt:
+        return state, [record]  # an older attempt's late word: this one is already past it
+    return _relaunch_after_launch_failed(state, event, record, now)
+
+
+def _relaunch_after_launch_failed(
+    state: State, event: LaunchFailed, record: Action, now: float
+) -> tuple[State, list[Action]]:
+    """A launch that may succeed later (Slurm could not create the step yet): a failed attempt like any other,
+    relaunched after the backoff while restarts are left, the crash-loop breaker watching."""
+    text = f"could not launch ranks: {event.error}"
+    state = _note_failure(state, 0, Cause(CauseKind.LAUNCH, text[:MAX_CAUSE_CHARS]))
+    state, then, actions = _after_failure(state)
+    actions = [record, *actions]
+    if then is Then.FAIL:
+        exhausted = f"{text}; restarts exhausted ({state.restarts}/{state.policy.max_restarts})"
+        return _fail(state, state.give_up or exhausted), actions
+    delay = state.policy.backoff_s(state.restarts)
+    state = replace(state, phase=Phase.BACKOFF, deadline=now + delay, then=None)
+    actions.append(_record("relaunch_scheduled", attempt=state.attempt + 1, backoff_s=delay))
+    if delay <= 0:
+        state, launch = _relaunch(state)
+        actions += launch
+    return state, actions
 
 
 def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[State, list[Action]]:

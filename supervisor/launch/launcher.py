@@ -9,6 +9,7 @@ Everything a launcher learns reaches the main loop through `post` (the superviso
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import signal
 import threading
@@ -29,12 +30,15 @@ from supervisor.launch.stacks import start_stack_collection
 from supervisor.launch.standby import FILL_AFTER_S, Standby, Standbys
 from supervisor.launch.trees import descendants, reap_orphans, record_pids, sigkill
 from supervisor.rundir.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
-from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
+from worker.contract import EXIT_FAILED, EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import atomic_write_json, read_bytes, unlink_quietly
 
 __all__ = ["Isolated", "Launcher", "LocalLauncher", "Spawned", "publish_order"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# A launch that failed with one of these may succeed on the next attempt; any other OSError (no such program, not
+# executable) fails the run at once.
+PASSING_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 TRACK_INTERVAL_S = 5.0  # the run's processes are recorded (for a successor) and orphans reaped this often
 
 
@@ -194,7 +198,13 @@ class LocalLauncher:
         except OSError as exc:
             for standby in warm.values():  # those not handed a rank yet (the others were killed with the ranks)
                 standby.retire()
-            return LaunchFailed(attempt.number, f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+            passing = exc.errno in PASSING_ERRNOS  # out of processes or memory for now; a missing program stays so
+            return LaunchFailed(
+                attempt.number,
+                f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
+                retryable=passing,
+                exit_code=None if passing else EXIT_FAILED,
+            )
         used = sorted(rank for rank, standby in warm.items() if self._ranks.procs[rank] is standby.proc)
         if used:
             self._log.info("standbys_used", attempt=attempt.number, ranks=used)

@@ -8,9 +8,12 @@ GROUP_RANK i; MASTER_ADDR is node 0 as the supervisor reaches it, MASTER_PORT a 
 every agent how to take the supervisor's place (succession.py), and turns what the agents report into the core's
 events. A node whose agent's stream breaks, or that falls silent for `slurm.node_timeout_s`, is lost: its ranks
 count as killed, it is charged in the ledger (excluded for a cool-down, for good once Slurm marks it down), and
-the next attempt runs on the rest plus a spare. When every other node falls silent at once, the supervisor first
-tests its own link (can it reach the Slurm controller?): if not, it is the one cut off, charges nobody, and hands
-over (Isolated). A step stuck on a dead node is not waited for: `--overlap` lets the next step start beside it.
+the next attempt runs on the rest plus a spare. The controller is not the network (controller.py): only when every
+other node falls silent at once does the supervisor test its own link (can it reach the Slurm controller?): if not,
+it is the one cut off, charges nobody, and hands over (Isolated). `scontrol` or `srun` failing alone only means the
+controller is out of reach: the ranks running go on, and a new step waits for it (`slurm.controller_wait_s`,
+`controller_unreachable` / `controller_back`); a step Slurm cannot create yet is tried again with backoff. A step
+stuck on a dead node is not waited for: `--overlap` lets the next step start beside it.
 Nothing here reads heartbeats or exits from the shared filesystem (NFS caches them).
 """
 
@@ -47,6 +50,7 @@ from supervisor.core import (
 from supervisor.core.blame import IN_COLLECTIVE, SILENT
 from supervisor.core.causes import Cause, CauseKind
 from supervisor.launch import slurmctl
+from supervisor.launch.controller import STEP_RETRIES, ControllerWait, cut_off, retry_delay_s, step_not_created_yet
 from supervisor.launch.gpu_health import reported_shortage
 from supervisor.launch.launcher import Isolated, Spawned, publish_order
 from supervisor.launch.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
@@ -57,7 +61,7 @@ from supervisor.launch.wire import Hub, Peer, WireError
 from supervisor.rundir.lease import ABDICATED, HELD, RELEASED, Lease
 from supervisor.rundir.lease import read as read_lease
 from supervisor.rundir.watch import progress_fields
-from worker.contract import EXIT_REQUEUE, RunLayout, StopOrder
+from worker.contract import EXIT_FAILED, EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import open_append, read_bytes
 
 __all__ = ["SlurmLauncher", "in_allocation"]
@@ -141,6 +145,7 @@ class _Planned:
     states: dict[str, str] = field(default_factory=dict)
     error: str | None = None
     reachable: bool = True  # the controller answered `scontrol ping`
+    asked: float | None = None  # monotonic: when the question that failed was asked
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,7 @@ class _LinkChecked:
     reachable: bool
     suspects: tuple[str, ...]  # the silent nodes ((): an srun failure)
     why: str
+    srun_said: str | None = None  # srun exited before every agent dialled in, with these last words
 
 
 class SlurmLauncher:
@@ -195,6 +201,9 @@ class SlurmLauncher:
         self._stacks_deadline: float | None = None
         self._collective_failed = False  # the stacks sought are a failed collective's, not a hang's
         self._checking_link = False
+        self._controller = ControllerWait(config.slurm.controller_wait_s)
+        self._retry_at: float | None = None  # when to plan the pending attempt again (controller wait, step retry)
+        self._step_tries = 0  # steps of the pending attempt Slurm could not create yet
         self._ended_early: dict[str, tuple[str, float]] = {}  # node -> (why, until): its stream ended before launch
         self._signalled = False  # the supervisor signalled this attempt's ranks: later deaths are its doing
         self._last_ping = 0.0
@@ -299,6 +308,9 @@ class SlurmLauncher:
                 node.peer.send({"type": "exit"})  # said, not a fence: the supervisor is alive
                 node.peer.close()
         self._kill_steps()  # a step stuck on a lost node is not waited for
+        if attempt.number != self._pending.number:
+            self._step_tries = 0
+        self._retry_at = None
         self._attempt, self._pending, self._nodes = None, attempt, {}
         self._hello_deadline, self._ended_early = None, {}
         threading.Thread(
@@ -310,11 +322,12 @@ class SlurmLauncher:
         return {fault.node for fault in self._ledger.faults}
 
     def _plan(self, attempt: int, known: list[str]) -> None:
+        asked = time.monotonic()
         try:
             nodes = slurmctl.allocation()
             states = slurmctl.node_states([*nodes, *known])
         except slurmctl.SlurmError as exc:
-            self._post(_Planned(attempt, error=str(exc), reachable=slurmctl.controller_reachable()))
+            self._post(_Planned(attempt, error=str(exc), reachable=slurmctl.controller_reachable(), asked=asked))
             return
         self._post(_Planned(attempt, tuple(nodes), states))
 
@@ -322,9 +335,14 @@ class SlurmLauncher:
         if planned.attempt != self._pending.number or self._attempt is not None:
             return []
         if planned.error is not None:
-            if not planned.reachable:
-                return [Isolated(f"cannot reach the Slurm controller ({planned.error})")]
-            return [LaunchFailed(planned.attempt, f"cannot ask Slurm for the job's nodes: {planned.error}")]
+            why = f"cannot ask Slurm for the job's nodes: {planned.error}"
+            if not planned.reachable:  # no agent runs to judge our link by: the controller alone is out of reach
+                return self._await_controller(planned.attempt, why, planned.asked)
+            if self._step_tries < STEP_RETRIES:  # it answers now (it was slow, or just came back): ask again
+                self._controller_answered()
+                return self._retry_step(why)
+            return [LaunchFailed(planned.attempt, why)]
+        self._controller_answered()
         self._allocation, self._states = list(planned.nodes), planned.states
         self._seen += [node for node in planned.nodes if node not in self._seen]
         self._update_ledger(lambda ledger: ledger.confirmed(self._states, time.time()))
@@ -691,12 +709,12 @@ class SlurmLauncher:
         self.launch(self._pending)  # its outcome is posted (`_Planned`), never returned
         return []
 
-    def _check_link(self, suspects: tuple[str, ...], why: str) -> None:
+    def _check_link(self, suspects: tuple[str, ...], why: str, srun_said: str | None = None) -> None:
         """Is it us? `scontrol ping` in a thread; `_LinkChecked` goes on."""
         self._checking_link = True
         attempt = self._attempt if self._attempt is not None else self._pending.number
         threading.Thread(
-            target=lambda: self._post(_LinkChecked(attempt, slurmctl.controller_reachable(), suspects, why)),
+            target=lambda: self._post(_LinkChecked(attempt, slurmctl.controller_reachable(), suspects, why, srun_said)),
             daemon=True,
             name="link-check",
         ).start()
@@ -705,10 +723,19 @@ class SlurmLauncher:
         self._checking_link = False
         if checked.attempt not in (self._attempt, self._pending.number):
             return []
-        if not checked.reachable:
+        remote = {n.name for n in self._nodes.values() if n.active and n.name != self._host}
+        if checked.suspects and cut_off(remote, checked.suspects, False, checked.reachable):
             return [Isolated(f"{checked.why}, and the Slurm controller is out of reach from {self._host}")]
-        if not checked.suspects:  # srun failed, the controller answers: the launch failed, no node is to blame
-            return [LaunchFailed(checked.attempt, checked.why)]
+        if not checked.suspects:  # srun failed, or no agent dialled in: no node is to blame
+            if not checked.reachable:
+                return self._await_controller(checked.attempt, checked.why)
+            self._controller_answered()
+            if checked.srun_said is not None and not step_not_created_yet(checked.srun_said):
+                # Slurm refused the step's request itself (an invalid option, a gres it has not): so will it again
+                return [LaunchFailed(checked.attempt, checked.why, retryable=False, exit_code=EXIT_FAILED)]
+            if checked.srun_said is not None and self._step_tries < STEP_RETRIES:
+                return self._retry_step(checked.why)
+            return [LaunchFailed(checked.attempt, checked.why)]  # retryable: a relaunch, while restarts are left
         events: list[Event | Isolated] = []
         now = time.monotonic()
         for name in checked.suspects:
@@ -716,6 +743,49 @@ class SlurmLauncher:
             if node is not None and node.active and now - node.heard > self._config.slurm.node_timeout_s:
                 events += self._lose(node, f"no word from its agent for {now - node.heard:.1f} s")
         return events
+
+    def _await_controller(self, attempt: int, why: str, asked: float | None = None) -> list[Event | Isolated]:
+        """What needs the controller (a new step) waits for it, bounded by `slurm.controller_wait_s`; the plan is
+        asked again with backoff meanwhile. Past the wait, the run ends with 75, to be resubmitted."""
+        now = time.monotonic()
+        first, expired = self._controller.out_of_reach(now, asked)
+        if first:
+            self._log.warning(
+                "controller_unreachable",
+                attempt=attempt,
+                why=why[:300],
+                wait_s=self._config.slurm.controller_wait_s,
+                host=self._host,
+            )
+        if expired:
+            waited = now - (self._controller.since or now)
+            return [
+                LaunchFailed(
+                    attempt,
+                    f"the Slurm controller was out of reach for {waited:.0f} s (slurm.controller_wait_s): {why}",
+                    exit_code=EXIT_REQUEUE,
+                )
+            ]
+        self._retry_at = self._controller.next_try(now)
+        self._next_check = min(self._next_check, self._retry_at)
+        return []
+
+    def _controller_answered(self) -> None:
+        waited = self._controller.back(time.monotonic())
+        if waited is not None:
+            self._log.info("controller_back", waited_s=round(waited, 1), host=self._host)
+
+    def _retry_step(self, why: str) -> list[Event | Isolated]:
+        """Slurm could not create the step yet (the last one not cleaned up, its nodes busy), or did not say the
+        job's nodes though it answers now: the same attempt again after a backoff, its nodes asked anew."""
+        self._step_tries += 1
+        delay = retry_delay_s(self._step_tries)
+        self._log.warning(
+            "step_retry", attempt=self._pending.number, tries=self._step_tries, delay_s=delay, why=why[:300]
+        )
+        self._retry_at = time.monotonic() + delay
+        self._next_check = min(self._next_check, self._retry_at)
+        return []
 
     def _srun_exited(self, exited: _SrunExited) -> list[Event | Isolated]:
         """srun ended before every agent dialled in: the launch failed (Slurm refused the step, or cannot be
@@ -728,7 +798,7 @@ class SlurmLauncher:
         why = f"srun exited with code {exited.returncode} before every agent connected" + (f": {tail}" if tail else "")
         self._log.error("srun_failed", attempt=self._attempt, returncode=exited.returncode, said=tail)
         if not self._checking_link:
-            self._check_link((), why)
+            self._check_link((), why, _log_tail(self._srun_log(self._attempt or 0)) or None)  # no words: unknown
         return []
 
     def _charge(self, node: str, reason: str, kind: str) -> None:
@@ -842,6 +912,9 @@ class SlurmLauncher:
         if self._stacks_deadline is not None and now > self._stacks_deadline:
             events += self._stacks_if_all_in(timed_out=True)
         events += self._silent_nodes(now)
+        if self._retry_at is not None and now >= self._retry_at:
+            self._retry_at = None
+            self.launch(self._pending)  # its outcome is posted (`_Planned`)
         for name, (why, until) in list(self._ended_early.items()):
             if now >= until:  # srun still runs: this node's agent died on its own
                 del self._ended_early[name]
@@ -884,7 +957,7 @@ class SlurmLauncher:
             for n in self._nodes.values()
             if n.name not in suspects
         )
-        if remote and remote <= set(suspects) and not heard:
+        if cut_off(remote, suspects, heard, None) is None:  # every other node silent: is it us? ask the controller
             self._check_link(suspects, f"every other node went silent ({', '.join(sorted(remote))})")
             return []
         events: list[Event] = []
@@ -901,7 +974,8 @@ class SlurmLauncher:
     def _quietest(self) -> float:
         timeout = self._config.slurm.node_timeout_s
         heard = [n.heard + timeout + 0.01 for n in self._nodes.values() if n.active and not self._checking_link]
-        return min([*heard, *(until for _, until in self._ended_early.values())], default=math.inf)
+        retry = [] if self._retry_at is None else [self._retry_at]
+        return min([*heard, *retry, *(until for _, until in self._ended_early.values())], default=math.inf)
 
     def oom_killed(self) -> bool:
         return False  # another node's cgroup is not ours to read
@@ -988,6 +1062,14 @@ def _route_address(node: str) -> str:
             return sock.getsockname()[0]
     except OSError:
         return socket.gethostname()
+
+
+def _log_tail(path: Any) -> str:
+    """The end of an attempt's srun log (srun's own lines may precede a last one that says less)."""
+    try:
+        return read_bytes(path, 1 << 20)[-SRUN_LOG_TAIL:].decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
 
 
 def _last_line(path: Any) -> str:

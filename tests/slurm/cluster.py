@@ -11,6 +11,7 @@ import fcntl
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -296,9 +297,26 @@ def heal(name: str, timeout: float = 60) -> None:
     _sim("node.sh", "heal", name, timeout=timeout)
 
 
+def _controller_pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _comm(int(p.name)) == "slurmctld"]
+
+
+def pause_controller() -> None:
+    """An outage of the Slurm controller alone (SIGSTOP slurmctld): every scontrol, sinfo and srun that needs it
+    times out, the nodes' links are untouched. resume_controller() ends it, and so does reset()."""
+    for pid in _controller_pids():
+        os.kill(pid, signal.SIGSTOP)
+
+
+def resume_controller() -> None:
+    for pid in _controller_pids():
+        os.kill(pid, signal.SIGCONT)
+
+
 def reset(nodes: int = NODES, timeout: float = 90) -> None:
-    """Between tests: heal and restore every node, cancel every job, resume, wait until all idle
-    (cancelling again whatever someone else submits meanwhile)."""
+    """Between tests: the controller resumed, heal and restore every node, cancel every job, resume, wait until
+    all idle (cancelling again whatever someone else submits meanwhile)."""
+    resume_controller()
     names = [node_name(i) for i in range(1, nodes + 1)]
     for name in names:
         if not link_up(name):

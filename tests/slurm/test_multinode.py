@@ -201,6 +201,32 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
     assert_same_training_state(run_dir, reference)
 
 
+def test_a_node_crashed_while_the_controller_is_out_of_reach_waits_for_it_and_the_run_finishes(
+    slurm, tmp_path, reference
+):
+    """slurmctld stopped, then twnode2 crashed at step 12: the node is lost at once (its agent's stream broke), but
+    nobody is isolated: the controller is not the network. The relaunch's step waits for the controller
+    (`controller_unreachable`), starts once it answers (`controller_back`) on twnode1 and the spare, and the run
+    finishes, exit 0, bitwise as the uninterrupted one."""
+    job, run_dir = submit(slurm, tmp_path, slurm_keys={"controller_wait_s": 120})
+    wait_for_step(slurm, run_dir, 12)
+    slurm.pause_controller()
+    try:
+        slurm.crash_node("twnode2")
+        slurm.wait_for(lambda: events(run_dir, "controller_unreachable"), 60, "the relaunch waiting for the controller")
+    finally:
+        slurm.resume_controller()
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    assert [e["node"] for e in events(run_dir, "node_lost")] == ["twnode2"]
+    assert not events(run_dir, "supervisor_isolated")
+    assert len(events(run_dir, "controller_unreachable")) == len(events(run_dir, "controller_back")) == 1
+    assert [e["nodes"] for e in events(run_dir, "ranks_placed")][-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
+    assert status(run_dir)["state"] == "finished"
+    assert_same_training_state(run_dir, reference)
+
+
 def test_a_node_whose_ranks_keep_dying_is_excluded_and_replaced_by_the_spare(slurm, tmp_path):
     job, run_dir = submit(slurm, tmp_path)
     for attempt in (0, 1):

@@ -711,6 +711,7 @@ def test_multi_node_keys_set_the_world_size_and_the_slurm_section(tmp_path):
     assert (config.world_size, config.policy().nproc, config.spare_nodes) == (12, 12, 1)
     assert (config.slurm.node_timeout_s, config.slurm.max_node_failures, config.slurm.srun_args) == (5, 1, ["--gpus=8"])
     assert load_config(write(tmp_path, "script: t.py\n")).world_size == 1  # one node unless asked
+    assert load_config(write(tmp_path, "script: t.py\n")).slurm.controller_wait_s == 300
 
 
 @pytest.mark.parametrize(
@@ -721,6 +722,7 @@ def test_multi_node_keys_set_the_world_size_and_the_slurm_section(tmp_path):
         ("slurm: {node_timeout_s: 1}", "'slurm.node_timeout_s' must be at least 2"),
         ("slurm: {max_node_failures: 0}", "'slurm.max_node_failures' must be at least 1"),
         ("slurm: {node_timout_s: 5}", "did you mean 'node_timeout_s'"),
+        ("slurm: {controller_wait_s: -1}", "'slurm.controller_wait_s' must be 0 or more"),
     ],
 )
 def test_bad_multi_node_keys_are_refused_by_name(tmp_path, text, named):

@@ -174,8 +174,9 @@ def test_ranks_launched_while_running_ignored():
 
 
 def test_launch_failed_fails():
-    """`LaunchFailed` ends the run FAILED with the launch error as the reason."""
-    state, actions = decide(initial_state(POLICY), LaunchFailed(0, "No such file: train.py"), NOW)
+    """A permanent `LaunchFailed` (exit 1 named) ends the run FAILED with the launch error as the reason."""
+    failed = LaunchFailed(0, "No such file: train.py", retryable=False, exit_code=1)
+    state, actions = decide(initial_state(POLICY), failed, NOW)
     assert state.phase is Phase.FAILED
     assert state.reason == "could not launch ranks: No such file: train.py"
     assert state.exit_code == 1

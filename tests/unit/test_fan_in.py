@@ -167,7 +167,10 @@ def test_the_hub_takes_a_new_peer_on_a_reused_descriptor_number() -> None:
     try:
         new_end.sendall(b'{"type": "hello"}\n')
         assert got.get(timeout=5) == {"type": "hello"}
-        assert ended.get(timeout=5) in ("connection closed", None)
+        # Said at the new peer's joining, or by a read of the old descriptor that select() had reported just before
+        # its close (EBADF): either way once.
+        why = ended.get(timeout=5)
+        assert why in ("connection closed", None, "connection broken: Bad file descriptor"), why
         assert ended.empty()
     finally:
         hub.close()
