@@ -36,6 +36,7 @@ __all__ = [
 CALL_TIMEOUT_S = 15.0  # a controller answers in milliseconds; MessageTimeout (10 s by default) bounds a lost one
 PING_TIMEOUT_S = 5.0
 _FIELD = re.compile(r"(\w+)=(\S*)")
+_DURATION = re.compile(r"(?:(\d{1,5})-)?(\d{1,6}(?::\d{1,2}){0,2})")  # Slurm's [D-]HH:MM:SS, MM:SS, MM
 
 
 class SlurmError(Exception):
@@ -178,6 +179,7 @@ class JobEnd:
     end: float | None
     text: str
     signal_lead_s: float | None = None
+    limit_s: float | None = None  # the job's whole time limit (TimeLimit), None when it has none or Slurm won't say
 
 
 def parse_end_time(show_job: str) -> tuple[float | None, str]:
@@ -194,6 +196,21 @@ def parse_end_time(show_job: str) -> tuple[float | None, str]:
         return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")), text
     except ValueError:
         raise SlurmError(f"scontrol show job: EndTime={text[:60]!r} is not a time") from None
+
+
+def parse_time_limit(show_job: str) -> float | None:
+    """The job's TimeLimit from `scontrol show job -o` in seconds (`[D-]HH:MM:SS`, `MM:SS`, `MM`); None for none."""
+    text = dict(_FIELD.findall(show_job)).get("TimeLimit", "")
+    found = _DURATION.fullmatch(text)
+    if found is None:
+        return None
+    parts = [int(p) for p in found.group(2).split(":")]
+    if found.group(1) is not None:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+        hours += 24 * int(found.group(1))
+    else:  # MM, MM:SS, HH:MM:SS
+        hours, minutes, seconds = ([0, 0] + parts)[-3:] if len(parts) > 1 else (0, parts[0], 0)
+    return float((hours * 60 + minutes) * 60 + seconds)
 
 
 def parse_signal_lead(script: str) -> float | None:
@@ -215,11 +232,12 @@ def job_end(job: str | None = None, *, with_signal_lead: bool = False) -> JobEnd
     job = job or job_id()
     if job is None:
         raise SlurmError("SLURM_JOB_ID is not set: not inside an sbatch/salloc allocation")
-    end, text = parse_end_time(_call("scontrol", "show", "job", "-o", job, env={"SLURM_TIME_FORMAT": "%s"}))
+    shown = _call("scontrol", "show", "job", "-o", job, env={"SLURM_TIME_FORMAT": "%s"})
+    end, text = parse_end_time(shown)
     lead = None
     if with_signal_lead:
         try:
             lead = parse_signal_lead(_call("scontrol", "write", "batch_script", job, "-"))
         except SlurmError:
             lead = None  # an salloc job has no batch script; an old Slurm cannot write it to stdout
-    return JobEnd(end, text, lead)
+    return JobEnd(end, text, lead, parse_time_limit(shown))

@@ -68,6 +68,10 @@ class TimeLimitWatch:
         if not self._lead_read:
             self._lead, self._lead_read = found.signal_lead_s, True
         margin = self._margin_s if self._lead is None else self._lead
+        half = None if found.limit_s is None else found.limit_s / 2
+        capped = half is not None and margin > half
+        if half is not None and capped:  # a short job (a test, a debug run) must train, not end at once
+            margin = half
         if (found.end, margin) == self._last or self._stop.is_set():
             return
         self._last = (found.end, margin)
@@ -77,6 +81,10 @@ class TimeLimitWatch:
             "time_limit_read",
             end_time=end_time or None,
             margin_s=margin,
-            margin_from="slurm.time_limit_margin_s" if self._lead is None else "the batch script's --signal",
+            margin_from="half the job's time limit"
+            if capped
+            else "slurm.time_limit_margin_s"
+            if self._lead is None
+            else "the batch script's --signal",
         )
         self._post(TimeLimitRead(at, margin, end_time))

@@ -14,7 +14,7 @@ import pytest
 
 from supervisor.core import TimeLimitRead
 from supervisor.launch import slurmctl
-from supervisor.launch.slurmctl import SlurmError, parse_end_time, parse_signal_lead
+from supervisor.launch.slurmctl import SlurmError, parse_end_time, parse_signal_lead, parse_time_limit
 from supervisor.launch.time_limit import TimeLimitWatch
 
 RUNNING = (
@@ -51,6 +51,36 @@ def test_end_time_in_the_standard_form_is_local_time():
 )
 def test_no_limit_or_no_end_time_yet_is_none(line):
     assert parse_end_time(line)[0] is None
+
+
+@pytest.mark.parametrize(
+    ("limit", "seconds"),
+    [
+        ("01:00:00", 3600),
+        ("1-02:03:04", 93784),
+        ("05:30", 330),
+        ("5", 300),
+        ("2-00", 172800),
+        ("2-1:30", 178200),
+        ("UNLIMITED", None),
+        ("N/A", None),
+    ],
+)
+def test_the_jobs_whole_time_limit_in_seconds(limit: str, seconds: int | None):
+    assert parse_time_limit(RUNNING.replace("TimeLimit=01:00:00", f"TimeLimit={limit}").format(end="0")) == seconds
+
+
+def test_a_margin_longer_than_half_a_short_job_is_cut_to_half_of_it(tmp_path, monkeypatch):
+    """A 4-minute job with the default 300 s margin would stop before its first step, and a resubmitting script
+    would loop: the margin is half the job's time limit then, and the log says so."""
+    start = int(time.time())
+    short = RUNNING.replace("TimeLimit=01:00:00", "TimeLimit=00:04:00").format(end=start + 240)
+    fake_scontrol(tmp_path, monkeypatch, short, None)
+    posted: list[object] = []
+    log = Log()
+    TimeLimitWatch("42", 300.0, posted.append, log).read()
+    assert [read.margin_s for read in posted] == [120.0]  # type: ignore[attr-defined]
+    assert log.records[-1][2]["margin_from"] == "half the job's time limit"
 
 
 def test_an_end_time_that_is_no_time_is_an_error_naming_it():
@@ -112,7 +142,7 @@ def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, show: str, sc
 
 def test_job_end_asks_for_seconds_and_reads_the_lead(tmp_path, monkeypatch):
     where = fake_scontrol(tmp_path, monkeypatch, RUNNING.format(end="1795856405"), DEMO_HEADER)
-    assert slurmctl.job_end("42", with_signal_lead=True) == slurmctl.JobEnd(1795856405.0, "1795856405", 120.0)
+    assert slurmctl.job_end("42", with_signal_lead=True) == slurmctl.JobEnd(1795856405.0, "1795856405", 120.0, 3600.0)
     assert (where / "format").read_text() == "%s"
     (where / "script").unlink()  # an salloc job: no batch script, no lead
     assert slurmctl.job_end("42", with_signal_lead=True).signal_lead_s is None
