@@ -208,7 +208,13 @@ def test_a_node_crashed_while_the_controller_is_out_of_reach_waits_for_it_and_th
     nobody is isolated: the controller is not the network. The relaunch's step waits for the controller
     (`controller_unreachable`), starts once it answers (`controller_back`) on twnode1 and the spare, and the run
     finishes, exit 0, bitwise as the uninterrupted one."""
-    job, run_dir = submit(slurm, tmp_path, slurm_keys={"controller_wait_s": 120})
+    slower = ",".join(f"{rank}:slow@1:0.1" for rank in range(4))  # a wide window at step 12 (the numbers stay)
+    job, run_dir = submit(
+        slurm,
+        tmp_path,
+        slurm_keys={"controller_wait_s": 120},
+        env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": slower},
+    )
     wait_for_step(slurm, run_dir, 12)
     slurm.pause_controller()
     try:
