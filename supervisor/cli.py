@@ -559,6 +559,9 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+JOURNAL_TAIL_BYTES = 1 << 20  # where `stop` looks for agents that fenced the ranks of the attempt the state file lists
+
+
 def _no_rank_running(layout: RunLayout) -> tuple[str, str] | None:
     """(why no rank can save for a stop now, where the run then ends), from the state file; None while ranks run
     (or nothing says otherwise: a run that never wrote its state, one that ended)."""
@@ -573,12 +576,16 @@ def _no_rank_running(layout: RunLayout) -> tuple[str, str] | None:
         return None
     if not status.get("supervisor_alive"):
         why = "no supervisor holds the run now: a takeover or a restart is under way"
+    elif _taken_over_unwritten(status):
+        why = "a new supervisor has just taken the run over and launched no rank yet"
     elif state in ("starting", "backoff"):
         why = f"the run is between attempts: {state}"
     elif state == "stopping" and not status.get("stop_order"):
         why = "the ranks of a failed attempt are going down"
     elif not any(isinstance(r, dict) and r.get("pid") is not None and r.get("returncode") is None for r in ranks):
         why = "every rank has exited"
+    elif fenced := _fenced(layout, status.get("attempt")):
+        why = f"the agents on {fenced} fenced their ranks: they lost the supervisor, a takeover is under way"
     else:
         return None
     checkpoint = status.get("last_checkpoint")
@@ -593,6 +600,41 @@ def _no_rank_running(layout: RunLayout) -> tuple[str, str] | None:
     return why, (
         f"the run ends stopped at its newest complete state, step {newest}; the steps trained past it{past} are lost"
     )
+
+
+def _fenced(layout: RunLayout, attempt: Any) -> str | None:
+    """The nodes whose agents fenced the ranks of `attempt` (`agent_fenced` in the journal's tail: they lost the
+    supervisor), or None. Until the supervisor's lease lapses the state file still lists those ranks as running; with
+    one node's ranks gone, no rank can save at a step every rank agrees on."""
+    if type(attempt) is not int:
+        return None
+    try:
+        with layout.journal.open("rb") as journal:
+            journal.seek(max(0, journal.seek(0, os.SEEK_END) - JOURNAL_TAIL_BYTES))
+            tail = journal.read().decode(errors="replace")
+    except OSError:
+        return None
+    nodes = set()
+    for line in tail.splitlines():
+        if '"agent_fenced"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "agent_fenced" and event.get("attempt") == attempt:
+            nodes.add(str(event.get("node"))[:100])
+    return ", ".join(sorted(nodes)) or None
+
+
+def _taken_over_unwritten(status: dict[str, Any]) -> bool:
+    """Whether the lease is held by a newer generation than the supervisor that wrote the state file: a successor
+    (or a fresh supervisor on the batch host) that has not written its state yet, so has launched no rank; the
+    state file's ranks are its predecessor's, fenced or gone with their host."""
+    holder = status.get("supervisor")
+    generation = holder.get("generation") if isinstance(holder, dict) else None
+    wrote = status.get("lease_generation")
+    return type(generation) is int and type(wrote) is int and generation > wrote
 
 
 def _not_stoppable(layout: RunLayout) -> str | None:

@@ -82,6 +82,45 @@ def final_resume(run_dir: Path) -> int:
     return int(status(run_dir)["resumed_from"]["step"])
 
 
+def test_a_stop_during_a_takeover_says_no_rank_runs_and_the_successor_ends_the_run_stopped_there(slurm, tmp_path):
+    """The batch host crashes at step 12; once twnode2's agent has fenced its ranks (no rank runs anywhere, the dead
+    supervisor's lease has not lapsed yet), `trainwarden stop` says so and names the step the run ends at, its newest
+    complete state; the successor launches nothing, ends the run `stopped` there (exit 0) and the job, submits
+    nothing, and goodput counts the steps trained past that state as lost work."""
+    job, run_dir = submit(slurm, tmp_path, args=["--steps", str(STEPS_LONG)])
+    wait_for_step(slurm, run_dir, 12)
+    slurm.crash_node("twnode1")
+    slurm.wait_for(lambda: no_rank_left(run_dir), 40, "twnode2's ranks fenced", interval=0.1)
+    said = trainwarden("stop", run_dir)
+    slurm.wait_for(lambda: status(run_dir).get("state") == "stopped", 60, "the successor to end the run stopped")
+    slurm.wait_for(lambda: job not in queued_jobs(), 60, "the job to end")
+
+    assert "no rank is running (the agents on twnode2 fenced their ranks" in said and "none can save now" in said, said
+    newest = int(re.search(r"the run ends stopped at its newest complete state, step (\d+);", said).group(1))
+    assert newest >= 10 and all(
+        (run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{newest}.ckpt").is_file() for rank in range(4)
+    )
+    final = status(run_dir)
+    assert final["stopped_at"]["step"] == newest and f"newest complete state, step {newest}" in final["reason"]
+    assert final["supervisor_host"] == "twnode2" and not events(run_dir, "ranks_launched")[1:]  # it launched none
+    # the stop file was there at the successor's start (stop_file_present) or came while it prepared (run_stopped)
+    ended = events(run_dir, "stop_file_present") or events(run_dir, "run_stopped")
+    assert [e["step"] for e in ended] == [newest]
+    assert events(run_dir, "supervisor_exiting")[-1]["exit_code"] == 0
+    assert slurm.job_state(job) == "CANCELLED" and not queued_jobs()  # ended by the successor; nothing resubmitted
+    assert "the run ended with exit 0" in (run_dir / "supervisor" / "successor_2.log").read_text()
+    heard = re.search(r"up to step (\d+) \(the last heard\)", said)
+    if heard:  # trained past the newest complete state (a crash just after a save may leave nothing past it)
+        (lost,) = [e for e in events(run_dir, "work_lost") if "stopped_at" in e]
+        assert lost["stopped_at"] == newest and lost["last_step"] >= int(heard.group(1)) and lost["lost_s"] > 0
+
+
+def no_rank_left(run_dir: Path) -> bool:
+    """twnode2's agent fenced its ranks (twnode1's died with it): from here until a successor launches ranks, no rank
+    runs, and `stop` can tell, though the dead supervisor's lease has not lapsed yet."""
+    return any(e["node"] == "twnode2" for e in events(run_dir, "agent_fenced"))
+
+
 def test_a_cut_off_batch_host_blames_itself_hands_over_and_adopts_the_successors_exit(slurm, tmp_path, reference):
     """The batch host's link goes down at step 12: its supervisor hears no other node, finds the Slurm controller
     out of reach, fences its own ranks, charges no node and abdicates; twnode2's agent takes over on twnode2 and the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -24,6 +25,26 @@ ENDS = "the run ends stopped at its newest complete state, step 100; the steps t
         ({"state": "stopping", "supervisor_alive": True, "stop_order": {"step": 5}, "ranks": RUNNING_RANKS}, None),
         ({"state": "running", "supervisor_alive": False, "ranks": RUNNING_RANKS}, "no supervisor holds the run now"),
         ({"state": "running", "supervisor_alive": True, "ranks": [{"pid": 10, "returncode": 0}]}, "every rank"),
+        (  # a successor holds the lease and has not written its state: the ranks listed are its predecessor's
+            {
+                "state": "running",
+                "supervisor_alive": True,
+                "ranks": RUNNING_RANKS,
+                "lease_generation": 1,
+                "supervisor": {"generation": 2},
+            },
+            "a new supervisor has just taken the run over",
+        ),
+        (
+            {
+                "state": "running",
+                "supervisor_alive": True,
+                "ranks": RUNNING_RANKS,
+                "lease_generation": 2,
+                "supervisor": {"generation": 2},
+            },
+            None,
+        ),
         ({"state": "stopped", "supervisor_alive": False}, None),  # ended: the stop file only blocks a later start
     ],
 )
@@ -50,3 +71,23 @@ def test_the_supervisors_own_newest_state_wins_over_the_last_checkpoint(monkeypa
     monkeypatch.setattr(cli, "read_status", lambda _layout: status)
     found = cli._no_rank_running(RunLayout("/nowhere"))
     assert found is not None and "newest complete state, step 105;" in found[1]
+
+
+def test_ranks_their_agents_fenced_are_not_running(monkeypatch, tmp_path):
+    """After a supervisor's crash its lease still looks held for a while, and the state file lists its ranks as
+    running; an agent that fenced the ranks of that attempt (the journal's agent_fenced) says no rank can save."""
+    (tmp_path / "supervisor").mkdir()
+    fenced = {"event": "agent_fenced", "node": "twnode2", "attempt": 3, "ranks_killed": [2, 3]}
+    (tmp_path / "supervisor" / "events.jsonl").write_text(json.dumps({**fenced, "attempt": 2}) + "\n")
+    status = {"state": "running", "supervisor_alive": True, "attempt": 3, "ranks": RUNNING_RANKS}
+    status |= {"last_checkpoint": {"step": 100}, "progress": {"step": 110}}
+    monkeypatch.setattr(cli, "read_status", lambda _layout: status)
+    assert cli._no_rank_running(RunLayout(tmp_path)) is None  # an older attempt's fencing
+    with (tmp_path / "supervisor" / "events.jsonl").open("a") as journal:
+        journal.write(json.dumps(fenced) + "\n")
+    found = cli._no_rank_running(RunLayout(tmp_path))
+    assert (
+        found is not None
+        and found[0].startswith("the agents on twnode2 fenced their ranks")
+        and found[1].startswith(ENDS)
+    )
