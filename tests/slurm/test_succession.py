@@ -60,13 +60,6 @@ def test_a_crashed_batch_host_hands_the_run_to_a_successor_that_finishes_it(slur
     assert (claimed["node"], claimed["generation"]) == ("twnode2", 2)
     (taken,) = events(run_dir, "supervision_taken_over")
     assert (taken["previous_host"], taken["lease"]) == ("twnode1", "held")  # it lapsed: nobody renewed it
-    # The training past the checkpoint resumed counts as lost from the last step the ranks beat (not from the dead
-    # supervisor's last state file: a crash just after a save was booked as lost 0 s, the steps past it as restart).
-    logged = (run_dir / "ranks" / "rank_2" / "events.jsonl").read_text().splitlines()
-    beaten = max(e["step"] for e in map(json.loads, logged) if e["event"] == "step" and e["attempt"] == 0)
-    if beaten >= final_resume(run_dir) + 5:  # heartbeats are throttled (0.5 s): a step or two may not show
-        (lost,) = events(run_dir, "work_lost")
-        assert lost["last_step"] > lost["resume_step"] and lost["lost_s"] > 0
     assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode2": [0, 1], "twnode3": [2, 3]}
     final = status(run_dir)
     assert [n["state"] for n in final["nodes"] if n["node"] != "twnode1"] == ["ended", "ended"]
@@ -360,7 +353,8 @@ def test_a_time_limit_after_a_takeover_saves_at_an_agreed_step_and_the_next_job_
     step = stopped["step"]
     for rank in range(4):
         assert (run_dir / "checkpoint" / f"rank_{rank}" / f"demo_rank_{rank}-{step}.ckpt").is_file()
-    assert events(run_dir, "supervisor_exiting")[-1]["exit_code"] == 75
+    exiting = slurm.wait_for(lambda: events(run_dir, "supervisor_exiting"), 30, "the successor to exit")
+    assert exiting[-1]["exit_code"] == 75
     assert not events(run_dir, "time_limit_reached")  # it ended before Slurm's SIGTERM
     slurm.wait_for(  # the job the successor leaves to carry the run on (its batch script is gone)
         lambda: [e for e in events(run_dir, "ranks_launched") if e.get("resume_step") == step],
