@@ -239,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
             exclude=_excluded_now(layout, config),
             nodes=(config.min_nodes, config.nodes + config.spare_nodes),
             say=_say,
+            controller_wait_s=config.slurm.controller_wait_s,
         )
     return code
 

@@ -182,6 +182,7 @@ class Supervisor:
         started = time.monotonic() - _process_age()  # a stopwatch starts with the command
         job = os.environ.get("SLURM_JOB_ID")  # a requeued job runs again under its own id
         beat = _last_beat(layout, previous, config.world_size)  # a predecessor that died heard up to about there
+        self._predecessor_heard = beat
         self._observers.append(
             Goodput(previous, wall_now=time.time(), process_started=started, job=job, last_beat=beat)  # carried over
         )
@@ -209,6 +210,7 @@ class Supervisor:
             nproc=self.config.nproc_per_node,
             nodes=self.config.nodes,
             subreaper=become_subreaper(),
+            **({} if self._predecessor_heard is None else {"predecessor_heard_step": self._predecessor_heard[0]}),
         )
         worker = self.config.worker
         if worker.save_checkpoint_steps == 0 and worker.save_checkpoint_interval_s == 0:

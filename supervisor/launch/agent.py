@@ -60,6 +60,7 @@ class Agent:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._ranks: Ranks | None = None
         self._exited: set[int] = set()
+        self._said_done = False  # every rank exited and the supervisor was told
         self._files = HeartbeatFiles(layout)
         self._beats: dict[int, int] = {}  # rank -> seq of the last beat sent
         self._unsent: dict[int, tuple[dict[str, Any], float]] = {}  # rank -> its newest record, when it was written
@@ -104,7 +105,13 @@ class Agent:
         if succession is None:
             return
         deadline = time.monotonic() + succession.wait_s()
-        lease, why = stand_for_successor(self._layout, succession, here=self._host, deadline=deadline)
+        lease, why = stand_for_successor(
+            self._layout,
+            succession,
+            here=self._host,
+            deadline=deadline,
+            say=lambda line: self.journal("successor_waiting_for_controller", "warning", why=line),
+        )
         if lease is None:
             self.journal("successor_declined", "info", why=why, generation=succession.generation)
             return
@@ -129,7 +136,7 @@ class Agent:
             print(f"trainwarden agent: cannot write the journal: {exc}", file=sys.stderr)
 
     def _loop(self) -> str | None:
-        """Until the supervisor says exit or every rank is done (None), or why the agent must fence."""
+        """Until the supervisor says exit (None), or why the agent must fence."""
         while True:
             try:
                 kind, payload = self._inbox.get(timeout=POLL_S)
@@ -151,10 +158,12 @@ class Agent:
                 self._send("signal", signum=payload)
             elif kind == "stacks":
                 self._send("stacks", **payload)
-            if self._done():
+            if self._done() and not self._said_done:
                 sigkill(descendants())  # a rank's grandchildren do not outlive the attempt
                 self._send("done")
-                return None
+                # Stay until the supervisor says exit: ranks that died because the supervisor's host did (their
+                # collective broke) must not take away the successor that this agent may have to become.
+                self._said_done = True
             self._forward_heartbeats()
             if time.monotonic() - self._heard > self._fence_s:
                 return f"nothing from the supervisor for {self._fence_s:g} s"

@@ -481,7 +481,15 @@ class SlurmLauncher:
         order = tuple(
             node.name for node in sorted(self._nodes.values(), key=lambda n: n.group_rank) if node.name != self._host
         )
-        return Succession(lease.generation, lease.ttl_s, order, self._args, os.getcwd(), dict(os.environ))
+        return Succession(
+            lease.generation,
+            lease.ttl_s,
+            order,
+            self._args,
+            os.getcwd(),
+            dict(os.environ),
+            self._config.slurm.controller_wait_s,
+        )
 
     # ---- the agents' stream ----
 
@@ -923,7 +931,7 @@ class SlurmLauncher:
         if now - self._last_ping >= self._ping_s:
             self._last_ping = now
             for node in self._nodes.values():
-                if node.active and node.peer is not None:  # active: it has a peer
+                if node.peer is not None and node.state != "lost":  # a done node's agent waits for our word
                     node.peer.send({"type": "ping"})
         self._next_check = self._quietest()
         return events

@@ -62,6 +62,7 @@ class Succession:
     args: tuple[str, ...]  # `trainwarden` arguments (run CONFIG ...)
     cwd: str
     env: dict[str, str] = field(default_factory=dict)
+    controller_wait_s: float = 0.0  # slurm.controller_wait_s: how long a candidate waits for the controller
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +72,7 @@ class Succession:
             "args": list(self.args),
             "cwd": self.cwd,
             "env": self.env,
+            "controller_wait_s": self.controller_wait_s,
         }
 
     @classmethod
@@ -84,6 +86,7 @@ class Succession:
             tuple(map(str, raw["args"])),
             str(raw["cwd"]),
             env,
+            float(raw.get("controller_wait_s", 0.0)),
         )
 
     def argv(self) -> list[str]:
@@ -218,12 +221,20 @@ def _wait(
 
 
 def end_job(
-    layout: RunLayout, code: int, *, exclude: Iterable[str], nodes: tuple[int, int], say: Callable[[str], None]
+    layout: RunLayout,
+    code: int,
+    *,
+    exclude: Iterable[str],
+    nodes: tuple[int, int],
+    say: Callable[[str], None],
+    controller_wait_s: float = 0.0,
+    reachable: Callable[[], bool] = slurmctl.controller_reachable,
 ) -> None:
     """A successor's last act, where no batch script is left to end the job: `scancel` it; for 75, first submit the
     job's batch script again, for `nodes` (min, max) away from `exclude`, to start once this job ended (a requeue
     could not change its node count), unless the partition could never hold that (`sinfo`): then one line says what
-    is missing. A live keeper (the batch process) is given KEEPER_GRACE_S to end it as its script says."""
+    is missing. A live keeper (the batch process) is given KEEPER_GRACE_S to end it as its script says; a controller
+    out of reach (its outage may be why the run ended with 75) is waited for, up to `controller_wait_s`."""
     job = slurmctl.job_id()
     if job is None:
         return
@@ -232,6 +243,7 @@ def end_job(
         if time.monotonic() > deadline:
             break
         time.sleep(1.0)  # Slurm ends this process with the job when the batch script exits
+    _await_controller(controller_wait_s, reachable, say)
     try:
         if code == EXIT_REQUEUE and (missing := _shortfall(exclude, nodes[0])):
             # Submitted, it would stay pending for ever ("Requested node configuration is not available").
@@ -244,6 +256,16 @@ def end_job(
         slurmctl.cancel_job(job)
     except slurmctl.SlurmError as exc:
         say(f"could not end job {job}: {exc}; end it with `scancel {job}`")
+
+
+def _await_controller(wait_s: float, reachable: Callable[[], bool], say: Callable[[str], None]) -> None:
+    """Return once the Slurm controller answers, or `wait_s` later (what follows then says it could not be asked)."""
+    deadline = time.monotonic() + wait_s
+    if wait_s <= 0 or reachable():
+        return
+    say(f"the Slurm controller does not answer: waiting up to {wait_s:.0f} s (slurm.controller_wait_s) to end the job")
+    while time.monotonic() < deadline and not reachable():
+        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 def _shortfall(exclude: Iterable[str], minimum: int) -> str | None:
@@ -265,9 +287,13 @@ def stand_for_successor(
     here: str,
     deadline: float,
     reachable: Callable[[], bool] = slurmctl.controller_reachable,
+    say: Callable[[str], None] = lambda _line: None,
 ) -> tuple[Lease | None, str]:
     """Wait (until `deadline`, monotonic) for the supervisor's lease to lapse, then claim the next generation if
-    it is our turn and we can reach the controller: (the lease claimed, or None; why, in a few words)."""
+    it is our turn and we can reach the controller: (the lease claimed, or None; why, in a few words). A successor
+    needs the controller for its first step, so a candidate that cannot reach it waits for it (up to
+    `controller_wait_s` past the lapse, said once): an outage of the controller is not a reason to leave the run
+    without a supervisor, and a candidate cut off itself loses the race to one that can reach it."""
     if here not in succession.order:
         return None, "not a candidate (the supervisor's own host, or not in the attempt)"
     turn = succession.order.index(here) * STAGGER_S
@@ -291,6 +317,12 @@ def stand_for_successor(
                 )
                 claimed = claim(layout, lease)
                 return claimed, "claimed" if claimed else "another claimed it first"
+            if not unreachable and succession.controller_wait_s > 0:
+                deadline = max(deadline, time.monotonic() + succession.controller_wait_s)
+                say(
+                    f"the supervisor's lease lapsed and the Slurm controller does not answer: waiting up to "
+                    f"{succession.controller_wait_s:.0f} s (slurm.controller_wait_s) for it before taking over"
+                )
             unreachable = True  # cut off ourselves, maybe: ask again while there is time, others may win
         time.sleep(POLL_S)
     return None, "the Slurm controller did not answer" if unreachable else "the supervisor's lease did not lapse"

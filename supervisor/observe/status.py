@@ -114,9 +114,18 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         "failures": [_failure(f) for f in state.failures[-FAILURES_SHOWN:]],
         "reason": state.reason,
         "exit_code": state.exit_code,
+        "time_limit": _time_limit(state),
         "updated_at": time.time(),
         **extra,
     }
+
+
+def _time_limit(state: State) -> dict[str, Any] | None:
+    """The job's end time as last read, the margin before it, and whether the run is ending for it (`status`)."""
+    limit = state.time_limit
+    if limit is None or not limit.end_time:
+        return None
+    return {"end_time": limit.end_time, "margin_s": limit.margin_s, "ending": state.time_limit_near}
 
 
 def read_history(status: dict[str, Any]) -> History | None:
@@ -396,12 +405,24 @@ def _supervisor_lines(status: dict[str, Any]) -> list[str]:
     return [f"  supervisor ({where}) is gone{ago}; this state is stale"]
 
 
+def _time_limit_line(limit: Any) -> str | None:
+    """'  time limit: the job ends 2026-11-28T14:00:00+0000; the run saves and exits 75 300 s before'."""
+    if not isinstance(limit, dict) or not isinstance(end := limit.get("end_time"), str):
+        return None
+    if not _is_number(margin := limit.get("margin_s")):
+        return None
+    doing = "is saving to exit 75 (resubmit)" if limit.get("ending") is True else "saves and exits 75"
+    return f"  time limit: the job ends {end[:40]}; the run {doing} {margin:.0f} s before"
+
+
 def _node_lines(status: dict[str, Any]) -> list[str]:
     """Multi-node runs: one line per node of the allocation, and where the last failure was."""
     lines = []
     if status.get("slurm_job"):
         failed = f"; last failure on {status['failed_on']}" if status.get("failed_on") else ""
         lines.append(f"  slurm job {status['slurm_job']}{failed}")
+        if (limit := _time_limit_line(status.get("time_limit"))) is not None:
+            lines.append(limit)
     world, full = status.get("world_size"), status.get("full_world_size")
     if type(world) is int and type(full) is int and world < full:
         lines.append(f"  shrunk: {world} of {full} ranks (slurm.min_nodes; a job with every node grows back)")

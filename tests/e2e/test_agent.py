@@ -138,9 +138,26 @@ def test_ranks_are_started_their_beats_and_exits_reported_then_the_agent_is_done
     assert sorted(b["rank"] for b in beats) == [4, 5] and {b["step"] for b in beats} == {7}
     assert all(0 <= b["age_s"] < 2 for b in beats)  # how long each waited on the node for its message
     assert supervisor.receive("done")
+    time.sleep(0.3)
+    assert supervisor.agent.poll() is None  # it waits for the supervisor's word
+    supervisor.peer.send({"type": "exit"})
     assert supervisor.agent.wait(timeout=10) == 0
     logs = supervisor.run_dir / "logs" / "attempt_0"
     assert sorted(p.name for p in logs.iterdir()) == ["rank_4.err", "rank_4.out", "rank_5.err", "rank_5.out"]
+
+
+def test_ranks_that_exited_before_the_supervisor_died_leave_the_agent_to_fence_and_stand_for_successor(supervisor):
+    """The supervisor's host crashed: the ranks here died at once (their collective broke), before the agent
+    heard the stream end. The agent is done, yet it waits for the supervisor's word, so the stream's end without
+    one is a fence (journaled: it then stands for successor), not a quiet exit that leaves the run to nobody."""
+    supervisor.launch(0.1)
+    supervisor.receive("exited"), supervisor.receive("exited")
+    assert supervisor.receive("done")
+    supervisor.peer.close()
+    assert supervisor.agent.wait(timeout=10) == 1
+    journal = (supervisor.run_dir / "supervisor" / "events.jsonl").read_text().splitlines()
+    (fenced,) = [e for e in map(json.loads, journal) if e["event"] == "agent_fenced"]
+    assert fenced["ranks_killed"] == [] and "supervisor gone" in fenced["why"]
 
 
 def test_a_silent_supervisor_is_fenced_off_ranks_killed_agent_gone(tmp_path):

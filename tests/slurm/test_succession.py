@@ -60,6 +60,17 @@ def test_a_crashed_batch_host_hands_the_run_to_a_successor_that_finishes_it(slur
     assert (claimed["node"], claimed["generation"]) == ("twnode2", 2)
     (taken,) = events(run_dir, "supervision_taken_over")
     assert (taken["previous_host"], taken["lease"]) == ("twnode1", "held")  # it lapsed: nobody renewed it
+    # The training past the checkpoint resumed counts as lost from the last step the ranks beat (not from the dead
+    # supervisor's last state file: a crash just after a save was booked as lost 0 s, the steps past it as restart).
+    # Beats are throttled (0.5 s): the successor hears of every step logged a second before the last one.
+    logged = [json.loads(line) for line in (run_dir / "ranks" / "rank_2" / "events.jsonl").read_text().splitlines()]
+    stepped = [(journal_time(e), e["step"]) for e in logged if e["event"] == "step" and e["attempt"] == 0]
+    (started,) = [e for e in events(run_dir, "supervisor_started") if e.get("predecessor_heard_step") is not None]
+    heard = started["predecessor_heard_step"]
+    assert heard >= max(step for at, step in stepped if at <= stepped[-1][0] - 1.0), (heard, stepped[-12:])
+    if heard > final_resume(run_dir):
+        (lost,) = events(run_dir, "work_lost")
+        assert lost["last_step"] >= heard > lost["resume_step"] and lost["lost_s"] > 0
     assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode2": [0, 1], "twnode3": [2, 3]}
     final = status(run_dir)
     assert [n["state"] for n in final["nodes"] if n["node"] != "twnode1"] == ["ended", "ended"]

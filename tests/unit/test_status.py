@@ -17,6 +17,7 @@ from supervisor.core import (
     Policy,
     RanksLaunched,
     State,
+    TimeLimitRead,
     decide,
     initial_state,
 )
@@ -78,6 +79,7 @@ def test_snapshot_of_running_state_with_heartbeat():
         "history": {"attempt": 0, "restarts": 0, "failures": []},
         "reason": None,
         "exit_code": None,
+        "time_limit": None,
         "run_dir": "runs/x",
     }
 
@@ -342,6 +344,24 @@ def test_render_says_when_a_multi_node_run_goes_on_shrunk():
     )
     extra.update(world_size=4)
     assert "shrunk" not in render({**snapshot(running(), now=NOW, extra=extra), "supervisor_alive": True})
+
+
+def test_status_shows_the_jobs_end_time_and_when_the_run_ends_for_it():
+    """The end time the supervisor read from Slurm (a successor's too) is in `status` under the job's line, with
+    the margin; once the run is ending for it, status says so; junk in the file shows no line."""
+    extra = {"run_dir": "runs/x", "last_checkpoint": None, "slurm_job": "42", "nodes": []}
+    limit = TimeLimitRead(NOW + 3600, 300.0, "2026-11-28T14:00:00+0000")
+    state = replace(running(), time_limit=limit)
+    status = {**snapshot(state, now=NOW, extra=extra), "supervisor_alive": True}
+    assert status["time_limit"] == {"end_time": "2026-11-28T14:00:00+0000", "margin_s": 300.0, "ending": False}
+    lines = render(json.loads(json.dumps(status))).splitlines()
+    assert lines[lines.index("  slurm job 42") + 1] == (
+        "  time limit: the job ends 2026-11-28T14:00:00+0000; the run saves and exits 75 300 s before"
+    )
+    ending = {**snapshot(replace(state, time_limit_near=True), now=NOW, extra=extra), "supervisor_alive": True}
+    assert "the run is saving to exit 75 (resubmit) 300 s before" in render(ending)
+    assert snapshot(replace(state, time_limit=TimeLimitRead(None, 300.0)), now=NOW, extra=extra)["time_limit"] is None
+    assert "time limit" not in render({**status, "time_limit": {"end_time": 5, "margin_s": "x"}})
 
 
 def test_history_of_a_supervisor_that_died_mid_run_round_trips_through_the_state_file():

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -81,6 +82,22 @@ def test_a_candidate_that_cannot_reach_the_controller_does_not_claim(tmp_path):
     layout = RunLayout(tmp_path)
     claim(layout, held(1, "batch-host", state=ABDICATED))
     assert stand(layout, reachable=False, wait_s=0.3) is None and newest(layout).generation == 1
+
+
+def test_a_candidate_waits_for_the_controller_past_its_deadline_and_claims_when_it_answers(tmp_path):
+    """The batch host died while the controller was down: the candidate keeps its claim for the controller's return
+    (a successor needs it for its first step), up to controller_wait_s past its own deadline, and says so once."""
+    layout = RunLayout(tmp_path)
+    claim(layout, held(1, "batch-host", state=ABDICATED))
+    answers = iter([False] * 6 + [True])
+    said: list[str] = []
+    waiting = replace(plan(), controller_wait_s=30.0)
+    won, why = stand_for_successor(
+        layout, waiting, here=HERE, deadline=time.monotonic() + 0.2, reachable=lambda: next(answers), say=said.append
+    )
+    assert won is not None and won.generation == 2 and why == "claimed"
+    assert len(said) == 1 and "waiting up to 30 s (slurm.controller_wait_s)" in said[0]
+    assert Succession.from_json(waiting.to_json()) == waiting
 
 
 def test_no_succession_after_the_run_ended_or_outside_the_order(tmp_path):
@@ -257,6 +274,24 @@ def test_a_successor_ending_75_submits_nothing_the_partition_could_never_hold(tm
     succession.end_job(RunLayout(tmp_path), 75, exclude=["twnode1", "twnode2"], nodes=(2, 3), say=said.append)
     assert fake_slurm.calls == [("sinfo", ("twnode1", "twnode2"), 2), ("cancel", "7")]
     assert said == [f"not resubmitting job 7: {fake_slurm.missing}; ending it (exit 75: resubmit when nodes are back)"]
+
+
+def test_a_successor_waits_for_the_controller_before_it_resubmits_and_ends_the_job(tmp_path, fake_slurm):
+    """The run ended with 75 while the controller was out of reach: the successor waits for it (bounded by
+    controller_wait_s), then resubmits and ends the job, instead of leaving both undone."""
+    answers = iter([False, False, True])
+    said: list[str] = []
+    succession.end_job(
+        RunLayout(tmp_path),
+        75,
+        exclude=["twnode1"],
+        nodes=(2, 3),
+        say=said.append,
+        controller_wait_s=30.0,
+        reachable=lambda: next(answers),
+    )
+    assert [call[0] for call in fake_slurm.calls] == ["sinfo", "resubmit", "cancel"]
+    assert "waiting up to 30 s (slurm.controller_wait_s) to end the job" in said[0]
 
 
 class _Log:
