@@ -82,6 +82,34 @@ def test_a_crashed_batch_host_hands_the_run_to_a_successor_that_finishes_it(slur
     assert not rank_pids(slurm, "twnode2", attempt=0)
 
 
+def test_a_batch_host_crashed_while_the_controller_is_out_waits_for_it_then_the_successor_finishes(
+    slurm, tmp_path, reference
+):
+    """slurmctld stopped, then the batch host crashes: twnode2's agent fences, finds the lease lapsed and the
+    controller silent, and keeps its claim open for it (slurm.controller_wait_s) instead of leaving the run to
+    nobody; once the controller is back it takes over, resumes on the nodes left, finishes bitwise as an
+    uninterrupted run and ends the job."""
+    job, run_dir = submit(slurm, tmp_path, slurm_keys={"controller_wait_s": 120})
+    wait_for_step(slurm, run_dir, 12)
+    slurm.pause_controller()
+    try:
+        slurm.crash_node("twnode1")
+        waiting = slurm.wait_for(
+            lambda: events(run_dir, "successor_waiting_for_controller"), 60, "the candidate to wait for the controller"
+        )
+    finally:
+        slurm.resume_controller()
+    slurm.wait_for(lambda: status(run_dir).get("state") == "finished", JOB_TIMEOUT_S, "the successor to finish")
+    slurm.wait_for(lambda: job not in queued_jobs(), 60, "the job to end")
+
+    assert waiting[0]["node"] == "twnode2" and "waiting up to 120 s" in waiting[0]["why"]
+    (claimed,) = events(run_dir, "successor_claimed")
+    assert claimed["node"] == "twnode2" and journal_time(claimed) > journal_time(waiting[0])
+    assert events(run_dir, "ranks_placed")[-1]["nodes"] == {"twnode2": [0, 1], "twnode3": [2, 3]}
+    assert status(run_dir)["supervisor_host"] == "twnode2"
+    assert_same_training_state(run_dir, reference)
+
+
 def final_resume(run_dir: Path) -> int:
     return int(status(run_dir)["resumed_from"]["step"])
 
