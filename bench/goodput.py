@@ -55,9 +55,7 @@ import math
 import random
 import statistics
 import struct
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +69,7 @@ from harness import (
     demo_config,
     event_time,
     fmt,
-    launched,
+    launched_to_end,
     print_header,
     rank_events,
     ratio,
@@ -221,13 +219,8 @@ def run_variant(variant: Variant, job: Job, work: Path, timeout_s: float, refere
     """Launch, wait for the launcher within the limit, then read what the run left; never leaves a process behind."""
     work.mkdir(parents=True)
     launch = variant.launch(job, work, job.env(variant.kinds))
-    started = time.monotonic()
-    with launched(launch, work) as launcher:
-        try:
-            exit_code: int | None = launcher.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            exit_code = None
-    return read_run(variant, job, launch.run_dir, time.monotonic() - started, exit_code, reference)
+    wall_s, exit_code = launched_to_end(launch, work, timeout_s)
+    return read_run(variant, job, launch.run_dir, wall_s, exit_code, reference)
 
 
 def read_run(

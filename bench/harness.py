@@ -42,6 +42,7 @@ __all__ = [
     "fmt",
     "kill_run",
     "launched",
+    "launched_to_end",
     "merged",
     "parse_time",
     "poll",
@@ -170,6 +171,18 @@ def launched(launch: Launch, work: Path) -> Iterator[subprocess.Popen]:
     finally:
         with sigint_deferred():
             kill_run(launcher, launch.run_dir)
+
+
+def launched_to_end(launch: Launch, work: Path, timeout_s: float) -> tuple[float, int | None]:
+    """Run `launch` until its launcher exits or `timeout_s` passes: wall time (cleanup included) and exit code
+    (None: killed at the limit)."""
+    started = time.monotonic()
+    with launched(launch, work) as launcher:
+        try:
+            exit_code: int | None = launcher.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            exit_code = None
+    return time.monotonic() - started, exit_code
 
 
 # ---- observing a run -------------------------------------------------------------------------

@@ -268,7 +268,8 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     ),
     "worker.save_checkpoint_steps": (lambda v: v >= 0, "0 or more"),
     "worker.save_checkpoint_interval_s": (lambda v: v >= 0, "0 or more"),
-    "worker.snapshot_steps": (lambda v: v >= 0, "0 or more"),
+    "worker.snapshot_steps": (lambda v: v == "auto" or (isinstance(v, int) and v >= 0), "0 or more, or auto"),
+    "worker.snapshot_max_bytes": (lambda v: v >= 0, "0 or more (0: free memory decides)"),
     "worker.verify_resume": (lambda v: v >= 0, "0 or more"),
     "worker.load_checkpoint": (lambda v: Path(v).is_dir(), "an existing directory (another run's checkpoint/ folder)"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),
@@ -567,7 +568,13 @@ def _check(hint: Any, value: Any, source: str, name: str, blame: Mapping[str, st
                 return _check(inner, value, source, name, blame)
             except ConfigError:
                 continue
-        return _check(options[-1], value, source, name, blame)
+        try:
+            return _check(options[-1], value, source, name, blame)
+        except ConfigError:
+            if len(options) < 2 or name not in _BOUNDS or any(type(value) is option for option in options):
+                raise
+            # No type fits: its bound says what it may be (`0 or more, or auto`), truer than "must be a string".
+            raise ConfigError(f"{source}: '{name}' must be {_BOUNDS[name][1]}, got {_kind(value)}") from None
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, source, prefix=f"{name}.", blame=blame)
     if origin is list:

@@ -67,6 +67,7 @@ from supervisor.rundir.checkpoints import (
     completed_at,
     find_junk,
     health_entries,
+    passed_over_event,
     rotation,
     world_size_mismatch,
     world_sizes,
@@ -74,12 +75,14 @@ from supervisor.rundir.checkpoints import (
 )
 from supervisor.rundir.journal import Journal
 from supervisor.rundir.lease import ABDICATED, RELEASED, Lease, LeaseHolder, LeaseLost, read_relayed_signal
+from supervisor.rundir.persist import Persister, memory_status, newest_memory_snapshot
 from supervisor.rundir.rank_logs import abort_info, count, last_event, last_step, stderr_tail
 from supervisor.rundir.watch import HeartbeatUnreadable, StopFileChanged, StopFileWatcher, read_heartbeat
 from worker.contract import (
     EXIT_ANOMALY,
     EXIT_CHECKPOINT_REFUSED,
     EXIT_FAILED,
+    MEMORY_LABEL,
     RunLayout,
     named_store,
     newest_complete,
@@ -88,6 +91,7 @@ from worker.contract import (
 )
 from worker.files import DIR_MODE, open_in, open_regular, unlink_quietly
 from worker.manifest import remove_sharded
+from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
 
 __all__ = ["LauncherFactory", "RunDirBusy", "Supervisor", "lock_run_dir"]
 
@@ -155,6 +159,16 @@ class Supervisor:
         self._ignore_stop_file = ignore_stop_file
         self._stop_file_seen: tuple[int, ...] | None = None  # the write of the stop file acted on last
         self.log = journal.log
+        self.layout = layout = self._with_memory_tier(layout)
+        # Disk checkpoints from the memory tier: pinned snapshots copied to the checkpoint store off the main loop.
+        self._persister = (
+            None if layout.memory is None else Persister(layout, config.world_size, config.worker.prefix, self.log)
+        )
+        self._memory_removed = False
+        self._memory_health_seen: int | None = None  # the memory snapshot health_ckpts.json lists
+        self._disk_health: list[dict[str, Any]] = []  # the disk checkpoints it lists
+        self._memory_health: list[dict[str, Any]] = []  # and the newest memory snapshot's entry, if any
+        self._memory_status: dict[str, Any] | None = None  # the memory block as last looked at
         previous = _previous_status(layout)  # what a supervisor of this run dir before us knew
         gaps = _previous_step_gaps(previous, config.hang.calibration.window)
         self.state: State = initial_state(config.policy(), step_gaps=gaps, history=read_history(previous))
@@ -183,9 +197,8 @@ class Supervisor:
         job = os.environ.get("SLURM_JOB_ID")  # a requeued job runs again under its own id
         beat = _last_beat(layout, previous, config.world_size)  # a predecessor that died heard up to about there
         self._predecessor_heard = beat
-        self._observers.append(
-            Goodput(previous, wall_now=time.time(), process_started=started, job=job, last_beat=beat)  # carried over
-        )
+        self._goodput = Goodput(previous, wall_now=time.time(), process_started=started, job=job, last_beat=beat)
+        self._observers.append(self._goodput)  # carried over
         self._observers.append(Stragglers(config.stragglers))
         self.status_listeners: list[Callable[[dict[str, Any]], None]] = []  # shown each status, once it is written
         self._metrics = MetricsExporter(config.metrics, self.log)  # opt-in: off, it costs one check per status
@@ -199,6 +212,8 @@ class Supervisor:
         if self._lease is not None:
             self._lease.start()
         self._launcher.start()
+        if self._persister is not None:
+            self._persister.start()
         self._stop_watcher.start()
         if self._time_limit is not None:
             self._time_limit.start()
@@ -210,6 +225,7 @@ class Supervisor:
             nproc=self.config.nproc_per_node,
             nodes=self.config.nodes,
             subreaper=become_subreaper(),
+            **({} if self.layout.memory is None else {"memory_dir": str(self.layout.memory)}),
             **({} if self._predecessor_heard is None else {"predecessor_heard_step": self._predecessor_heard[0]}),
         )
         worker = self.config.worker
@@ -233,6 +249,7 @@ class Supervisor:
                 self._launcher.close()  # on any way out, no process of the run outlives the supervisor
             else:
                 self._launcher.hand_over()  # the agents fence their ranks; a successor may live in their step
+            self._end_memory_tier()
             self._stop_watcher.stop()
             if self._time_limit is not None:
                 self._time_limit.stop()
@@ -266,6 +283,40 @@ class Supervisor:
                 attempt=self.state.attempt,
                 action="fencing this node's ranks; handing over",
             )
+
+    def _with_memory_tier(self, layout: RunLayout) -> RunLayout:
+        """The layout with this run's memory directory, created here (mode 0700) when snapshots are on and the ranks
+        run on this machine; without it (refused, no /dev/shm) snapshots go to the disk slots, as before."""
+        multi_node = self.config.nodes > 1 or self.config.spare_nodes > 0  # no memory tier on Slurm yet
+        if self.config.worker.snapshot_steps in (0, "0") or multi_node:
+            return layout
+        path = memory_dir_for(layout.root)
+        try:
+            return replace(layout, memory=create_memory_dir(path))
+        except OSError as exc:
+            self.log.warning("memory_tier_off", path=str(path), reason=str(exc), action="snapshots go to disk")
+            return layout
+
+    def _end_memory_tier(self) -> None:
+        """At the run's end (not a hand-over): the newest memory snapshot persisted when it is newer than the newest
+        disk checkpoint, so a stopped run loses nothing that was in memory; then the memory directory removed."""
+        if self._persister is None:
+            return
+        self._persister.stop()  # whatever the way out: a supervisor that handed over writes nothing more
+        if self.handed_over is not None or not self.state.phase.terminal:
+            return
+        try:
+            persisted = self._persister.persist_newest()
+        except OSError as exc:  # the run ends all the same; its memory then goes unpersisted, said here
+            self.log.error("persist_failed", reason=str(exc)[:MAX_LOGGED_CHARS], at="the run's end")
+            persisted = None
+        assert self.layout.memory is not None  # a persister exists only with a memory tier
+        remove_memory_dir(self.layout.memory)
+        self._memory_removed = True
+        self.log.info(
+            "memory_tier_removed", path=str(self.layout.memory), persisted=None if persisted is None else persisted.step
+        )
+        self._write_status(durable=True)  # health_ckpts.json and status: the persisted step, no memory entry
 
     def _stop_file_blocks_start(self) -> bool:
         """A stop file present at start means the run was stopped on purpose: an automatic restart must not undo
@@ -562,7 +613,7 @@ class Supervisor:
         if self.state.phase is not Phase.STARTING or self.state.attempt != action.attempt:
             return []  # stopped while the checkpoints were being verified
         for step, reason in choice.passed_over:
-            self.log.warning("checkpoint_passed_over", step=step, reason=reason, attempt=action.attempt)
+            self.log.warning(passed_over_event(reason), step=step, reason=reason, attempt=action.attempt)
         if choice.step is None and choice.passed_over:
             self.log.error(
                 "no_usable_checkpoint",
@@ -608,7 +659,13 @@ class Supervisor:
         store = choice.store
         self._launching = LaunchPrepared(action, choice)
         spawned = self._launcher.launch(
-            Attempt(attempt, resume_step, None if store is None else store.root, action.skip_to_batch)
+            Attempt(
+                attempt,
+                resume_step,
+                None if store is None else store.root,
+                action.skip_to_batch,
+                failures=(self.state.restarts, self._goodput.totals()["wall_s"]),  # `snapshot_steps: auto`'s rate
+            )
         )
         return spawned if spawned is None or isinstance(spawned, LaunchFailed) else self._ranks_launched(spawned)
 
@@ -635,6 +692,12 @@ class Supervisor:
     def _sort_out_junk(self) -> None:
         """Before a launch: delete our torn temporaries, report anything foreign once."""
         junk = find_junk(self.layout, self.config.world_size, self.config.worker.prefix)
+        if self._persister is not None:  # the persister may be copying into the checkpoint directory meanwhile
+            junk = replace(
+                junk,
+                torn=tuple(p for p in junk.torn if not self._persister.in_flight(p)),
+                foreign=tuple(p for p in junk.foreign if not self._persister.in_flight(p)),
+            )
         for path in junk.torn:
             if path.name.endswith(".dcp"):  # a sharded save that never got its manifest: the whole directory
                 remove_sharded(path)
@@ -683,12 +746,32 @@ class Supervisor:
         doomed = self._rotate(ours, {e["step"] for e in entries if e["is_health"] == 0})
         self._health_seen = [step for step in steps if step not in doomed]
         self._health_steps = [step for step in ours if step not in doomed]
-        self._write_health_file([e for e in entries if e["step"] not in doomed])
+        self._disk_health = [{**e, "tier": "disk"} for e in entries if e["step"] not in doomed]
+        self._write_health_file([*self._disk_health, *self._memory_health])
         return self._health_steps
 
-    def _write_health_file(self, entries: list[dict[str, Any]]) -> None:
+    def _memory_block(self) -> dict[str, Any] | None:
+        """Status's memory block (None without a memory tier, or once it is removed); health_ckpts.json's entry of
+        the newest memory snapshot kept with it."""
+        if self.layout.memory is None or self._memory_removed:
+            if self._memory_health:
+                self._memory_health, self._memory_health_seen = [], None
+                self._write_health_file(self._disk_health)
+            return None
+        world, prefix = self.config.world_size, self.config.worker.prefix
+        found = newest_memory_snapshot(self.layout, world, prefix)
+        step = None if found is None else found[1]
+        if step != self._memory_health_seen:
+            self._memory_health_seen = step
+            entries = [] if found is None else health_entries(found[0], world, prefix, [found[1]])
+            self._memory_health = [{**e, "tier": MEMORY_LABEL} for e in entries]
+            # Not fsynced: it changes with every snapshot, and the memory tier does not outlive the machine anyway.
+            self._write_health_file([*self._disk_health, *self._memory_health], durable=False)
+        return memory_status(self.layout, found, world, prefix, time.time())
+
+    def _write_health_file(self, entries: list[dict[str, Any]], *, durable: bool = True) -> None:
         try:
-            write_health_file(self.layout, entries)
+            write_health_file(self.layout, entries, durable=durable)
         except OSError as exc:
             self.log.error("health_file_write_failed", error=str(exc))
 
@@ -733,6 +816,8 @@ class Supervisor:
             if looked
             else self._health_steps
         )
+        if looked:
+            self._memory_status = self._memory_block()
         extra = {
             "run_dir": str(self.layout.root),
             "config": self._config_path,
@@ -745,6 +830,7 @@ class Supervisor:
             # While no rank runs: where a stop would end the run (a memory snapshot's step included), for `stop`.
             **({"newest_state": self._newest_complete()} if self.state.phase in NO_RANK_SAVES else {}),
             "last_checkpoint_at": self._completed_at(steps[-1]) if steps else None,
+            "memory": self._memory_status,
             "logs": str(self.layout.attempt_log(self.state.attempt, 0, "err").parent),
             **self._launcher.details(),
         }

@@ -20,6 +20,8 @@ from worker.files import is_plain_dir, is_plain_file
 __all__ = [
     "CHECKPOINT_WRITER_GROUP",
     "ENV_ATTEMPT",
+    "ENV_FAILURES",
+    "ENV_MEMORY_DIR",
     "ENV_RESUME_DIR",
     "ENV_RESUME_STEP",
     "ENV_RUN_DIR",
@@ -41,7 +43,9 @@ __all__ = [
     "named_store",
     "newest_complete",
     "resume_stores",
+    "failures_env",
     "parse_checkpoint_name",
+    "parse_failures",
     "parse_sharded_name",
 ]
 
@@ -56,6 +60,12 @@ ENV_RESUME_DIR = "TRAINWARDEN_RESUME_DIR"
 ENV_WORKER_CONFIG = "TRAINWARDEN_WORKER_CONFIG"
 # After an anomaly abort: a resumed rank whose data position is below this batch index jumps to it.
 ENV_SKIP_TO_BATCH = "TRAINWARDEN_SKIP_TO_BATCH"
+# The memory tier (worker.memory): this run's directory in host shared memory on the rank's node, created by the
+# supervisor (or the node's agent); unset or empty: no memory tier, snapshots go to the disk slots.
+ENV_MEMORY_DIR = "TRAINWARDEN_MEMORY_DIR"
+# "N/SECONDS": the run's failures so far and the wall time they happened over, for `snapshot_steps: auto`
+# (worker.cadence); unset or empty: none known (a plain torchrun).
+ENV_FAILURES = "TRAINWARDEN_FAILURES"
 
 # The supervisor asks a rank leader for its Python stacks with this signal (faulthandler dumps them).
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -78,8 +88,10 @@ EXIT_SAVE_LOST = 74
 # (SIGUSR1) with the save done, or too few healthy nodes left in the allocation (the bad ones named).
 EXIT_REQUEUE = 75
 
-SNAPSHOT_DIR = "snapshot"  # checkpoint/snapshot/{0,1}/rank_R/...
+SNAPSHOT_DIR = "snapshot"  # checkpoint/snapshot/{0,1}/rank_R/... and, in memory, MEMORY/snapshot/{0,1}/...
 SNAPSHOT_SLOTS = (0, 1)
+PERSIST_DIR = "persist"  # MEMORY/persist/STEP/...: a snapshot pinned (hard links) until it is copied to disk
+MEMORY_LABEL = "memory"  # how logs, status and `resume_source` name the memory tier
 
 # ASCII digits, at most 18: any name that matches gives a rank and step that fit 64 bits.
 _CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d{1,18})-(?P<step>\d{1,18})\.(?P<kind>ckpt|json)$", re.ASCII)
@@ -104,7 +116,11 @@ class WorkerConfig:
     checkpoint_format: str = "auto"
     async_save: bool = True  # dcp: the loop pays only the staging copy; the write runs in a background thread
     keep_checkpoint_max: int = 0  # seed 001; the supervisor deletes older complete checkpoints; 0 keeps all
-    snapshot_steps: int = 0  # seed 004's oss_snapshot_freq: also save into two alternating snapshot slots; 0: off
+    # seed 004's oss_snapshot_freq: also save into two alternating snapshot slots, in memory where the supervisor
+    # gave a memory directory (worker.memory), else on disk; "auto": the interval follows measured costs and the
+    # failure rate (worker.cadence); 0: off
+    snapshot_steps: int | str = 0
+    snapshot_max_bytes: int = 0  # the memory tier's bound per node (both slots and a pin); 0: free memory decides
     load_checkpoint: str | None = None  # seed 001: another run's checkpoint directory to resume from as well
     # seed 001: true resumes from the newest usable checkpoint; a checkpoint name (or step) resumes from that one,
     # healthy or not; without a supervisor the worker itself resumes from the newest complete checkpoint
@@ -166,6 +182,7 @@ class RunLayout:
     """Where every file of one run lives; the only place that knows the run-dir layout."""
 
     root: Path
+    memory: Path | None = None  # this node's memory directory of the run (worker.memory); None: no memory tier
 
     @property
     def lock_file(self) -> Path:
@@ -242,9 +259,36 @@ class RunLayout:
             self.checkpoint_dir / SNAPSHOT_DIR / str(slot), label=f"snapshot slot {slot}", base=self.checkpoint_dir
         )
 
+    def memory_slot(self, slot: int) -> CheckpointStore:
+        """One of the two alternating snapshot slots in memory; the older one is overwritten next."""
+        assert self.memory is not None
+        return CheckpointStore(self.memory / SNAPSHOT_DIR / str(slot), label=MEMORY_LABEL, base=self.memory)
+
+    def memory_pin(self, step: int) -> CheckpointStore:
+        """The snapshot of `step` pinned for persisting: hard links to its files, kept until it is on disk."""
+        assert self.memory is not None
+        return CheckpointStore(self.memory / PERSIST_DIR / str(step), label=MEMORY_LABEL, base=self.memory)
+
+    def memory_pins(self) -> list[int]:
+        """Steps with a pinned snapshot (complete or not), oldest first."""
+        if self.memory is None:
+            return []
+        try:
+            names = os.listdir(self.memory / PERSIST_DIR)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(int(name) for name in names if _STEP.fullmatch(name))
+
+    def memory_stores(self) -> list[CheckpointStore]:
+        """The memory tier's stores: both slots and every pinned snapshot (none without a memory directory)."""
+        if self.memory is None:
+            return []
+        return [*(self.memory_slot(slot) for slot in SNAPSHOT_SLOTS), *map(self.memory_pin, self.memory_pins())]
+
     def checkpoint_stores(self) -> list[CheckpointStore]:
-        """Every place of this run a resume may come from: regular checkpoints first, then the snapshot slots."""
-        return [self.checkpoints, *(self.snapshot_slot(slot) for slot in SNAPSHOT_SLOTS)]
+        """Every place of this run a resume may come from: regular checkpoints first, then the memory tier, then
+        the snapshot slots on disk."""
+        return [self.checkpoints, *self.memory_stores(), *(self.snapshot_slot(slot) for slot in SNAPSHOT_SLOTS)]
 
 
 @dataclass(frozen=True)
@@ -328,6 +372,23 @@ class CheckpointStore:
         for rank in range(1, world_size):
             common &= self.steps(rank, prefix)
         return sorted(common | self.sharded_steps(prefix))
+
+
+def failures_env(failures: int, wall_s: float) -> str:
+    """ENV_FAILURES's value: `failures` over `wall_s` seconds of the run."""
+    return f"{max(0, failures)}/{max(0.0, wall_s):.1f}"
+
+
+def parse_failures(text: str) -> tuple[int, float] | None:
+    """(failures, wall seconds) from ENV_FAILURES's value; None when it is empty or not `N/SECONDS`."""
+    count, slash, seconds = text.strip()[:64].partition("/")
+    try:
+        failures, wall_s = int(count), float(seconds)
+    except ValueError:
+        return None
+    if not slash or failures < 0 or not 0 <= wall_s < float("inf"):
+        return None
+    return failures, wall_s
 
 
 def parse_sharded_name(name: str) -> tuple[str, int] | None:

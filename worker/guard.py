@@ -6,7 +6,8 @@ feature-value faults abort (seed 002, levels 2 and 3), the same all-reduce carri
 so every rank learns which ranks saw a fault. It also carries the id of the stop order each rank holds
 (as -id and id, so MAX yields the lowest and the highest), so every rank knows, at the same step,
 whether all of them hold the same order. Two more flags ride along: a time-based checkpoint is due (any rank's
-clock says so, every rank saves) and a GradScaler overflow (the scaler skips the step; not an anomaly).
+clock says so, every rank saves) and a GradScaler overflow (the scaler skips the step; not an anomaly); and with
+`snapshot_steps: auto`, each rank's snapshot interval, so that all of them take the lowest (worker.cadence).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Verdict:
     suspects: tuple[int, ...] = ()  # ranks that saw a feature-value fault: the caller aborts
     orders: tuple[int, int] = (0, 0)  # the lowest and highest stop-order id any rank holds (0: none)
     save_due: bool = False  # some rank's clock says a time-based checkpoint is due
+    snapshot_every: int = 0  # the lowest snapshot interval any rank proposed (0: some rank has none yet)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class _Agreed:
     anomaly: bool
     overflow: bool
     save_due: bool
+    snapshot_every: int
     suspects: tuple[int, ...]
     orders: tuple[int, int]
 
@@ -82,12 +85,14 @@ class StepGuard:
         order_id: int = 0,
         save_due: bool = False,
         amp_scaling: bool = False,
+        snapshot_every: int | None = None,
     ) -> Verdict:
         """Clip the gradients and decide, together with every rank.
 
         `feature_fault` is this rank's (None: faults do not abort, nothing to agree on); `order_id` the stop
         order it holds; `save_due` whether its clock says a checkpoint is due; `amp_scaling` whether an enabled
-        GradScaler scaled the loss (then inf/NaN gradients with a finite loss are its overflow, not an anomaly).
+        GradScaler scaled the loss (then inf/NaN gradients with a finite loss are its overflow, not an anomaly);
+        `snapshot_every` the snapshot interval it proposes (`auto` only, else None; 0: none yet).
         With suspect ranks the caller aborts, so nothing is recorded. Exits with EXIT_ANOMALY on a streak of skips.
         """
         import torch
@@ -97,7 +102,9 @@ class StepGuard:
         grad_norm = _whole(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
         overflow = amp_scaling and not math.isfinite(grad_norm) and math.isfinite(loss)
         verdict = LocalVerdict() if overflow else self.detector.judge(loss, grad_norm)
-        agreed = self._agree(verdict.anomalous, overflow, save_due, grads, feature_fault, order_id, step)
+        agreed = self._agree(
+            verdict.anomalous, overflow, save_due, grads, feature_fault, order_id, step, snapshot_every
+        )
         if agreed.suspects:
             return Verdict(False, grad_norm, agreed.suspects, agreed.orders)
         self.skipped += agreed.anomaly or agreed.overflow
@@ -106,7 +113,7 @@ class StepGuard:
         skip = agreed.anomaly
         if agreed.overflow and not skip:  # the scaler lowers its scale and skips the step itself
             self._log.info("amp_overflow", step=step, batch=batch, global_norm=_json_number(grad_norm))
-            return Verdict(False, grad_norm, (), agreed.orders, agreed.save_due)
+            return Verdict(False, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every)
         self.detector.record(step, skipped=skip, loss=loss, grad_norm=grad_norm)
         if skip:
             self._log.warning(
@@ -124,7 +131,7 @@ class StepGuard:
             )
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
-        return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due)
+        return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every)
 
     def saw(self, kind: str) -> None:
         """Count an anomaly this rank saw itself."""
@@ -147,6 +154,7 @@ class StepGuard:
         feature_fault: bool | None,
         order_id: int,
         step: int,
+        snapshot_every: int | None = None,
     ) -> _Agreed:
         """Every local flag made job-wide (any rank's counts; feature faults per rank; the lowest and highest
         stop-order id held): one all-reduce, none when alone."""
@@ -154,15 +162,20 @@ class StepGuard:
         import torch.distributed as dist
 
         if self._world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return _Agreed(anomaly, overflow, save_due, (self._rank,) if feature_fault else (), (order_id, order_id))
+            alone: tuple[int, ...] = (self._rank,) if feature_fault else ()
+            return _Agreed(anomaly, overflow, save_due, snapshot_every or 0, alone, (order_id, order_id))
         values = [float(anomaly), float(overflow), float(save_due), float(-order_id), float(order_id)]
+        if snapshot_every is not None:  # only with `auto` (same on every rank): -interval, so MAX is the lowest
+            values.append(float(-snapshot_every))
+        flagged = len(values)
         if feature_fault is not None:  # one slot per rank, so the MAX keeps every rank that saw a fault
             values += [1.0 if feature_fault and rank == dist.get_rank() else 0.0 for rank in range(self._world_size)]
         flags = torch.tensor(values, dtype=torch.float64, device=grads[0].device if grads else torch.device("cpu"))
         self._faults.all_reduce(flags, dist.ReduceOp.MAX, step)
         seen = flags.tolist()  # the one host transfer
-        suspects = tuple(rank for rank, flag in enumerate(seen[5:]) if flag > 0)
-        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, suspects, (int(-seen[3]), int(seen[4])))
+        suspects = tuple(rank for rank, flag in enumerate(seen[flagged:]) if flag > 0)
+        every = int(-seen[5]) if snapshot_every is not None else 0
+        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, every, suspects, (int(-seen[3]), int(seen[4])))
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:
         # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".

@@ -19,7 +19,8 @@ class Heartbeat:
     Besides, for people and the supervisor's observers: the last step's `loss`, the smoothed `compute_s` (a step's
     time before it waits for peers), the loop's `total_steps`, the `save_s` spent in checkpoint saves so far and the
     newest one's `last_save_s`, the batches `skipped` and the `anomalies` this rank saw, by kind, why its resume
-    is not exact (`inexact`) once it knows, and `slow_saves` once its background writes outlast its save interval."""
+    is not exact (`inexact`) once it knows, `slow_saves` once its background writes outlast its save interval, and
+    with the memory tier on, the bytes of its snapshots there (`memory_bytes`) and the newest one's `memory_step`."""
 
     def __init__(self, path: Path, *, root: Path, rank: int, attempt: int, interval_s: float) -> None:
         self.path = path
@@ -40,6 +41,8 @@ class Heartbeat:
         self.anomalies: dict[str, int] = {}  # what this rank itself saw, by kind (non_finite, global_norm_spike, ...)
         self.inexact: str | None = None  # why this process's resume is not exact, once it knows (worker.verify)
         self.slow_saves: dict[str, float | str] | None = None  # {write_s, interval_s, setting}: writes outlast it
+        self.memory_bytes: int | None = None  # bytes of this rank's snapshots in the memory tier (both slots)
+        self.memory_step: int | None = None  # the newest complete snapshot in memory
 
     def beat(
         self,
@@ -85,6 +88,7 @@ class Heartbeat:
             "anomalies": self.anomalies,
             **({"inexact": self.inexact} if self.inexact else {}),
             **({"slow_saves": self.slow_saves} if self.slow_saves else {}),
+            **({"memory_bytes": self.memory_bytes, "memory_step": self.memory_step} if self.memory_step else {}),
         }
         try:
             # No fsync: a heartbeat only has to be whole for readers, not survive a power cut.

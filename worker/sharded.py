@@ -12,6 +12,9 @@ items with `weights_only=True` (DCP's default planner unpickles them unrestricte
 runs in one thread of this process ("thread" async mode): measured here against DCP's process-based executor in
 `bench/checkpoint_stall.py`, and the process mode re-imports the training script in a spawned child, which a
 script without a `__main__` guard (and our warm standbys, which run scripts through runpy) cannot survive.
+The background writer serves the disk saves a rank makes itself: every save with the memory tier off, and with it
+on, stop orders' saves and the final one. A snapshot into memory (worker.memory) is written synchronously: the copy
+into tmpfs is all it costs, and the supervisor, not the rank, copies it to disk.
 
 torch.distributed's object collectives, which DCP plans with, need NumPy (`pip install 'trainwarden[dcp]'`).
 """
@@ -262,6 +265,7 @@ class _Save:
     step: int
     stall_s: float
     started: float
+    root: Path  # no symlink below it is followed: the run dir, or the memory directory for a snapshot in memory
     thread: threading.Thread | None = None
     error: BaseException | None = None
     duration_s: float = 0.0  # from the call to the manifest (this rank's part: to its record)
@@ -315,28 +319,33 @@ class ShardedCheckpointer:
         common: dict[str, Any],
         *,
         started: float | None = None,
+        root: Path | None = None,
+        background: bool | None = None,
     ) -> float:
         """Start saving step `step` into `directory` (the previous save finished first); returns the training
         thread's stall in seconds, from `started` (the caller's start of the save; default: now). Synchronous unless
-        async_save: then it returns once the state is staged."""
+        async_save (or `background`, when given): then it returns once the state is staged. `root`: no symlink
+        below it is followed (default: the run dir; a snapshot in memory passes the memory directory)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         started = time.perf_counter() if started is None else started
+        root = self.root if root is None else root
+        background = self.async_save if background is None else background
         self.wait()
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
-        ensure_dir(self.root, directory)
+        ensure_dir(root, directory)
         if self.rank == 0:
             unlink_quietly(directory / MANIFEST)  # a checkpoint of this step saved before is no longer one
-        if self.async_save:
+        if background:
             state = self._stage(state)  # a copy: the optimizer may change the live tensors now
-        save = _Save(directory, step, 0.0, started)
+        save = _Save(directory, step, 0.0, started, root=root)
         job = (save, state, rank_state, health, common)
-        if self.async_save:
+        if background:
             save.thread = threading.Thread(target=self._write, args=job, name=f"trainwarden-save-{step}", daemon=True)
             save.thread.start()
         self._inflight = save
-        if not self.async_save:
+        if not background:
             self._write(*job)
         save.stall_s = time.perf_counter() - started
         return save.stall_s
@@ -432,7 +441,7 @@ class ShardedCheckpointer:
     ) -> None:
         begun = time.perf_counter()
         try:
-            self._write_all(save.directory, save.step, state, rank_state, health, common)
+            self._write_all(save.root, save.directory, save.step, state, rank_state, health, common)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
             save.error = exc
         finally:
@@ -442,6 +451,7 @@ class ShardedCheckpointer:
 
     def _write_all(
         self,
+        root: Path,
         directory: Path,
         step: int,
         state: dict[str, Any],
@@ -454,7 +464,7 @@ class ShardedCheckpointer:
         import torch.distributed.checkpoint as dcp
 
         on_write = self._on_write
-        fs = _file_system(self.root, (lambda: on_write(step)) if on_write else None)
+        fs = _file_system(root, (lambda: on_write(step)) if on_write else None)
         writer = dcp.FileSystemWriter(
             directory, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
         )
@@ -467,17 +477,17 @@ class ShardedCheckpointer:
             # torch.save writes to any object with write() and flush(); its annotation says IO[bytes]
             torch.save(rank_state, hashing)  # type: ignore[arg-type]
 
-        atomic_write(directory / rank_state_name(self.rank), write, root=self.root)
+        atomic_write(directory / rank_state_name(self.rank), write, root=root)
         files = {name: {"size": size, "crc32": crc} for name, (size, crc) in fs.written.items()}
         files[rank_state_name(self.rank)] = {"size": hashing.size, "crc32": hashing.hexdigest()}
         record = {"rank": self.rank, "step": step, "files": files, **health}
-        atomic_write_json(directory / rank_record_name(self.rank), record, root=self.root)
+        atomic_write_json(directory / rank_record_name(self.rank), record, root=root)
         if self._distributed:
             dist.barrier(group=self._group)  # every rank's record is durable
         if self.rank == 0:
             records = [read_json(directory / rank_record_name(rank)) for rank in range(self.world_size)]
             manifest = build_manifest(step, records, torch_version=torch.__version__, common=common)
-            atomic_write_json(directory / MANIFEST, manifest, root=self.root)  # last: now it is a checkpoint
+            atomic_write_json(directory / MANIFEST, manifest, root=root)  # last: now it is a checkpoint
 
     def load(self, directory: Path, step: int, model: Any, optimizer: Any) -> Loaded:
         """Restore model and optimizer from the sharded checkpoint (any world size) and return this rank's state.

@@ -13,9 +13,11 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from worker.cadence import Choice, SnapshotCadence, SnapshotSchedule
 from worker.checkpoint import (
     CheckpointRefused,
     capture_rng,
@@ -27,12 +29,15 @@ from worker.checkpoint import (
 )
 from worker.contract import (
     ENV_ATTEMPT,
+    ENV_FAILURES,
+    ENV_MEMORY_DIR,
     ENV_RESUME_DIR,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_SKIP_TO_BATCH,
     EXIT_CHECKPOINT_REFUSED,
     EXIT_CONFIG,
+    MEMORY_LABEL,
     SNAPSHOT_SLOTS,
     STACK_DUMP_SIGNAL,
     CheckpointStore,
@@ -42,6 +47,7 @@ from worker.contract import (
     named_store,
     newest_complete,
     parse_checkpoint_name,
+    parse_failures,
     resume_stores,
 )
 from worker.events import open_event_log
@@ -49,11 +55,21 @@ from worker.exits import leave
 from worker.faults import FaultPlan
 from worker.feature_check import FeatureValueCheck
 from worker.feature_rule import with_env
-from worker.files import open_append
+from worker.files import open_append, read_json
 from worker.flight import FlightRecorderDumps
 from worker.guard import StepGuard
 from worker.heartbeat import Heartbeat
-from worker.manifest import ManifestError, remove_sharded
+from worker.manifest import ManifestError, rank_record_name, remove_sharded
+from worker.memory import check_memory_dir
+from worker.memory_tier import (
+    memory_room,
+    newest_slot,
+    pin_files,
+    pin_sharded,
+    snapshot_room_problem,
+    unpin_files,
+    unpin_sharded,
+)
 from worker.orders import StopOrders
 from worker.sharded import derived_rng
 from worker.verify import Trajectory, unregistered_scalers
@@ -144,6 +160,8 @@ class Warden:
         )
         self._saved_at = 0  # step of the newest regular checkpoint this rank holds (0: none)
         self._last_save = time.monotonic()  # the time-based cadence counts from here
+        self._schedule = _or_config_error(self._snapshot_schedule)  # `snapshot_steps: auto` (worker.cadence)
+        self._auto_slot: int | None = None  # with it, the disk slot of the newest snapshot this process wrote
         self._stopping = False  # a stop order was carried out and the loop asked about it: the loop ends
         self._loop_asks = False  # the loop reads `should_stop` (or runs `steps()`): a stop returns to it
         self._guard = StepGuard(
@@ -178,7 +196,16 @@ class Warden:
         self.log.info("rank_started", pid=os.getpid(), world_size=self.world_size)
         if framework_save is None:
             self._say_if_no_checkpoints()
+            self.layout = replace(self.layout, memory=self._memory_dir())
         self._sharded_format = framework_save is None and self._choose_format() == "dcp"
+        # The memory tier (worker.memory_tier): the slot of the newest complete snapshot, never the next one written;
+        # whether its snapshots fit was asked (once, at the first, on every rank alike); bytes held per slot; the
+        # step this process pinned last (a stop's or the final save of that step drops the pin: it goes to disk).
+        self._memory_newest = self._newest_memory_slot()
+        self._memory_given = framework_save is None and bool(os.environ.get(ENV_MEMORY_DIR))  # alike on every rank
+        self._memory_room_checked = False
+        self._memory_bytes: dict[int, int] = {}
+        self._pinned: int | None = None
         # Python's last collections at exit walk torch's whole object graph (0.8 s of CPU per rank, measured): a rank
         # that leaves, on a stop or an abort, would hold its relaunch up for it. Runs after the handler below.
         atexit.register(gc.freeze)
@@ -370,7 +397,10 @@ class Warden:
             order_id=held.id if held else 0,
             save_due=self._save_clock_due(),
             amp_scaling=scaler is not None,
+            snapshot_every=None if self._schedule is None else self._schedule.proposed,
         )
+        if self._schedule is not None:
+            self._schedule.agree(verdict.snapshot_every)
         self._heartbeat.skipped = self._guard.skipped
         if fault:
             self._guard.saw("feature_value")
@@ -445,17 +475,16 @@ class Warden:
         if not self._first_step_done:
             self._after_first_step()
         saved = self._checkpoint_due(save_due)
+        snapshot_due = self._snapshot_due(step_time_s, saved=saved, agreed=save_due is not None)
         self._on_schedule = True
         try:
-            if saved:
-                self.save(self.step)
-            elif _due(self.step, self.config.snapshot_steps):
-                self.snapshot(self.step)
+            if saved or snapshot_due:
+                self._save_on_schedule(saved)
         finally:
             self._on_schedule = False
-        if self._trajectory is not None and (saved or _due(self.step, self.config.snapshot_steps)):
+        if self._trajectory is not None and (saved or snapshot_due):
             self._trajectory.saved(self.step)
-        self._obey_stop_order(saved)
+        self._obey_stop_order(saved and self._saved_at == self.step)  # a pinned snapshot is not on disk yet
         self._last_step_end = self._compute_since = time.perf_counter()  # a save is not part of the next step
         return True
 
@@ -486,6 +515,88 @@ class Warden:
                 f"loss {now!r}, before the resume {before!r}",
                 resumed_from=self._resumed_at,
             )
+
+    # -- the snapshot cadence (worker.cadence) -----------------------------------------------------------------------
+
+    def _snapshot_schedule(self) -> SnapshotSchedule | None:
+        """`snapshot_steps: auto`'s schedule, with the run's failures as the supervisor counted them (none known
+        under a plain torchrun: the prior); None for a fixed interval. ValueError for a setting that is neither."""
+        every = self.config.snapshot_steps
+        if every != "auto":
+            if type(every) is not int or every < 0:
+                raise ValueError(f"worker.snapshot_steps must be 0 or more, or auto, got {every!r}")
+            return None
+        failures, wall_s = parse_failures(os.environ.get(ENV_FAILURES) or "") or (0, 0.0)
+        by_time = self.config.save_checkpoint_interval_s if self.config.save_checkpoint_steps == 0 else 0.0
+        cadence = SnapshotCadence(
+            failures=failures,
+            wall_s=wall_s,
+            disk_every_steps=self.config.save_checkpoint_steps,
+            disk_every_s=by_time,
+        )
+        return SnapshotSchedule(cadence, counted_at=time.monotonic())
+
+    def _snapshot_due(self, step_time_s: float, *, saved: bool, agreed: bool) -> bool:
+        """Whether to snapshot after this applied step: every `snapshot_steps`, or when `auto`'s schedule says (its
+        interval agreed by guard_step's all-reduce, or without guard_step by one of its own, at most every
+        CLOCK_AGREE_STEPS steps). Never at a step saved as a regular checkpoint."""
+        schedule = self._schedule
+        if schedule is None:
+            return not saved and _due(self.step, int(self.config.snapshot_steps))
+        schedule.cadence.step_measured(step_time_s)
+        if not agreed and (self.world_size == 1 or self.step % CLOCK_AGREE_STEPS == 0):
+            schedule.agree(_lowest(schedule.proposed, self.world_size, self.model))
+        if saved:
+            schedule.saved(self.step)
+            return False
+        return schedule.due(self.step)
+
+    def _save_on_schedule(self, saved: bool) -> None:
+        """The save (`saved`) or snapshot the cadence made due. With `auto`, a snapshot's stall is measured, and a
+        save's where it went to memory (a snapshot pinned there), and a new interval is said (`cadence_chosen`)."""
+        started = time.perf_counter()
+        if saved:
+            self.save(self.step)
+        else:
+            self.snapshot(self.step)
+        if self._schedule is None or (saved and self.layout.memory is None):
+            return
+        choice = self._schedule.snapshotted(self.step, time.perf_counter() - started, now=time.monotonic())
+        if choice is not None:
+            self._say_cadence(choice)
+
+    def _say_cadence(self, choice: Choice) -> None:
+        """`cadence_chosen`: this rank's new interval, its rule and the figures behind it (all take the lowest)."""
+        assert self._schedule is not None
+        cadence = self._schedule.cadence
+        self.log.info(
+            "cadence_chosen",
+            step=self.step,
+            interval_steps=choice.interval_steps,
+            rule=choice.rule,
+            reason=choice.reason,
+            stall_s=round(choice.stall_s, 6),
+            step_s=round(choice.step_s, 6),
+            mtbf_s=round(choice.mtbf_s, 1),
+            young_daly_steps=choice.young_daly_steps,
+            failures=cadence.failures,
+            wall_s=round(cadence.wall_s, 1),
+            disk_every_steps=cadence.disk_every_steps,
+        )
+
+    def _disk_snapshot_slot(self, step: int) -> int:
+        """The disk slot for a snapshot of `step`: `step // N % 2` for a fixed N, so that consecutive ones alternate;
+        with `auto`, whose intervals vary, the other slot than the last one, starting with the one not resumed from
+        (which every rank names alike: a slot holding the newest complete snapshot is never overwritten)."""
+        every = self.config.snapshot_steps
+        if every != "auto":
+            return SNAPSHOT_SLOTS[step // int(every) % len(SNAPSHOT_SLOTS)]
+        if self._auto_slot is None:
+            resumed = os.environ.get(ENV_RESUME_DIR) or ""
+            held = [slot for slot in SNAPSHOT_SLOTS if resumed == str(self.layout.snapshot_slot(slot).root)]
+            self._auto_slot = held[0] if held else SNAPSHOT_SLOTS[-1]
+        self._auto_slot = SNAPSHOT_SLOTS[1 - self._auto_slot]
+        return self._auto_slot
 
     def _checkpoint_due(self, agreed: bool | None) -> bool:
         """Every `save_checkpoint_steps` steps; without a step count, once `save_checkpoint_interval_s` passed on
@@ -614,19 +725,175 @@ class Warden:
         self._heartbeat.beat(self.step, self._phase)
 
     def save(self, step: int) -> Path:
-        """Save this rank's checkpoint of `step` atomically (all ranks must save the same steps)."""
+        """Save this rank's checkpoint of `step` atomically (all ranks must save the same steps). With the memory
+        tier on, a save the cadence made due is a snapshot in memory, pinned for the supervisor to copy to disk; any
+        other (a stop's, the final one, the script's own) is written to disk here."""
+        if self._on_schedule and self._memory_tier_on():
+            return self._snapshot_in_memory(step, pin=True)
+        if step == self._pinned:
+            self._unpin(step)  # this step goes to disk from here: the supervisor must not copy it there as well
         with self.phase(SAVE_PHASE):
             return self._save(step, self.layout.checkpoints)
 
     def snapshot(self, step: int) -> Path:
-        """Save a snapshot of `step` into the slot not holding the previous one (seed 004): at most two exist."""
-        store = self.layout.snapshot_slot(SNAPSHOT_SLOTS[step // self.config.snapshot_steps % len(SNAPSHOT_SLOTS)])
+        """Save a snapshot of `step` into the slot not holding the previous one (seed 004): at most two exist. In
+        memory when the supervisor gave a memory directory and the snapshots fit there, else on disk."""
+        if self._memory_tier_on():
+            return self._snapshot_in_memory(step, pin=False)
+        store = self.layout.snapshot_slot(self._disk_snapshot_slot(step))
         with self.phase(SAVE_PHASE):
-            clear_slot(store, self.rank, self.config.prefix)
-            if self.rank == 0 and self._sharded_format:
-                for old in store.sharded_steps(self.config.prefix, kind="any"):
-                    remove_sharded(store.sharded_dir(old, self.config.prefix))
+            self._empty_slot(store)
             return self._save(step, store)
+
+    def _empty_slot(self, store: CheckpointStore) -> None:
+        """This rank's files in a snapshot slot (rank 0: its sharded directories) go before the slot is reused."""
+        clear_slot(store, self.rank, self.config.prefix)
+        if self.rank == 0 and self._sharded_format:
+            for old in store.sharded_steps(self.config.prefix, kind="any"):
+                remove_sharded(store.sharded_dir(old, self.config.prefix))
+
+    # -- the memory tier (worker.memory, worker.memory_tier) -------------------------------------------------------
+
+    def _memory_dir(self) -> Path | None:
+        """The memory directory the supervisor gave (ENV_MEMORY_DIR), if it is one we may trust; a refused one is
+        said (`memory_tier_off`) and snapshots and saves go to disk as without it."""
+        given = os.environ.get(ENV_MEMORY_DIR)
+        if not given:
+            return None
+        try:
+            return check_memory_dir(Path(given))
+        except OSError as exc:
+            self.log.warning("memory_tier_off", directory=given, reason=exc.strerror or str(exc))
+            return None
+
+    def _store_at(self, path: Path) -> CheckpointStore:
+        """The store the supervisor named to resume from: in the memory tier (named so in the logs), or on disk."""
+        memory = self.layout.memory
+        if memory is not None and path.is_relative_to(memory):
+            return CheckpointStore(path, label=MEMORY_LABEL, base=memory)
+        return CheckpointStore(path)
+
+    def _newest_memory_slot(self) -> int | None:
+        if self.layout.memory is None:
+            return None
+        slots = [self.layout.memory_slot(slot) for slot in SNAPSHOT_SLOTS]
+        return newest_slot(slots, self.rank, self.config.prefix, self._sharded_format)
+
+    def _memory_tier_on(self) -> bool:
+        """Whether snapshots go to memory: a memory directory was given and its snapshots fit (asked at the first
+        snapshot, a step every rank reaches: ranks agree, as a sharded save needs, even where one refused its
+        directory)."""
+        if not self._memory_given:
+            return False
+        if not self._memory_room_checked:
+            self._memory_room_checked = True
+            problem = self._memory_room_problem()
+            if _any_rank(problem is not None, self.world_size, self.model):
+                memory, self.layout = self.layout.memory, replace(self.layout, memory=None)
+                if memory is not None:  # a refused directory was said at start
+                    reason = problem or "another rank cannot keep its snapshots in memory"
+                    self.log.warning("memory_tier_off", step=self.step, directory=str(memory), reason=reason)
+        return self.layout.memory is not None
+
+    def _memory_room_problem(self) -> str | None:
+        """Why this node's memory cannot hold two slots and a pin of every local rank's snapshots, or None."""
+        if self.layout.memory is None:
+            return "its memory directory was refused"
+        rank_bytes = _tensor_bytes(self.model.state_dict()) + _tensor_bytes(self.optimizer.state_dict())
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        local_ranks = int(local) if local.isdigit() and int(local) > 0 else self.world_size  # torchrun's, or all
+        try:
+            room = memory_room(self.layout.memory)
+        except OSError as exc:
+            return f"cannot tell how much memory is free: {exc}"
+        return snapshot_room_problem(rank_bytes, local_ranks, room, self.config.snapshot_max_bytes)
+
+    def _snapshot_in_memory(self, step: int, *, pin: bool) -> Path:
+        """A snapshot of `step` in the memory slot not holding the newest complete one (a kill mid-copy leaves that
+        one whole); `pin`: a scheduled save, hard-linked into MEMORY/persist/STEP for the supervisor to persist."""
+        slot = SNAPSHOT_SLOTS[0] if self._memory_newest is None else SNAPSHOT_SLOTS[1 - self._memory_newest]
+        store = self.layout.memory_slot(slot)
+        started = time.perf_counter()
+        with self.phase(SAVE_PHASE):
+            self._empty_slot(store)
+            self._faults.in_save(step)
+            self._check_unsaved_state()
+            path = (
+                self._snapshot_sharded(step, store, started) if self._sharded_format else self._save_files(step, store)
+            )
+            if pin:
+                self._pin(step, store)
+            stall_s = time.perf_counter() - started
+            # Set inside the phase: the beat that leaves it carries them.
+            self._memory_newest = slot
+            self._memory_bytes[slot] = self._snapshot_bytes(store, step)
+            self._heartbeat.memory_bytes, self._heartbeat.memory_step = sum(self._memory_bytes.values()), step
+            self._heartbeat.last_save_s = round(stall_s, 6)
+            self._heartbeat.save_s += self._heartbeat.last_save_s  # the loop's stall: goodput's save time
+        self._last_save = time.monotonic()  # the time-based cadence counts from a pinned save too
+        self.log.info(
+            "snapshot_pinned" if pin else "snapshot_saved",
+            step=step,
+            path=str(path),
+            bytes=self._memory_bytes[slot],
+            stall_s=round(stall_s, 4),
+            **({"pin": str(self.layout.memory_pin(step).root)} if pin else {}),
+        )
+        self._faults.after_save(step)
+        return path
+
+    def _snapshot_sharded(self, step: int, store: CheckpointStore, started: float) -> Path:
+        """A sharded snapshot into memory, written synchronously: the copy into tmpfs is its only stall, so the
+        background writer (which serves the disk saves a rank still makes) is not needed."""
+        self._wait_for_save_in_flight(step, started)  # one save at a time: a disk save in flight ends first
+        directory = store.sharded_dir(step, self.config.prefix)
+        checkpointer = self._sharded_checkpointer()
+        common = self._sharded_common()
+        checkpointer.save(
+            directory,
+            step,
+            self.model,
+            self.optimizer,
+            self._rank_state(),
+            self._health(),
+            common,
+            started=started,
+            root=self.layout.memory,
+            background=False,
+        )
+        checkpointer.wait()  # written: taken off the checkpointer, raising what the write raised
+        return directory
+
+    def _pin(self, step: int, store: CheckpointStore) -> None:
+        """Hard-link this rank's files of the snapshot of `step` (sharded: rank 0, the whole directory, complete on
+        return from the synchronous save) into its pin."""
+        pin = self.layout.memory_pin(step)
+        if not self._sharded_format:
+            pin_files(store, pin, rank=self.rank, step=step, prefix=self.config.prefix)
+        elif self.rank == 0:
+            pin_sharded(store, pin, step=step, prefix=self.config.prefix)
+        self._pinned = step
+
+    def _unpin(self, step: int) -> None:
+        """Drop this rank's pin of `step` (a stop's or the final save writes that step to disk itself)."""
+        if self.layout.memory is None:
+            return
+        pin = self.layout.memory_pin(step)
+        if not self._sharded_format:
+            unpin_files(pin, rank=self.rank, step=step, prefix=self.config.prefix)
+        elif self.rank == 0:
+            unpin_sharded(pin, step=step, prefix=self.config.prefix)
+        self._pinned = None
+
+    def _snapshot_bytes(self, store: CheckpointStore, step: int) -> int:
+        """The bytes this rank's snapshot of `step` in `store` takes (its files, as its record says)."""
+        try:
+            if self._sharded_format:
+                record = read_json(store.sharded_dir(step, self.config.prefix) / rank_record_name(self.rank))
+                return sum(int(entry["size"]) for entry in record["files"].values())
+            return int(read_json(store.record(self.rank, step, self.config.prefix))["size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
 
     def _save(self, step: int, store: CheckpointStore) -> Path:
         started = time.perf_counter()
@@ -636,12 +903,22 @@ class Warden:
         self._check_unsaved_state()
         if self._sharded_format:
             return self._save_sharded(step, store, started)
+        path = self._save_files(step, store)
+        took = time.perf_counter() - started  # once: the log line below takes time too, on a loaded machine
+        self._saved(step, store, path, took)
+        self._heartbeat.last_save_s = round(took, 6)
+        self._heartbeat.save_s += self._heartbeat.last_save_s
+        self._faults.after_save(step)
+        return path
+
+    def _save_files(self, step: int, store: CheckpointStore) -> Path:
+        """This rank's checkpoint file of `step` in `store`, its record and meta.json (worker.checkpoint)."""
         payload = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             **self._rank_state(),
         }
-        path = save_checkpoint(
+        return save_checkpoint(
             store,
             rank=self.rank,
             step=step,
@@ -650,11 +927,6 @@ class Warden:
             health=self._health(),
             before_rename=self._torn_save if self._faults.due("sigkill_in_save", step) else None,
         )
-        self._saved(step, store, path, time.perf_counter() - started)
-        self._heartbeat.last_save_s = round(time.perf_counter() - started, 6)
-        self._heartbeat.save_s += self._heartbeat.last_save_s
-        self._faults.after_save(step)
-        return path
 
     def _ask_framework(self, step: int, store: CheckpointStore, started: float) -> Path:
         """The trainer saves `step` now (then it is recorded here), or later, after this step's callbacks (then
@@ -740,14 +1012,15 @@ class Warden:
         stall is all the loop spends in it, from `started`: `waited_s` of it for the previous save's write."""
         waited_s = self._wait_for_save_in_flight(step, started)  # the previous one is done before this one starts
         directory = store.sharded_dir(step, self.config.prefix)
-        common = {
-            "global_batch_size": self.global_batch_size,
-            "data_position": self.batches,
-            "samples": self.samples if self.global_batch_size else None,
-            "sharding": self._sharding(),
-        }
         stall_s = self._sharded_checkpointer().save(
-            directory, step, self.model, self.optimizer, self._rank_state(), self._health(), common, started=started
+            directory,
+            step,
+            self.model,
+            self.optimizer,
+            self._rank_state(),
+            self._health(),
+            self._sharded_common(),
+            started=started,
         )
         self._heartbeat.last_save_s = round(stall_s, 6)
         self._heartbeat.save_s += self._heartbeat.last_save_s  # goodput's save time: the waits are in it
@@ -766,6 +1039,15 @@ class Warden:
             if store == self.layout.checkpoints:
                 self._saved_at = step  # in flight: finish() and stop orders wait for it rather than save again
         return directory
+
+    def _sharded_common(self) -> dict[str, Any]:
+        """What a sharded checkpoint's manifest says for every rank."""
+        return {
+            "global_batch_size": self.global_batch_size,
+            "data_position": self.batches,
+            "samples": self.samples if self.global_batch_size else None,
+            "sharding": self._sharding(),
+        }
 
     def _note_background_save(self, *, wait: bool = False) -> Any:
         """Log a sharded save that ended (waiting for it if `wait`, in the save phase so its timeout applies);
@@ -941,7 +1223,7 @@ class Warden:
         named = os.environ.get(ENV_RESUME_STEP)
         if named is not None:  # the supervisor decided
             where = os.environ.get(ENV_RESUME_DIR)
-            return (CheckpointStore(Path(where)) if where else self.layout.checkpoints, int(named)) if named else None
+            return (self._store_at(Path(where)) if where else self.layout.checkpoints, int(named)) if named else None
         if self.config.resume_training is False:
             return None
         if isinstance(self.config.resume_training, str):
@@ -1042,6 +1324,20 @@ def _stateful(objects: dict[str, Any]) -> dict[str, Any]:
     return dict(objects)
 
 
+def _lowest(value: int, world_size: int, model: Any) -> int:
+    """The lowest `value` over all ranks: one tiny all-reduce when there are peers to ask (as `_any_rank`)."""
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return value
+    import torch
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    lowest = torch.tensor([float(value)], device=device)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return int(lowest.item())
+
+
 def _any_rank(flag: bool, world_size: int, model: Any) -> bool:
     """Whether `flag` holds on any rank: one tiny all-reduce when there are peers to ask, on the model's device
     (NCCL reduces CUDA tensors only)."""
@@ -1055,6 +1351,20 @@ def _any_rank(flag: bool, world_size: int, model: Any) -> bool:
     value = torch.tensor([float(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item() > 0)
+
+
+def _tensor_bytes(state: Any) -> int:
+    """The bytes of every tensor in a (nested) state dict: this rank's own part of a DTensor (its local shard)."""
+    import torch
+
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in state)
+    if torch.is_tensor(state):
+        local = getattr(state, "_local_tensor", state)
+        return int(local.numel() * local.element_size())
+    return 0
 
 
 def _release_process_group() -> None:

@@ -19,12 +19,15 @@ from supervisor.launch.standby import Standby
 from supervisor.launch.trees import die_with_parent
 from worker.contract import (
     ENV_ATTEMPT,
+    ENV_FAILURES,
+    ENV_MEMORY_DIR,
     ENV_RESUME_DIR,
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_SKIP_TO_BATCH,
     ENV_WORKER_CONFIG,
     RunLayout,
+    failures_env,
 )
 from worker.files import open_append
 
@@ -54,6 +57,7 @@ class Attempt:
     resume_step: int | None = None
     resume_dir: Path | None = None
     skip_to_batch: int | None = None
+    failures: tuple[int, float] | None = None  # the run's failures so far and its wall time (worker.cadence)
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,9 @@ def contract_env(
         ENV_RESUME_DIR: "" if attempt.resume_dir is None else str(attempt.resume_dir),
         ENV_WORKER_CONFIG: config.worker.to_env(),
         ENV_SKIP_TO_BATCH: "" if attempt.skip_to_batch is None else str(attempt.skip_to_batch),
+        ENV_FAILURES: "" if attempt.failures is None else failures_env(*attempt.failures),
+        # Empty without a memory tier here (a node's agent sets its own): nothing inherited passes for ours.
+        ENV_MEMORY_DIR: "" if layout.memory is None else str(layout.memory),
     }
 
 

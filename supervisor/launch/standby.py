@@ -21,7 +21,7 @@ from typing import Any
 
 from supervisor.config import JobConfig
 from supervisor.launch.trees import die_with_parent
-from worker.contract import ENV_ATTEMPT, ENV_RESUME_DIR, ENV_RESUME_STEP, ENV_SKIP_TO_BATCH, RunLayout
+from worker.contract import ENV_ATTEMPT, ENV_FAILURES, ENV_RESUME_DIR, ENV_RESUME_STEP, ENV_SKIP_TO_BATCH, RunLayout
 from worker.files import open_append
 from worker.standby import ENV_PREWARM, ENV_SCRIPT, ENV_STANDBY_FD, READY, activate_message
 
@@ -35,6 +35,7 @@ PER_ATTEMPT = (
     ENV_RESUME_STEP,
     ENV_RESUME_DIR,
     ENV_SKIP_TO_BATCH,
+    ENV_FAILURES,
 )
 FILL_AFTER_S = 30.0  # without training heartbeats to go by, refill this long after a launch
 _ORDER = b"A"

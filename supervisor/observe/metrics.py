@@ -127,6 +127,7 @@ def families(status: Mapping[str, Any], restarts: Mapping[str, int], *, now: flo
     written = _number(status.get("updated_at"))
     _ranks(status, 0.0 if written is None else max(0.0, now - written), out)
     _checkpoint(status, now, out)
+    _memory(status, out)
     _anomalies(status, out)
     return out.found
 
@@ -281,6 +282,19 @@ def _checkpoint(status: Mapping[str, Any], now: float, out: _Families) -> None:
             "Seconds since the newest complete checkpoint was completed",
             round(max(0.0, now - completed), 3),
         )
+
+
+def _memory(status: Mapping[str, Any], out: _Families) -> None:
+    """The memory tier on the supervisor's machine: bytes its directory holds, the newest snapshot's step."""
+    memory = _mapping(status.get("memory"))
+    out.gauge(
+        "trainwarden_memory_tier_bytes", "Bytes the run's snapshots hold in host shared memory", memory.get("bytes")
+    )
+    out.gauge(
+        "trainwarden_memory_snapshot_step",
+        "The step of the newest complete memory snapshot",
+        memory.get("snapshot_step"),
+    )
 
 
 def _number(value: Any) -> float | None:

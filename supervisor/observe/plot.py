@@ -267,8 +267,8 @@ def _label(kind: str, event: dict[str, Any], rank: int | None, step: int | None)
             return f"back to <= {resume}, skip to batch {batch}"
         return "rollback"
     if kind == "launch":
-        resume = event.get("resume_step")
-        return f"from step {resume}" if _is_count(resume) else "fresh"
+        resume, source = event.get("resume_step"), _text(event.get("resume_source"), " (")
+        return f"from step {resume}{source and source + ')'}" if _is_count(resume) else "fresh"
     if kind == "stop":
         return f"{event.get('event')}{at}"
     return f"step {step}" if step is not None else ""

@@ -293,7 +293,10 @@ def render(status: dict[str, Any]) -> str:
     lines.append(
         f"  last checkpoint: {'step ' + str(ckpt['step']) if ckpt else 'none'}"
         + (f"; resumed from step {status['resumed_from']['step']}" if status.get("resumed_from") else "")
+        + _resume_source(status.get("resumed_from"))
     )
+    if memory := _memory_line(status.get("memory")):
+        lines.append(f"  {memory}")
     for skipped in status.get("passed_over") or []:
         lines.append(f"  passed over step {skipped['step']}: {skipped['reason']}")
     if goodput := describe_goodput(status.get("goodput")):  # None for a missing or tampered block
@@ -340,6 +343,28 @@ def render(status: dict[str, Any]) -> str:
     if status.get("reason"):
         lines.append(f"  reason: {status['reason']}")
     return "\n".join(lines)
+
+
+def _resume_source(resumed: Any) -> str:
+    """` (memory)`, ` (snapshot slot 1)`: where the resume came from, when not the regular checkpoints."""
+    source = resumed.get("source") if isinstance(resumed, dict) else None
+    return f" ({source[:80]})" if isinstance(source, str) and source.isprintable() else ""
+
+
+def _memory_line(memory: Any) -> str | None:
+    """`memory: snapshot step 231 (0.4 s old), 48.2 MB in /dev/shm/...`; None without a (readable) memory block."""
+    if not isinstance(memory, dict) or not isinstance(memory.get("dir"), str) or not memory["dir"].isprintable():
+        return None
+    held = memory.get("bytes")
+    if type(held) is not int or held < 0:  # may pass 2**31: gigabytes
+        return None
+    step, age = memory.get("snapshot_step"), memory.get("snapshot_age_s")
+    newest = f"snapshot step {step}" if _count(step) else "no complete snapshot"
+    if _count(step) and _is_number(age):
+        newest += f" ({age:.1f} s old)"
+    pins = memory.get("pins_waiting")
+    waiting = f", {pins} waiting to be persisted" if _count(pins) and pins else ""
+    return f"memory: {newest}, {held / 1e6:.1f} MB in {memory['dir'][:200]}{waiting}"
 
 
 def _rank_lines(ranks: list[dict[str, Any]], compute: Any) -> list[str]:

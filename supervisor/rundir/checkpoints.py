@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.config import MAX_NPROC
-from worker.contract import MANIFEST, SNAPSHOT_DIR, CheckpointStore, RunLayout, parse_sharded_name
+from worker.contract import MANIFEST, MEMORY_LABEL, SNAPSHOT_DIR, CheckpointStore, RunLayout, parse_sharded_name
 from worker.files import atomic_write_json, file_crc32, is_plain_dir, is_plain_file, read_json
 from worker.manifest import is_our_file, manifest_problem, read_manifest
 
@@ -37,6 +37,7 @@ __all__ = [
     "read_record",
     "find_junk",
     "health_entries",
+    "passed_over_event",
     "rotation",
     "world_size_mismatch",
     "world_sizes",
@@ -92,6 +93,12 @@ def choose_resume(
             return Choice(step, tuple(passed), store)
         passed.append((step, problem if i == 0 else f"{store.label}: {problem}"))
     return Choice(None, tuple(passed))
+
+
+def passed_over_event(reason: str) -> str:
+    """The journal event for a candidate `choose_resume` passed over: `snapshot_passed_over` for the memory tier's
+    (their reasons start with the store's label), else `checkpoint_passed_over`."""
+    return "snapshot_passed_over" if reason.startswith(f"{MEMORY_LABEL}: ") else "checkpoint_passed_over"
 
 
 def _any_steps(store: CheckpointStore, world_size: int, prefix: str) -> set[int]:
@@ -266,8 +273,8 @@ def _sharded_health(store: CheckpointStore, prefix: str, step: int) -> dict[str,
     return {"is_health": int(not healthy), "ckpt_name": directory.name, "step": step, "unhealthy_ranks": unhealthy}
 
 
-def write_health_file(layout: RunLayout, entries: list[dict[str, Any]]) -> None:
-    atomic_write_json(layout.root / "health_ckpts.json", entries, root=layout.root)
+def write_health_file(layout: RunLayout, entries: list[dict[str, Any]], *, durable: bool = True) -> None:
+    atomic_write_json(layout.root / "health_ckpts.json", entries, root=layout.root, durable=durable)
 
 
 def rotation(complete: list[int], healthy: set[int], *, keep_max: int, protected: set[int]) -> list[int]:

@@ -4,6 +4,7 @@ run: test_fault_stream.py)."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,17 @@ from tests.e2e.conftest import (
     write_config,
 )
 from worker.contract import RunLayout
+from worker.memory import memory_dir_for, remove_memory_dir
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_crash_after_a_snapshot_resumes_from_it_and_ends_bitwise_equal(tmp_path: Path, reference_run: Path) -> None:
-    """Snapshots every 4 steps besides checkpoints every 10: rank 1 killed after step 26 → resume from the
-    snapshot of 24 (slot 0), newer than checkpoint 20, and end exactly like the uninterrupted run."""
+def test_crash_after_a_snapshot_resumes_from_memory_and_ends_bitwise_equal(
+    tmp_path: Path, reference_run: Path, memory_dir: Path
+) -> None:
+    """Snapshots every 4 steps in memory (/dev/shm), disk checkpoints every 10 written by the supervisor from pinned
+    snapshots: rank 1 killed after step 26 → resume from the snapshot of 24 in memory, newer than checkpoint 20, end
+    exactly like the uninterrupted run, every persisted checkpoint complete and the memory directory removed."""
     run_dir = tmp_path / "run"
     config = write_config(
         tmp_path / "job.yaml", env={"TRAINWARDEN_FAULTS": "1:sigkill@26"}, worker={"snapshot_steps": 4}
@@ -36,12 +41,27 @@ def test_crash_after_a_snapshot_resumes_from_it_and_ends_bitwise_equal(tmp_path:
 
     assert done.returncode == 0, done.stderr[-3000:]
     status = done.status()
-    assert status["resumed_from"] == {"step": 24, "source": "snapshot slot 0"}
+    assert status["resumed_from"] == {"step": 24, "source": "memory"}
     assert status["passed_over"] == []
-    snapshots = run_dir / "checkpoint" / "snapshot"
-    assert sorted(p.name for p in (snapshots / "0" / "rank_1").glob("*.ckpt")) == ["demo_rank_1-56.ckpt"]
-    assert sorted(p.name for p in (snapshots / "1" / "rank_1").glob("*.ckpt")) == ["demo_rank_1-52.ckpt"]
+    events = journal(run_dir)
+    launched = [(e["resume_step"], e["resume_source"]) for e in events if e["event"] == "ranks_launched"]
+    assert launched == [(None, None), (24, "memory")]
+    # A pin the persister finds with a newer complete one beside it (the 0.5 s poll, 40 ms steps) is superseded.
+    persisted = {e["step"] for e in events if e["event"] == "snapshot_persisted"}
+    superseded = {e["step"] for e in events if e["event"] == "snapshot_pin_superseded"}
+    assert persisted | superseded == {10, 20, 30, 40, 50} and 50 in persisted
+    assert not [e for e in events if e["event"] in ("persist_failed", "memory_tier_off")]
+    assert RunLayout(run_dir).checkpoints.complete_steps(2, "demo") == sorted({*persisted, 60})  # 60: the final save
+    assert not memory_dir.exists()
     assert_same_training_state(run_dir, reference_run)
+
+
+@pytest.fixture
+def memory_dir(tmp_path: Path) -> Iterator[Path]:
+    """The memory directory of `tmp_path / "run"`, removed after the test whatever happened."""
+    path = memory_dir_for((tmp_path / "run").resolve())
+    yield path
+    remove_memory_dir(path)
 
 
 def test_a_minimal_config_saves_by_time_and_a_killed_rank_resumes_from_a_checkpoint(tmp_path: Path) -> None:

@@ -280,7 +280,10 @@ def test_top_level_list_refused(tmp_path):
         ("worker: {save_checkpoint_steps: -5}", "'worker.save_checkpoint_steps' must be 0 or more, got -5"),
         ("worker: {prefix: a/b}", "'worker.prefix' must be a non-empty name without '/', got 'a/b'"),
         ("worker: {prefix: ''}", "'worker.prefix' must be a non-empty name without '/', got ''"),
-        ("worker: {snapshot_steps: -1}", "'worker.snapshot_steps' must be 0 or more, got -1"),
+        ("worker: {snapshot_steps: -1}", "'worker.snapshot_steps' must be 0 or more, or auto, got -1"),
+        ("worker: {snapshot_steps: often}", "'worker.snapshot_steps' must be 0 or more, or auto, got 'often'"),
+        ("worker: {snapshot_steps: 2.5}", "'worker.snapshot_steps' must be 0 or more, or auto, got 2.5"),
+        ("worker: {snapshot_max_bytes: -1}", "'worker.snapshot_max_bytes' must be 0 or more (0: free memory decides)"),
         (
             "worker: {load_checkpoint: /no/such/run/checkpoint}",
             "'worker.load_checkpoint' must be an existing directory (another run's checkpoint/ folder), "
@@ -291,6 +294,20 @@ def test_top_level_list_refused(tmp_path):
 def test_out_of_bounds_value_refused(tmp_path, text, expected):
     """A value outside its field's bounds is refused naming the key, the bound and the value."""
     assert expected in refusal(tmp_path, f"script: t.py\n{text}\n")
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("0", 0), ("25", 25)])
+def test_snapshot_steps_takes_a_count_or_auto(value, expected):
+    """`worker.snapshot_steps` is a number of steps (0: off) or `auto` (worker.cadence chooses)."""
+    assert parse_config(yaml.safe_load(f"script: t.py\nworker: {{snapshot_steps: {value}}}")).worker.snapshot_steps == (
+        expected
+    )
+
+
+def test_snapshot_max_bytes_takes_a_byte_count():
+    """`worker.snapshot_max_bytes` is bytes per node, 0 by default (free memory decides)."""
+    assert JobConfig().worker.snapshot_max_bytes == 0
+    assert parse_config({"script": "t.py", "worker": {"snapshot_max_bytes": 2**34}}).worker.snapshot_max_bytes == 2**34
 
 
 # ---- script / command ---------------------------------------------------------------------------
