@@ -230,10 +230,7 @@ def read_run(
     layout = RunLayout(run_dir)
     events = rank_events(layout)
     fired = fired_faults(events)
-    finished = exit_code == 0 and all(layout.checkpoints.file(r, job.steps, PREFIX).exists() for r in range(NPROC))
-    compared = (
-        "reference" if reference is None else same_as(layout, reference.run_dir, job.steps) if finished else "n/a"
-    )  # no final checkpoint to compare
+    finished, compared = final_state(layout, exit_code, job.steps, None if reference is None else reference.run_dir)
     return Run(
         variant=variant.name,
         wall_s=wall_s,
@@ -251,6 +248,15 @@ def read_run(
         bitwise=compared,
         run_dir=run_dir,
     )
+
+
+def final_state(layout: RunLayout, exit_code: int | None, steps: int, reference_dir: Path | None) -> tuple[bool, str]:
+    """Whether the run finished (exit 0, every rank's final checkpoint on disk), and whether its final state equals
+    the reference's ('reference': it is the reference; 'n/a': no final checkpoint to compare)."""
+    finished = exit_code == 0 and all(layout.checkpoints.file(r, steps, PREFIX).exists() for r in range(NPROC))
+    if reference_dir is None:
+        return finished, "reference"
+    return finished, same_as(layout, reference_dir, steps) if finished else "n/a"
 
 
 def fired_faults(events: list[dict[str, Any]]) -> dict[tuple[int, str, int], float]:

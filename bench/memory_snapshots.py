@@ -7,8 +7,8 @@ runs under trainwarden, one run after another:
   and the productive time;
 - memory off: `--kills` SIGKILLs of a rank, the memory tier off: each kill goes back to the newest disk checkpoint;
 - memory auto: the same kills, `snapshot_steps: auto` (the ranks choose the interval, `cadence_chosen`);
-- without `--quick`, also: memory every step (`snapshot_steps: 1`), and a fault-free run with `auto` (what the
-  tier costs without faults).
+- memory every step: the same with `snapshot_steps: 1` (what the tier can do when the cadence is short);
+- without `--quick`, also a fault-free run with `auto` (what the tier costs without faults).
 
 The kills, drawn from `--seed`: each strikes a random rank right after a random step (`TRAINWARDEN_FAULTS` with
 `TRAINWARDEN_FAULTS_ONCE=1`: a fault fires the first time its step is reached in any attempt, so the relaunched
@@ -22,16 +22,17 @@ backoff, a 10 s train timeout), warm standbys as by default. For each run:
   `lost_s`), and the time from the kill to the relaunched ranks' first step ("back after");
 - goodput, measured as bench/goodput.py measures it (the steps the newest complete checkpoint holds, at the run's
   own ideal step time from rank 0's step events, over the wall time), at the fault-free run's ideal step time ("at
-  reference rate": a run that slows every step, with snapshots say, is charged for it), and the supervisor's own
-  (the journal's last `goodput` event);
+  reference rate": a run that slows every step, with snapshots say, is charged for it; meaningful only when the
+  machine ran every run alike, see "median step"), and the supervisor's own (the journal's last `goodput` event);
 - snapshots: how many and their stall (`snapshot_saved`, `snapshot_pinned`: `stall_s`), the intervals chosen
   (`cadence_chosen`), and the supervisor's copies of pins to disk (`snapshot_persisted`, `persist_failed`);
 - finished (exit 0, every rank's final checkpoint on disk) and bitwise = reference (every rank's final model and
   optimizer state equal the fault-free run's, bit for bit).
 
-The last line: the memory-auto run's goodput at reference rate over the fault-free run's goodput, which is, when
-both keep every step, the fault-free wall time over the memory run's: the whole cost of the kills and of the
-snapshots taken against them. `--quick`: 800 steps, the first three runs only, about 4 minutes on 2 cores.
+The last line: the memory-auto run's goodput over the fault-free run's, each measured at its own ideal step time
+(as bench/goodput.py measures it: robust to the machine running one run's steps faster than another's, which
+shared cores do); the line before it gives the same ratio at the reference rate and the supervisor's.
+`--quick`: 800 steps, the first four runs, about 4 minutes on an idle 2-core machine.
 Run from the repository root:
     .venv/bin/python bench/memory_snapshots.py [--quick] [--steps N] [--kills N] [--seed N] [--timeout-s S] [--keep]
 """
@@ -52,11 +53,11 @@ from goodput import (
     REFERENCE_S_PER_STEP,
     TRAINWARDEN_POLICY,
     Fault,
+    final_state,
     fmt3,
     journal_goodput,
     median_step_time,
     outcome,
-    same_as,
     step_samples,
     table,
 )
@@ -93,8 +94,8 @@ class Variant:
 REFERENCE = Variant("fault-free", 0, False)
 MEMORY_OFF = Variant("memory off", 0, True)
 MEMORY_AUTO = Variant("memory auto", "auto", True)
-QUICK = (MEMORY_OFF, MEMORY_AUTO)
-FULL = (*QUICK, Variant("memory every step", 1, True), Variant("fault-free, auto", "auto", False))
+QUICK = (MEMORY_OFF, MEMORY_AUTO, Variant("memory every step", 1, True))
+FULL = (*QUICK, Variant("fault-free, auto", "auto", False))
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,7 @@ def read_run(
     layout = RunLayout(run_dir)
     events = rank_events(layout)
     journal = read_events(layout.journal)
-    finished = exit_code == 0 and all(layout.checkpoints.file(r, steps, PREFIX).exists() for r in range(NPROC))
-    compared = "reference" if reference is None else same_as(layout, reference.run_dir, steps) if finished else "n/a"
+    finished, compared = final_state(layout, exit_code, steps, None if reference is None else reference.run_dir)
     return Run(
         variant=variant.name,
         wall_s=wall_s,
@@ -233,9 +233,10 @@ def snapshot_summary(events: list[dict[str, Any]], journal: list[dict[str, Any]]
     if persisted:
         parts.append(f"{len(persisted)} persisted (median {statistics.median(persisted):.3f} s)")
     for name in ("persist_failed", "snapshot_pin_superseded", "snapshot_passed_over", "memory_tier_off"):
-        count = sum(e.get("event") == name for e in [*journal, *events])
-        if count:
-            parts.append(f"{count} {name}")
+        found = [e for e in [*journal, *events] if e.get("event") == name]
+        if found:
+            reason = found[0].get("reason")
+            parts.append(f"{len(found)} {name}" + (f" (first: {reason})" if reason else ""))
     return "; ".join(p for p in parts if p) or "none"
 
 
@@ -269,15 +270,14 @@ def run_lines(run: Run, reference: Run, steps: int) -> list[str]:
 
 
 def kill_text(kill: Kill) -> str:
-    lost = "n/a" if kill.lost_s is None else f"{kill.lost_s:.2f} s"
     back = "n/a" if kill.back_after_s is None else f"{kill.back_after_s:.2f} s"
-    steps_lost = (
-        "" if kill.last_step is None or kill.resume_step is None else f" ({kill.last_step - kill.resume_step} steps)"
-    )
-    return (
-        f"{kill.fault}: resumed at step {kill.resume_step} from {kill.source}, last step {kill.last_step}, "
-        f"lost {lost}{steps_lost}, training again {back} after the kill"
-    )
+    if kill.lost_s is None:
+        lost = "lost n/a"
+    elif kill.last_step is None or kill.resume_step is None:
+        lost = f"lost {kill.lost_s:.2f} s"  # no work_lost event: the supervisor counted nothing lost
+    else:
+        lost = f"last step {kill.last_step}, lost {kill.lost_s:.2f} s ({kill.last_step - kill.resume_step} steps)"
+    return f"{kill.fault}: resumed at step {kill.resume_step} from {kill.source}, {lost}, training again {back} after"
 
 
 def summary(runs: list[Run], steps: int, kills: int) -> str:
@@ -291,14 +291,14 @@ def summary(runs: list[Run], steps: int, kills: int) -> str:
         f"run's, {fmt3(reference.ideal_s)} s; lost s, back after s: sums over the kills"
     )
     memory = next((r for r in runs if r.variant == MEMORY_AUTO.name), None)
-    own = None if memory is None else goodput(memory, memory.ideal_s, steps)
     base = goodput(reference, reference.ideal_s, steps)
+    at_reference = None if memory is None else goodput(memory, reference.ideal_s, steps)
     lines.append(
-        f"memory auto / fault-free: at its own rate {ratio_text(own, base)}, supervisor's "
+        f"memory auto / fault-free: at reference rate {ratio_text(at_reference, base)}, supervisor's "
         f"{ratio_text(memory and memory.supervisor_goodput, reference.supervisor_goodput)}"
     )
-    at_reference = None if memory is None else goodput(memory, reference.ideal_s, steps)
-    lines.append(SUMMARY_LINE.format(kills=kills, ratio=ratio_text(at_reference, base)))
+    own = None if memory is None else goodput(memory, memory.ideal_s, steps)
+    lines.append(SUMMARY_LINE.format(kills=kills, ratio=ratio_text(own, base)))
     return "\n".join(lines)
 
 
@@ -329,7 +329,7 @@ def ratio_text(numerator: float | None, denominator: float | None) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the first three runs only, a shorter job")
+    parser.add_argument("--quick", action="store_true", help="the first four runs only, a shorter job")
     parser.add_argument("--steps", type=int, default=None, help="training steps of the demo job (2000; quick: 800)")
     parser.add_argument("--kills", type=int, default=5, help="rank SIGKILLs (5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kills' schedule")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import random
@@ -25,7 +26,8 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMAT_VERSION = 2  # 2: NumPy's RNG state as plain types and a tensor, loadable with weights_only
+# 2: NumPy's RNG state as plain types and a tensor, loadable with weights_only; 3: Python's RNG words as a tensor
+FORMAT_VERSION = 3
 
 
 def capture_rng() -> dict[str, Any]:
@@ -35,7 +37,10 @@ def capture_rng() -> dict[str, Any]:
     """
     import torch
 
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    version, words, gauss = random.getstate()
+    # Python's 625 words as one tensor: as a tuple, each int costs the pickler a call (a third of a small save)
+    python = {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss}
+    state: dict[str, Any] = {"python": python, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()  # a list of uint8 tensors, one per device
     if "numpy" in sys.modules:  # only if the script uses it; never import it ourselves
@@ -61,7 +66,10 @@ def restore_rng(state: dict[str, Any]) -> dict[str, str]:
     """Put back the RNG states captured by `capture_rng`; returns the parts it could not restore, with why."""
     import torch
 
-    random.setstate(state["python"])
+    python = state["python"]
+    if isinstance(python, dict):  # format 3; earlier ones kept random.getstate() as it is
+        python = (python["version"], tuple(torch.as_tensor(python["words"]).tolist()), python["gauss"])
+    random.setstate(python)
     torch.set_rng_state(state["torch"])
     skipped: dict[str, str] = {}
     if "cuda" in state:
@@ -116,7 +124,7 @@ class HashingWriter:
         self._crc = 0
         self.size = 0
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         self._crc = zlib.crc32(data, self._crc)
         self.size += len(data)
         return self.file.write(data)
@@ -171,28 +179,38 @@ def save_checkpoint(
     payload: dict[str, Any],
     health: dict[str, Any],
     before_rename: Callable[[Path], None] | None = None,
+    in_memory: bool = False,
 ) -> Path:
     """Write this rank's checkpoint of `step` atomically, then its completion record, then `meta.json`.
 
     The completion record (size, checksum, health, and the payload's `world_size`, which the supervisor reads
-    without torch) is written last: without it the file does not count.
+    without torch) is written last: without it the file does not count. `in_memory`: the store is in host memory
+    (worker.memory): serialized whole first (torch.save into a buffer is several times faster than through a file
+    object's many small writes), written in one piece, no fsync (tmpfs has no disk to reach).
     """
     import torch
 
     path = store.file(rank, step, prefix)
     hashing = HashingWriter(None)
+    content = {"format_version": FORMAT_VERSION, "step": step, **payload}
 
     def write(f: Any) -> None:
         hashing.file = f  # checksummed while written: a big save is never read back
-        # torch.save writes to any object with write() and flush(); its annotation says IO[bytes]
-        torch.save({"format_version": FORMAT_VERSION, "step": step, **payload}, hashing)  # type: ignore[arg-type]
+        if in_memory:
+            buffer = io.BytesIO()
+            torch.save(content, buffer)
+            hashing.write(buffer.getbuffer())
+        else:  # streamed: a disk save of a big model must not hold a second copy of it in memory
+            # torch.save writes to any object with write() and flush(); its annotation says IO[bytes]
+            torch.save(content, hashing)  # type: ignore[arg-type]
 
-    atomic_write(path, write, root=store.write_root, before_rename=before_rename)
+    durable = not in_memory
+    atomic_write(path, write, root=store.write_root, before_rename=before_rename, durable=durable)
     world = {"world_size": payload["world_size"]} if "world_size" in payload else {}
     record = {"step": step, "file": path.name, "size": hashing.size, "crc32": hashing.hexdigest(), **world, **health}
-    atomic_write_json(store.record(rank, step, prefix), record, root=store.write_root)
+    atomic_write_json(store.record(rank, step, prefix), record, root=store.write_root, durable=durable)
     meta = {"last_epoch": 0, "last_step": step, "last_ckpt_file": path.name}  # seed 001; epochs are not tracked
-    atomic_write_json(store.meta(rank), meta, root=store.write_root)
+    atomic_write_json(store.meta(rank), meta, root=store.write_root, durable=durable)
     return path
 
 

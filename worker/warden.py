@@ -87,6 +87,10 @@ UNREGISTERED_SCALER = (
 _RNG_NOT_RESTORED = {"numpy": "numpy_rng_not_restored", "cuda": "cuda_rng_not_restored"}
 
 
+PERSIST_WAIT_S = 30.0  # how long a stop's or the final save waits for the supervisor to persist its pinned step
+PERSIST_POLL_S = 0.01
+
+
 class Warden:
     """Heartbeats, step events, checkpoints and exact resume for one rank of a training job.
 
@@ -730,10 +734,30 @@ class Warden:
         other (a stop's, the final one, the script's own) is written to disk here."""
         if self._on_schedule and self._memory_tier_on():
             return self._snapshot_in_memory(step, pin=True)
-        if step == self._pinned:
-            self._unpin(step)  # this step goes to disk from here: the supervisor must not copy it there as well
         with self.phase(SAVE_PHASE):
+            if step == self._pinned:  # a stop's or the final save of a pinned step: the supervisor is copying it
+                persisted = self._await_persisted(step)
+                if persisted is not None:
+                    return persisted
+                self._unpin(step)  # not in time: this step goes to disk from here, and not from the pin
             return self._save(step, self.layout.checkpoints)
+
+    def _await_persisted(self, step: int) -> Path | None:
+        """This rank's checkpoint of `step` on disk once the supervisor has copied its pin there (it is copying it
+        now, and a second write of the same step beside the copy could pair one write's file with the other's
+        record), or None after PERSIST_WAIT_S."""
+        started = time.perf_counter()
+        store, prefix = self.layout.checkpoints, self.config.prefix
+        while time.perf_counter() - started < PERSIST_WAIT_S:
+            steps = store.sharded_steps(prefix) if self._sharded_format else store.steps(self.rank, prefix)
+            if step in steps:
+                path = store.sharded_dir(step, prefix) if self._sharded_format else store.file(self.rank, step, prefix)
+                self._saved(step, store, path, time.perf_counter() - started, persisted_by="supervisor")
+                self._pinned = None
+                return path
+            time.sleep(PERSIST_POLL_S)
+        self.log.warning("persist_wait_timed_out", step=step, waited_s=PERSIST_WAIT_S, then="saving it to disk here")
+        return None
 
     def snapshot(self, step: int) -> Path:
         """Save a snapshot of `step` into the slot not holding the previous one (seed 004): at most two exist. In
@@ -814,22 +838,20 @@ class Warden:
         slot = SNAPSHOT_SLOTS[0] if self._memory_newest is None else SNAPSHOT_SLOTS[1 - self._memory_newest]
         store = self.layout.memory_slot(slot)
         started = time.perf_counter()
-        with self.phase(SAVE_PHASE):
-            self._empty_slot(store)
-            self._faults.in_save(step)
-            self._check_unsaved_state()
-            path = (
-                self._snapshot_sharded(step, store, started) if self._sharded_format else self._save_files(step, store)
-            )
-            if pin:
-                self._pin(step, store)
-            stall_s = time.perf_counter() - started
-            # Set inside the phase: the beat that leaves it carries them.
-            self._memory_newest = slot
-            self._memory_bytes[slot] = self._snapshot_bytes(store, step)
-            self._heartbeat.memory_bytes, self._heartbeat.memory_step = sum(self._memory_bytes.values()), step
-            self._heartbeat.last_save_s = round(stall_s, 6)
-            self._heartbeat.save_s += self._heartbeat.last_save_s  # the loop's stall: goodput's save time
+        # No save phase: its two forced heartbeat writes (to the run dir) would cost more than this copy; a copy to
+        # memory is over long before any phase timeout would tell it apart from training.
+        self._empty_slot(store)
+        self._faults.in_save(step)
+        self._check_unsaved_state()
+        path = self._snapshot_sharded(step, store, started) if self._sharded_format else self._save_files(step, store)
+        if pin:
+            self._pin(step, store)
+        stall_s = time.perf_counter() - started
+        self._memory_newest = slot
+        self._memory_bytes[slot] = self._snapshot_bytes(store, step)
+        self._heartbeat.memory_bytes, self._heartbeat.memory_step = sum(self._memory_bytes.values()), step
+        self._heartbeat.last_save_s = round(stall_s, 6)
+        self._heartbeat.save_s += self._heartbeat.last_save_s  # the loop's stall: goodput's save time
         self._last_save = time.monotonic()  # the time-based cadence counts from a pinned save too
         self.log.info(
             "snapshot_pinned" if pin else "snapshot_saved",
@@ -926,6 +948,7 @@ class Warden:
             payload=payload,
             health=self._health(),
             before_rename=self._torn_save if self._faults.due("sigkill_in_save", step) else None,
+            in_memory=store.label == MEMORY_LABEL,
         )
 
     def _ask_framework(self, step: int, store: CheckpointStore, started: float) -> Path:

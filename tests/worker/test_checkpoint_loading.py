@@ -18,7 +18,14 @@ import worker.warden
 from tests.checkpoint_files import CRAFTED_REFUSAL, assert_bitwise_equal, load_saved, write_crafted
 from tests.worker.conftest import GUARDED
 from tests.worker.test_guard import events
-from worker.checkpoint import CheckpointRefused, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from worker.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointRefused,
+    capture_rng,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from worker.contract import ENV_RESUME_STEP, EXIT_CHECKPOINT_REFUSED, EXIT_CONFIG, CheckpointStore, RunLayout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +82,7 @@ def test_a_saved_checkpoint_loads_back_bitwise_under_weights_only(loop, tmp_path
     run.warden.save(3)
 
     loaded = load_checkpoint(store(tmp_path), rank=0, step=3, prefix="ckpt")
-    assert (loaded["format_version"], loaded["step"]) == (2, 3)
+    assert (loaded["format_version"], loaded["step"]) == (FORMAT_VERSION, 3)
     assert_bitwise_equal({key: loaded[key] for key in expected}, expected)
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from supervisor.rundir.persist import persist_snapshot
 from tests.checkpoint_files import assert_bitwise_equal
+from worker import warden as warden_module
 from worker.contract import (
     ENV_MEMORY_DIR,
     ENV_RESUME_DIR,
@@ -47,6 +50,12 @@ def memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     assert not path.exists()
 
 
+@pytest.fixture(autouse=True)
+def _short_persist_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No supervisor persists pins here: a final save of a pinned step (the loop fixture's finish()) waits 1 s."""
+    monkeypatch.setattr(warden_module, "PERSIST_WAIT_S", 1.0)
+
+
 def events(tmp_path: Path, name: str) -> list[dict[str, Any]]:
     lines = RunLayout(tmp_path).rank_events(0).read_text().splitlines()
     return [event for event in map(json.loads, lines) if event["event"] == name]
@@ -71,11 +80,10 @@ def test_snapshots_alternate_between_memory_slots_and_never_overwrite_the_newest
     assert seen == [({1}, set()), ({1}, {2}), ({3}, {2})]
     assert layout.snapshot_slot(0).steps(0, PREFIX) == layout.snapshot_slot(1).steps(0, PREFIX) == set()
     assert [e["step"] for e in events(tmp_path, "snapshot_saved")] == [1, 2, 3]
-    beat = heartbeat(tmp_path)
-    assert beat["memory_step"] == 3
     sizes = [os.path.getsize(layout.memory_slot(slot).file(0, step, PREFIX)) for slot, step in ((0, 3), (1, 2))]
-    assert beat["memory_bytes"] == sum(sizes)
     run.warden.finish(save=False)
+    beat = heartbeat(tmp_path)  # the final beat carries them (a snapshot forces no write: it would cost more)
+    assert beat["memory_step"] == 3 and beat["memory_bytes"] == sum(sizes)
 
     again = loop(config=EVERY_STEP)
     assert again.warden.resume() == 3  # without a supervisor: the newest complete, here in memory
@@ -106,9 +114,37 @@ def test_a_scheduled_save_pins_the_snapshot_and_writes_nothing_to_disk(loop, tmp
     assert pin.file(0, 2, PREFIX).stat().st_ino == pinned_inode != slot.file(0, 4, PREFIX).stat().st_ino
     assert pin.steps(0, PREFIX) == {2} and layout.memory_pins() == [2, 4]
     assert layout.checkpoints.steps(0, PREFIX, kind="any") == set()
+
+
+def test_the_final_save_of_a_pinned_step_takes_the_supervisors_copy(loop, tmp_path, memory) -> None:
+    """Step 2 pinned, then finish(): the rank does not write step 2 beside the supervisor's copy of its pin (one
+    write's file could meet the other's record); it waits for that copy and takes it as its final checkpoint."""
+    layout = RunLayout(tmp_path, memory=memory)
+    run = loop(config=PINNING)
+    for _ in range(2):
+        run.train_batch()
+    copier = threading.Timer(0.3, persist_snapshot, (layout.memory_pin(2), layout.checkpoints, 2, 1, PREFIX))
+    copier.start()
     run.warden.finish()
-    assert layout.checkpoints.steps(0, PREFIX) == {4}
-    assert layout.memory_pins() == [2]  # the final save's step went to disk from the rank itself
+    copier.join()
+    (saved,) = events(tmp_path, "checkpoint_saved")
+    assert (saved["step"], saved["persisted_by"]) == (2, "supervisor") and saved["duration_s"] >= 0.2
+    assert layout.checkpoints.steps(0, PREFIX) == {2}
+
+
+def test_without_a_copy_in_time_the_final_save_of_a_pinned_step_is_written_by_the_rank(
+    loop, tmp_path, memory, monkeypatch
+) -> None:
+    """Nobody copies the pin (the supervisor is gone): after PERSIST_WAIT_S the rank drops its pin, says so and
+    writes the step to disk itself."""
+    monkeypatch.setattr(warden_module, "PERSIST_WAIT_S", 0.2)
+    layout = RunLayout(tmp_path, memory=memory)
+    run = loop(config=PINNING)
+    for _ in range(2):
+        run.train_batch()
+    run.warden.finish()
+    assert [e["step"] for e in events(tmp_path, "persist_wait_timed_out")] == [2]
+    assert layout.checkpoints.steps(0, PREFIX) == {2} and layout.memory_pins() == []
 
 
 def test_a_sharded_scheduled_save_pins_the_whole_directory_manifest_included(loop, tmp_path, memory) -> None:
