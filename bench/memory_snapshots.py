@@ -26,13 +26,16 @@ backoff, a 10 s train timeout), warm standbys as by default. For each run:
   machine ran every run alike, see "median step"), and the supervisor's own (the journal's last `goodput` event);
 - snapshots: how many and their stall (`snapshot_saved`, `snapshot_pinned`: `stall_s`), the intervals chosen
   (`cadence_chosen`), and the supervisor's copies of pins to disk (`snapshot_persisted`, `persist_failed`);
+- the supervisor's split of the wall time (the journal's last `goodput` event: productive, startup, restart, lost,
+  save and slow seconds): where the time went;
 - finished (exit 0, every rank's final checkpoint on disk) and bitwise = reference (every rank's final model and
   optimizer state equal the fault-free run's, bit for bit).
 
 The last line: the memory-auto run's goodput over the fault-free run's, each measured at its own ideal step time
 (as bench/goodput.py measures it: robust to the machine running one run's steps faster than another's, which
 shared cores do); the line before it gives the same ratio at the reference rate and the supervisor's.
-`--quick`: 800 steps, the first four runs, about 4 minutes on an idle 2-core machine.
+`--quick`: 800 steps, the first four runs: about 3.5 minutes on an idle 2-core machine (0.040 s steps), 5.5 to 9
+with other work on the cores.
 Run from the repository root:
     .venv/bin/python bench/memory_snapshots.py [--quick] [--steps N] [--kills N] [--seed N] [--timeout-s S] [--keep]
 """
@@ -79,6 +82,7 @@ from worker.contract import RunLayout
 
 SAVE_EVERY = 100  # disk checkpoints, as the issue sets them
 GAP_STEPS = 50  # kills at least this many steps apart
+BREAKDOWN = ("productive_s", "startup_s", "restart_s", "lost_s", "save_s", "slow_s", "hang_s", "stopped_s")
 SUMMARY_LINE = "goodput under {kills} kills, memory snapshots / fault-free: {ratio}"
 
 
@@ -125,6 +129,7 @@ class Run:
     step_s: float | None
     supervisor_goodput: float | None
     snapshots: str
+    breakdown: str  # the supervisor's split of the wall time
     bitwise: str
     run_dir: Path
 
@@ -185,6 +190,7 @@ def read_run(
         step_s=median_step_time(events),
         supervisor_goodput=journal_goodput(layout),
         snapshots=snapshot_summary(events, journal),
+        breakdown=breakdown(journal),
         bitwise=compared,
         run_dir=run_dir,
     )
@@ -240,6 +246,15 @@ def snapshot_summary(events: list[dict[str, Any]], journal: list[dict[str, Any]]
     return "; ".join(p for p in parts if p) or "none"
 
 
+def breakdown(journal: list[dict[str, Any]]) -> str:
+    """The supervisor's split of the wall time (the journal's last `goodput` event), seconds by category."""
+    found = [e for e in journal if e.get("event") == "goodput"]
+    if not found:
+        return "n/a"
+    parts = [(key.removesuffix("_s"), value) for key, value in found[-1].items() if key in BREAKDOWN]
+    return ", ".join(f"{name} {value:.1f}" for name, value in parts if value) + " s"
+
+
 def stalls(events: list[dict[str, Any]], name: str, label: str) -> str:
     """'N label, stall total T s (median M ms)' over both ranks, or '' when there were none."""
     stall = [float(e.get("stall_s") or 0.0) for e in events if e.get("event") == name]
@@ -266,6 +281,7 @@ def run_lines(run: Run, reference: Run, steps: int) -> list[str]:
     ]
     lines += [f"    kill: {kill_text(kill)}" for kill in run.kills]
     lines.append(f"    snapshots: {run.snapshots}")
+    lines.append(f"    the supervisor's split of the wall time: {run.breakdown}")
     return lines
 
 

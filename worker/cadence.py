@@ -28,8 +28,9 @@ few failures, and a run that goes hours without one lengthens M.
 Re-evaluation (`SnapshotCadence`): each snapshot's measured stall and the step times between them feed medians
 of the last few (a snapshot that met a GC pause or a cold cache moves nothing); the first choice waits for
 MEASURED_FIRST snapshots (taken every second step meanwhile, `SnapshotSchedule`), then it is re-evaluated at each
-snapshot and changes only when CONFIRM evaluations in a row ask for a change in the same direction, more than
-DEAD_BAND away from the current one, so that it does not flap between neighbours.
+snapshot; a shorter interval is taken at once (it can only lose less work), a longer one only when CONFIRM
+evaluations in a row ask for it, and nothing within DEAD_BAND of the current one, so that it does not flap. A
+relaunched process starts from the interval agreed when its resume state was saved (`SnapshotSchedule.resumed`).
 """
 
 from __future__ import annotations
@@ -196,16 +197,13 @@ class SnapshotCadence:
         return self.consider(proposal)
 
     def consider(self, proposal: Choice) -> Choice | None:
-        """Take `proposal` (its new Choice returned) if it is the first, or the CONFIRMth in a row asking for a change
-        the same way; None otherwise."""
+        """Take `proposal` (its new Choice returned) if it is the first, shorter than the current interval (a shorter
+        one can only lose less work: taken at once), or the CONFIRMth longer one in a row; None otherwise."""
         current = self.interval_steps
         if current and abs(proposal.interval_steps - current) <= DEAD_BAND * current:
             self._pending.clear()
             return None
-        if current:
-            longer = proposal.interval_steps > current
-            if self._pending and (self._pending[-1].interval_steps > current) != longer:
-                self._pending.clear()
+        if current and proposal.interval_steps > current:  # shorter is taken at once: it only loses less work
             self._pending.append(proposal)
             if len(self._pending) < CONFIRM:
                 return None
@@ -231,6 +229,12 @@ class SnapshotSchedule:
     def proposed(self) -> int:
         """This rank's interval, for the agreement (0: not measured yet)."""
         return self.cadence.interval_steps
+
+    def resumed(self, interval_steps: int) -> None:
+        """The run resumed from a state saved under this agreed interval: start from it (every rank resumed from the
+        same state) rather than measure afresh at every relaunch; measurements go on and may change it."""
+        if interval_steps > 0:
+            self.agreed = self.cadence.interval_steps = int(interval_steps)
 
     def agree(self, lowest: int) -> None:
         """The lowest interval any rank proposed (0 if some rank has none yet)."""

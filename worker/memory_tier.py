@@ -11,7 +11,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from worker.contract import MANIFEST, SNAPSHOT_SLOTS, CheckpointStore
+from worker.contract import MANIFEST, CheckpointStore
 from worker.files import ensure_dir, is_plain_file, read_bytes, unlink_quietly
 from worker.manifest import remove_sharded
 
@@ -19,7 +19,6 @@ __all__ = [
     "MEMORY_HEADROOM",
     "MEMORY_COPIES",
     "memory_room",
-    "newest_slot",
     "pin_files",
     "pin_sharded",
     "snapshot_room_problem",
@@ -30,17 +29,6 @@ __all__ = [
 MEMORY_COPIES = 3  # what one rank may hold at once: two slots and one pin not yet on disk
 MEMORY_HEADROOM = 0.9  # never plan to fill the last tenth of free memory: the training itself needs some
 _MEMINFO = Path("/proc/meminfo")
-
-
-def newest_slot(slots: list[CheckpointStore], rank: int, prefix: str, sharded: bool) -> int | None:
-    """The slot (index into `slots`) holding the newest complete snapshot of this rank (for `sharded`: the newest
-    directory with its manifest, which every rank of the node sees alike), or None when no slot holds one."""
-    newest: tuple[int, int] | None = None
-    for slot, store in zip(SNAPSHOT_SLOTS, slots, strict=True):
-        steps = store.sharded_steps(prefix) if sharded else store.steps(rank, prefix)
-        if steps and (newest is None or max(steps) > newest[0]):
-            newest = (max(steps), slot)
-    return None if newest is None else newest[1]
 
 
 def _link(source: Path, target: Path) -> None:

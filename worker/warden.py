@@ -63,7 +63,6 @@ from worker.manifest import ManifestError, rank_record_name, remove_sharded
 from worker.memory import check_memory_dir
 from worker.memory_tier import (
     memory_room,
-    newest_slot,
     pin_files,
     pin_sharded,
     snapshot_room_problem,
@@ -205,7 +204,7 @@ class Warden:
         # The memory tier (worker.memory_tier): the slot of the newest complete snapshot, never the next one written;
         # whether its snapshots fit was asked (once, at the first, on every rank alike); bytes held per slot; the
         # step this process pinned last (a stop's or the final save of that step drops the pin: it goes to disk).
-        self._memory_newest = self._newest_memory_slot()
+        self._memory_newest: int | None = None  # set at a resume from a memory slot: every rank alike
         self._memory_given = framework_save is None and bool(os.environ.get(ENV_MEMORY_DIR))  # alike on every rank
         self._memory_room_checked = False
         self._memory_bytes: dict[int, int] = {}
@@ -239,6 +238,7 @@ class Warden:
             self.log.info("fresh_start")
             return 0
         store, step = found
+        self._memory_newest = self._resumed_slot(store)
         if store.is_sharded(step, self.config.prefix):
             state, resharded = self._load_sharded(store, step)
         else:
@@ -255,6 +255,8 @@ class Warden:
                 self.log.warning(_RNG_NOT_RESTORED[part], step=step, reason=reason)
                 self._heartbeat.inexact = f"{part} RNG state not restored: {reason}"
         self.data_state = state["data_state"]
+        if self._schedule is not None:
+            self._schedule.resumed(int(state.get("snapshot_every") or 0))
         self._restore_extra_state(state, step)
         saved_batch = state.get("global_batch_size")
         if saved_batch and self.global_batch_size and saved_batch != self.global_batch_size:
@@ -797,11 +799,15 @@ class Warden:
             return CheckpointStore(path, label=MEMORY_LABEL, base=memory)
         return CheckpointStore(path)
 
-    def _newest_memory_slot(self) -> int | None:
+    def _resumed_slot(self, store: CheckpointStore) -> int | None:
+        """The memory slot a resume came from (the next snapshot goes to the other), or None (then slot 0 first).
+        From the resume point, which every rank shares, never from what each rank finds in its slots: after a kill
+        the survivors hold one step more than the killed rank, in the other slot, and snapshots split between the
+        slots by rank would never again be complete on every rank."""
         if self.layout.memory is None:
             return None
-        slots = [self.layout.memory_slot(slot) for slot in SNAPSHOT_SLOTS]
-        return newest_slot(slots, self.rank, self.config.prefix, self._sharded_format)
+        held = [slot for slot in SNAPSHOT_SLOTS if store.root == self.layout.memory_slot(slot).root]
+        return held[0] if held else None
 
     def _memory_tier_on(self) -> bool:
         """Whether snapshots go to memory: a memory directory was given and its snapshots fit (asked at the first
@@ -1175,6 +1181,7 @@ class Warden:
             "anomaly_history": self._guard.detector.state_dict(),
             "feature_history": self._features.state_dict(),
             "samples": self.samples,
+            "snapshot_every": 0 if self._schedule is None else self._schedule.agreed,  # `auto`'s, for a relaunch
         }
 
     def finish(self, *, save: bool = True) -> None:

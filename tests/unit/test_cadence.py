@@ -135,13 +135,24 @@ def test_a_change_needs_confirming_evaluations_in_a_row():
     assert cadence.interval_steps == 4
 
 
-def test_proposals_alternating_around_the_interval_never_change_it():
-    """Measurements that ask for a shorter, then a longer interval, again and again: no flapping."""
+def test_proposals_alternating_around_the_interval_do_not_flap():
+    """Measurements that ask for a shorter, then a longer interval, again and again: the shorter is taken at once
+    (it can only lose less work), the longer never gets the confirmations it needs: one change, no flapping."""
     cadence = cadence_after(0.5, 1.0)
     assert cadence.interval_steps == 60
+    shorter = choose_interval(Inputs(stall_s=0.2, step_s=1.0)).interval_steps
     proposals = [cadence.consider(choose_interval(Inputs(stall_s=s, step_s=1.0))) for s in [0.2, 1.0] * 5]
-    assert proposals == [None] * 10
-    assert cadence.interval_steps == 60
+    assert [p is not None for p in proposals] == [True] + [False] * 9
+    assert cadence.interval_steps == shorter < 60
+
+
+def test_a_relaunch_starts_from_the_interval_saved_with_its_resume_state():
+    """Every rank resumed from the same state, saved under 8 steps: the schedule starts there, no warm-up."""
+    schedule = SnapshotSchedule(SnapshotCadence())
+    schedule.resumed(8)
+    assert (schedule.agreed, schedule.proposed) == (8, 8)
+    assert not schedule.due(100)  # the first step after a resume from 99
+    assert schedule.due(107)  # 8 steps after it
 
 
 def test_a_proposal_within_the_dead_band_is_no_change():

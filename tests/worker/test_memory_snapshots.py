@@ -91,6 +91,29 @@ def test_snapshots_alternate_between_memory_slots_and_never_overwrite_the_newest
     assert slot_steps(layout) == ({3}, {4})
 
 
+def test_after_a_resume_from_a_slot_every_rank_writes_next_into_the_other_one(
+    loop, tmp_path, memory, monkeypatch
+) -> None:
+    """The supervisor resumes from slot 1's step 2 (step 3, in slot 0, was incomplete on another rank): the next
+    snapshot goes to slot 0, the other one than the resume's, on every rank alike — not to the slot this rank's own
+    newest snapshot is not in (slot 1: it would overwrite the state just resumed from, and ranks whose newest
+    differ would split each snapshot between the slots, never complete on every rank again)."""
+    layout = RunLayout(tmp_path, memory=memory)
+    run = loop(config=EVERY_STEP)
+    for _ in range(3):
+        run.train_batch()
+    run.warden.finish(save=False)
+    assert slot_steps(layout) == ({3}, {2})
+    monkeypatch.setenv(ENV_RESUME_STEP, "2")
+    monkeypatch.setenv(ENV_RESUME_DIR, str(layout.memory_slot(1).root))
+    again = loop(config=EVERY_STEP)
+    assert again.warden.resume() == 2
+    again.train_batch()
+    assert slot_steps(layout) == ({3}, {2}) and events(tmp_path, "snapshot_saved")[-1]["path"].startswith(
+        str(layout.memory_slot(0).root)
+    )
+
+
 def test_a_scheduled_save_pins_the_snapshot_and_writes_nothing_to_disk(loop, tmp_path, memory) -> None:
     """Save steps 2 and 4 become pins: hard links to the slot's files, which later snapshots into that slot leave
     alone; the final save at finish() goes to disk itself and drops its step's pin."""
