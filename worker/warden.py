@@ -874,23 +874,24 @@ class Warden:
         """A sharded snapshot into memory, written synchronously: the copy into tmpfs is its only stall, so the
         background writer (which serves the disk saves a rank still makes) is not needed."""
         self._wait_for_save_in_flight(step, started)  # one save at a time: a disk save in flight ends first
-        directory = store.sharded_dir(step, self.config.prefix)
-        checkpointer = self._sharded_checkpointer()
-        common = self._sharded_common()
-        checkpointer.save(
-            directory,
+        self._write_sharded(step, store, started, root=self.layout.memory, background=False)
+        self._sharded_checkpointer().wait()  # written: taken off the checkpointer, raising what the write raised
+        return store.sharded_dir(step, self.config.prefix)
+
+    def _write_sharded(self, step: int, store: CheckpointStore, started: float, **where: Any) -> float:
+        """Hand this rank's state of `step` to the sharded checkpointer (`where`: its root and background options);
+        the loop's stall."""
+        return self._sharded_checkpointer().save(
+            store.sharded_dir(step, self.config.prefix),
             step,
             self.model,
             self.optimizer,
             self._rank_state(),
             self._health(),
-            common,
+            self._sharded_common(),
             started=started,
-            root=self.layout.memory,
-            background=False,
+            **where,
         )
-        checkpointer.wait()  # written: taken off the checkpointer, raising what the write raised
-        return directory
 
     def _pin(self, step: int, store: CheckpointStore) -> None:
         """Hard-link this rank's files of the snapshot of `step` (sharded: rank 0, the whole directory, complete on
@@ -1041,16 +1042,7 @@ class Warden:
         stall is all the loop spends in it, from `started`: `waited_s` of it for the previous save's write."""
         waited_s = self._wait_for_save_in_flight(step, started)  # the previous one is done before this one starts
         directory = store.sharded_dir(step, self.config.prefix)
-        stall_s = self._sharded_checkpointer().save(
-            directory,
-            step,
-            self.model,
-            self.optimizer,
-            self._rank_state(),
-            self._health(),
-            self._sharded_common(),
-            started=started,
-        )
+        stall_s = self._write_sharded(step, store, started)
         self._heartbeat.last_save_s = round(stall_s, 6)
         self._heartbeat.save_s += self._heartbeat.last_save_s  # goodput's save time: the waits are in it
         self._last_save = time.monotonic()  # the time-based cadence counts from the start of a save in flight
