@@ -9,8 +9,10 @@ On the FSDP2 example (examples/fsdp_train.py --device cuda: NCCL, bf16 parameter
    into the parts the events show: detecting the crash (the fault's event to the journal's `rank_crashed`),
    launching (to `ranks_launched`), starting the script (to the rank's `rank_started`: Python, imports, CUDA,
    NCCL, the model), loading (to `resumed`) and the first step; torchrun's detecting and launching are one part
-   (the kill to its new process's start, polled). Every final model is compared bit for bit with an uninterrupted
-   run's.
+   (the kill to its new process's start, polled). A fourth row has the memory tier on (a snapshot every 5 steps in
+   /dev/shm, the scheduled saves copied from there by the supervisor) and rank 0 SIGKILLed after step 47: it resumes
+   from the snapshot of step 45 in memory, and its "load" is the resume from memory. Every final model is compared
+   bit for bit with an uninterrupted run's.
 2. The stall per save, ~330M parameters (6 layers x 2048, ~3.6 GB a save), a save every 20 steps, synchronous and in
    the background: the first save, the steady ones, and a save due while the previous one is still being written
    (`slow_async_write@40:SECONDS` stretches the write of step 40 past the save interval): `stall_s`, its `waited_s`,
@@ -44,6 +46,7 @@ from worker.contract import RunLayout
 
 RUN_TIMEOUT_S = 150.0
 CRASH_STEPS, CRASH_AT, SAVE_EVERY = 60, 40, 20
+MEMORY_EVERY, MEMORY_KILL_AT = 5, 47  # the memory row: snapshots every 5 steps, killed after 47: back to 45
 STALL_STEPS, SLOW_WRITE_S = 100, 8  # saves at 20, 40 (its write stretched), 60 (due while 40's is written), 80, 100
 
 
@@ -168,10 +171,11 @@ def first(events: list[dict[str, Any]], name: str, after: float = 0.0, **fields:
 # ---- 1. crash -> first step -----------------------------------------------------------------------------------
 
 
-def crash_parts(job: Job) -> tuple[float | None, list[tuple[str, float | None]]]:
-    """Crash -> first step and its parts, for a job whose rank 0 was SIGKILLed inside the write of step CRASH_AT."""
+def crash_parts(job: Job, kind: str = "sigkill_in_async_write") -> tuple[float | None, list[tuple[str, float | None]]]:
+    """Crash -> first step and its parts, for a job whose rank 0 was SIGKILLed (`kind`: inside the write of step
+    CRASH_AT, or after step MEMORY_KILL_AT)."""
     ranks, journal = job.ranks(), job.journal()
-    kill = first(ranks, "fault_injected", kind="sigkill_in_async_write")
+    kill = first(ranks, "fault_injected", kind=kind)
     if kill is None:
         return None, []
     marks: list[tuple[str, float | None]] = []
@@ -221,13 +225,24 @@ def crash_table(work: Path, out: Path, sizes: Sizes) -> list[str]:
     ]
     argv, env = torchrun(work / "torchrun", sizes, model, CRASH_STEPS)
     jobs.append(run("torchrun", out, argv, {**env, **faults}, work / "torchrun", watch=True))
+    # The memory tier: a snapshot every MEMORY_EVERY steps in /dev/shm (the scheduled saves pinned there and copied
+    # to disk by the supervisor, so no background write to kill): killed after step MEMORY_KILL_AT, it resumes from
+    # the snapshot before it, in memory.
+    killed = {"TRAINWARDEN_FAULTS_ONCE": "1", "TRAINWARDEN_FAULTS": f"0:sigkill@{MEMORY_KILL_AT}"}
+    jobs.append(
+        supervised("memory", work, out, sizes, model, CRASH_STEPS, killed, f"worker.snapshot_steps={MEMORY_EVERY}")
+    )
+    labels = ("trainwarden, warm standby", "trainwarden, cold", "torchrun", "trainwarden, warm, from memory")
     rows = [
         "| launcher | crash -> first step | detect | launch | start the script | load | first step | "
         "ended | final model |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for job, label in zip(jobs, ("trainwarden, warm standby", "trainwarden, cold", "torchrun"), strict=True):
-        total, parts = crash_parts(job)
+    for job, label in zip(jobs, labels, strict=True):
+        total, parts = crash_parts(job, "sigkill" if job.name == "memory" else "sigkill_in_async_write")
+        if job.name == "memory":
+            source = next((e for e in job.journal() if e.get("event") == "ranks_launched" and e.get("resume_step")), {})
+            label = f"{label} (step {source.get('resume_step')}, {source.get('resume_source') or 'disk'})"
         spans = dict(parts)
         if "detect + launch" in spans:
             detect, launch = f"{fmt(spans['detect + launch'])} (both)", "-"
