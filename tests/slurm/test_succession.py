@@ -187,6 +187,27 @@ def trainwarden(*args: object) -> str:
     return subprocess.run([TRAINWARDEN, *map(str, args)], capture_output=True, text=True, timeout=30, check=True).stdout
 
 
+def submit_demo(tmp_path: Path) -> tuple[int, Path]:
+    """`sbatch -N3 examples/slurm/demo.sbatch` from `tmp_path`, as an operator submits it, shortened through
+    TRAINWARDEN_SET: (the job, the run dir)."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    overrides = (
+        f'args=["--steps","{STEPS_LONG // 4}"] slurm.node_timeout_s={NODE_TIMEOUT_S:g} '
+        "worker.save_checkpoint_steps=10 stop.kill_grace_s=1"
+    )
+    env = {**os.environ, "PATH": f"{TRAINWARDEN.parent}:{os.environ['PATH']}", "TRAINWARDEN_SET": overrides}
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return int(submitted.stdout.split(";")[0]), tmp_path / "runs" / "slurm-demo"
+
+
 def test_two_lost_nodes_end_the_job_75_and_the_examples_resubmission_finishes_the_run(slurm, tmp_path):
     """`sbatch -N3 examples/slurm/demo.sbatch`, config overrides through TRAINWARDEN_SET: twnode2 crashes (declared
     at once: its agent's stream breaks; the spare takes its place), then twnode3 (no spare left): exit 75, and the
@@ -195,24 +216,7 @@ def test_two_lost_nodes_end_the_job_75_and_the_examples_resubmission_finishes_th
     admin): the script starts a fresh one there, which takes the run over at once, charges no node, and finishes the
     run; the job ends COMPLETED 0 and the queue is empty. (The test marks the crashed nodes down in Slurm itself
     rather than wait the ~40 s of SlurmdTimeout for the first job to complete.)"""
-    (tmp_path / "examples").symlink_to(REPO / "examples")
-    overrides = (
-        f'args=["--steps","{STEPS_LONG // 4}"] slurm.node_timeout_s={NODE_TIMEOUT_S:g} '
-        "worker.save_checkpoint_steps=10 stop.kill_grace_s=1"
-    )
-    env = {**os.environ, "PATH": f"{TRAINWARDEN.parent}:{os.environ['PATH']}", "TRAINWARDEN_SET": overrides}
-    first = int(
-        subprocess.run(
-            ["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout.split(";")[0]
-    )
-    run_dir = tmp_path / "runs" / "slurm-demo"
+    first, run_dir = submit_demo(tmp_path)
     wait_for_step(slurm, run_dir, 12)
     crashed_at = time.time()
     slurm.crash_node("twnode2")
@@ -260,24 +264,7 @@ def test_two_batch_host_crashes_with_one_spare_end_in_a_next_job_that_slurm_can_
     75, and, the batch script being gone, submits the job's script again for `--nodes=2-3` away from the two lost
     nodes and ends this job; the next job runs on twnode3 and the free twnode4 and finishes the run, and no job is
     left pending (a requeue would keep NumNodes=3 with two of four nodes excluded: pending for ever)."""
-    (tmp_path / "examples").symlink_to(REPO / "examples")
-    overrides = (
-        f'args=["--steps","{STEPS_LONG // 4}"] slurm.node_timeout_s={NODE_TIMEOUT_S:g} '
-        "worker.save_checkpoint_steps=10 stop.kill_grace_s=1"
-    )
-    env = {**os.environ, "PATH": f"{TRAINWARDEN.parent}:{os.environ['PATH']}", "TRAINWARDEN_SET": overrides}
-    first = int(
-        subprocess.run(
-            ["sbatch", "--parsable", "-N3", "examples/slurm/demo.sbatch"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout.split(";")[0]
-    )
-    run_dir = tmp_path / "runs" / "slurm-demo"
+    first, run_dir = submit_demo(tmp_path)
     slurm.wait_for(lambda: training_on(run_dir, {"twnode1", "twnode2"}, 12), 120, "step 12")
     slurm.crash_node("twnode1")
     slurm.wait_for(lambda: training_on(run_dir, {"twnode2", "twnode3"}, 24), 120, "the successor at step 24")
