@@ -121,6 +121,7 @@ class WorkerConfig:
     # failure rate (worker.cadence); 0: off
     snapshot_steps: int | str = 0
     snapshot_max_bytes: int = 0  # the memory tier's bound per node (both slots and a pin); 0: free memory decides
+    persist_mb_s: float = 0.0  # the pace of the supervisor's copies of pinned snapshots to disk (MB/s); 0: no limit
     load_checkpoint: str | None = None  # seed 001: another run's checkpoint directory to resume from as well
     # seed 001: true resumes from the newest usable checkpoint; a checkpoint name (or step) resumes from that one,
     # healthy or not; without a supervisor the worker itself resumes from the newest complete checkpoint

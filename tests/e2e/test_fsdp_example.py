@@ -3,23 +3,31 @@
 A kill -9 during a background write, a hang and a stop, then a rerun, end bitwise equal to an uninterrupted run
 (compared through `trainwarden export`), in which a save waits for a slow write before it and says so; the same run
 dir goes on with 4 ranks, then with 2 again, and across both changes every sample is trained once: no id skipped,
-none seen twice."""
+none seen twice. With snapshots in memory, 4 ranks go on from the same checkpoint through a rank killed while the
+supervisor persists a pinned snapshot (resumed from memory) and a damaged snapshot in memory (resumed from disk),
+and end bitwise equal to the 4 ranks that went on uninterrupted."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import yaml
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import FAST_HANG, REPO, Finished, finish, heartbeat, journal, run_supervisor, start_supervisor
+from worker.contract import MANIFEST, RunLayout
+from worker.memory import memory_dir_for, remove_memory_dir
 from worker.sharded import numpy_missing
 
 pytestmark = [
@@ -37,10 +45,25 @@ STEPS_AFTER_STOP = 5
 PER_RANK_BATCH = 2
 KEEP = 3  # keep_checkpoint_max: sharded checkpoints are rotated as whole directories
 ARGS = ["--lr-decay-steps", "300", "--batch-size", str(PER_RANK_BATCH), "--block", "32", "--n-embd", "32"]
+# 4 ranks go on from the reference this long: three pinned saves (every SAVE_EVERY) at least, so that a kill inside
+# a persist still finds one if the first persist ended before the step after it was snapshotted.
+FOUR_RANK_STEPS = 15
+# Snapshots in memory every step; the supervisor persists each pinned save at 0.25 MB/s: the 4 ranks' ~1.1 MB take
+# ~4 s, so a kill sent once a persist has begun and the next step is in memory lands inside that persist.
+MEMORY_TIER = {"snapshot_steps": 1, "persist_mb_s": 0.25}
 
 
-def fsdp_job(tmp: Path, *, steps: int, nproc: int = 2, faults: str = "", samples: Path | None = None) -> Path:
-    """examples/fsdp.yaml with the test's size, `faults` injected once each, and quick relaunches."""
+def fsdp_job(
+    tmp: Path,
+    *,
+    steps: int,
+    nproc: int = 2,
+    faults: str = "",
+    samples: Path | None = None,
+    worker: dict[str, Any] | None = None,
+) -> Path:
+    """examples/fsdp.yaml with the test's size, `faults` injected once each, `worker` settings added, and quick
+    relaunches."""
     config = yaml.safe_load((REPO / "examples" / "fsdp.yaml").read_text())
     config["script"] = str(REPO / "examples" / "fsdp_train.py")
     config["args"] = [*ARGS, "--steps", str(steps), *(["--samples-file", str(samples)] if samples else [])]
@@ -48,6 +71,7 @@ def fsdp_job(tmp: Path, *, steps: int, nproc: int = 2, faults: str = "", samples
     config["env"] = {**config["env"], "TRAINWARDEN_FAULTS": faults, "TRAINWARDEN_FAULTS_ONCE": "1"}
     config["worker"]["save_checkpoint_steps"] = SAVE_EVERY
     config["worker"]["keep_checkpoint_max"] = KEEP
+    config["worker"].update(worker or {})
     config["restart"]["backoff_initial_s"] = 0.2
     config["stop"]["kill_grace_s"] = 1.0
     config["hang"] = {**config["hang"], **FAST_HANG}
@@ -162,33 +186,166 @@ def sample_ids(path: Path) -> list[list[int]]:
     return [line["ids"] for line in lines]
 
 
+def from_reference(reference: Finished, run_dir: Path, ids: Path | None = None) -> int:
+    """A new run dir holding the reference's checkpoints (and `ids`, a copy of its sample ids); the step it ended at."""
+    shutil.copytree(reference.run_dir / "checkpoint", run_dir / "checkpoint")
+    if ids is not None:
+        shutil.copy2(reference.run_dir.parent / "ids.jsonl", ids)
+    return len(sample_ids(reference.run_dir.parent / "ids.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory, reference: Finished) -> tuple[Path, int]:
+    """The reference gone on with 4 ranks for FOUR_RANK_STEPS steps, uninterrupted, logging its sample ids: (its run
+    dir, the step it went on from)."""
+    tmp = tmp_path_factory.mktemp("four_ranks")
+    run_dir, ids = tmp / "run", tmp / "ids.jsonl"
+    first = from_reference(reference, run_dir, ids)
+    done = run_supervisor(fsdp_job(tmp, steps=first + FOUR_RANK_STEPS, nproc=4, samples=ids), run_dir, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, first
+
+
 def test_the_same_run_dir_goes_on_with_4_ranks_then_2_and_every_sample_is_trained_once(
-    reference: Finished, tmp_path: Path
+    four_ranks: tuple[Path, int], tmp_path: Path
 ) -> None:
     """2 -> 4 -> 2 ranks: each change resumes the newest sharded checkpoint, resharded, from its global sample
     count; the global batch doubles and halves with the ranks (a fixed batch per rank)."""
-    run_dir, ids = tmp_path / "run", tmp_path / "ids.jsonl"
-    shutil.copytree(reference.run_dir / "checkpoint", run_dir / "checkpoint")
-    shutil.copy2(reference.run_dir.parent / "ids.jsonl", ids)
-    first = len(sample_ids(ids))
+    four_dir, first = four_ranks
+    run_dir, ids, last = tmp_path / "run", tmp_path / "ids.jsonl", first + FOUR_RANK_STEPS
+    shutil.copytree(four_dir / "checkpoint", run_dir / "checkpoint")
+    shutil.copy2(four_dir.parent / "ids.jsonl", ids)
 
-    for nproc, steps in ((4, first + 4), (2, first + 8)):
-        done = run_supervisor(fsdp_job(tmp_path, steps=steps, nproc=nproc, samples=ids), run_dir, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        changed = [e for e in rank_events(run_dir, 0) if e["event"] == "world_size_changed"]
+    done = run_supervisor(fsdp_job(tmp_path, steps=last + 4, nproc=2, samples=ids), run_dir, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for directory, nproc in ((four_dir, 4), (run_dir, 2)):
+        changed = [e for e in rank_events(directory, 0) if e["event"] == "world_size_changed"]
         assert changed[-1]["world_size"] == nproc and changed[-1]["saved_world_size"] == 6 - nproc
 
     batches = sample_ids(ids)
-    assert [len(b) for b in batches[first:]] == [4 * PER_RANK_BATCH] * 4 + [2 * PER_RANK_BATCH] * 4
+    assert [len(b) for b in batches[first:]] == [4 * PER_RANK_BATCH] * FOUR_RANK_STEPS + [2 * PER_RANK_BATCH] * 4
     trained = [i for batch in batches for i in batch]
     assert trained == list(range(len(trained)))  # in order, none skipped, none twice
     kept = sorted(p.name for p in (run_dir / "checkpoint").iterdir())
-    saved = {*range(SAVE_EVERY, first + 9, SAVE_EVERY), first, first + 4, first + 8}  # every SAVE_EVERY, each end
+    saved = {*range(SAVE_EVERY, last + 5, SAVE_EVERY), first, last, last + 4}  # every SAVE_EVERY, each end
     assert kept == sorted(f"fsdp-{step}.dcp" for step in sorted(saved)[-KEEP:])  # rotated to KEEP, as directories
     listed = json.loads((run_dir / "health_ckpts.json").read_text())
     assert [(e["ckpt_name"], e["is_health"]) for e in listed] == [
         (name, 0) for name in sorted(kept, key=lambda n: int(n[5:-4]))
     ]
+
+
+@pytest.fixture
+def memory_dir(tmp_path: Path) -> Iterator[Path]:
+    """The memory directory of `tmp_path / "run"`, removed after the test whatever happened."""
+    path = memory_dir_for((tmp_path / "run").resolve())
+    yield path
+    remove_memory_dir(path)
+
+
+def persist_under_way(run_dir: Path, after: int) -> int | None:
+    """The step of a sharded checkpoint after `after` being copied into the checkpoint store (its directory there,
+    its manifest not yet: the persister writes that last), or None."""
+    for path in (run_dir / "checkpoint").glob("fsdp-*.dcp"):
+        step = int(path.name[5:-4])
+        if step > after and not (path / MANIFEST).exists():
+            return step
+    return None
+
+
+def newest_in_memory(memory: Path) -> int:
+    """The newest step of a complete snapshot in the memory slots (0 without one)."""
+    return max((int(d.name[5:-4]) for d in memory.glob("snapshot/*/fsdp-*.dcp") if (d / MANIFEST).exists()), default=0)
+
+
+def launched(run_dir: Path) -> list[tuple[int | None, str | None]]:
+    """Each launch's resume step and source, from the journal."""
+    events = journal(run_dir) if (run_dir / "supervisor" / "events.jsonl").exists() else []
+    return [(e["resume_step"], e["resume_source"]) for e in events if e["event"] == "ranks_launched"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def flip_shards(memory: Path, name: str) -> None:
+    """Flip a byte in every file called `name` in the memory directory, once per inode (a pin links a slot's)."""
+    seen: set[int] = set()
+    for path in sorted(memory.rglob(name)):
+        if path.stat().st_ino not in seen:
+            seen.add(path.stat().st_ino)
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(360)
+def test_a_rank_killed_inside_a_persist_resumes_from_memory_a_damaged_snapshot_from_disk_and_ends_bitwise_equal(
+    reference: Finished, four_ranks: tuple[Path, int], tmp_path: Path, memory_dir: Path
+) -> None:
+    """4 ranks go on from the reference with snapshots in memory every step and the supervisor persisting every
+    pinned save slowly (MEMORY_TIER). Rank 0 SIGKILLed while a persist is under way, the step after it in memory: the
+    relaunch resumes from memory within a step of the kill, and that persist completes. The supervisor SIGKILLed
+    inside a later persist, then a byte flipped in rank 1's shard of every snapshot in memory: the next supervisor
+    passes each over with its reason, resumes from the newest disk checkpoint and removes the torn copy. The run ends
+    bitwise equal to the 4 ranks that went on uninterrupted, with only complete checkpoints on disk and nothing left
+    in memory."""
+    four_dir, first = four_ranks
+    run_dir, last = tmp_path / "run", first + FOUR_RANK_STEPS
+    assert from_reference(reference, run_dir) == first
+    job = fsdp_job(tmp_path, steps=last, nproc=4, worker=MEMORY_TIER)
+    proc = start_supervisor(job, run_dir)
+    try:
+        # Once a newer step is in memory: a persist ended by the relaunch's choice would make this one a tie, and a
+        # tie goes to disk.
+        persisting = wait_until(
+            lambda: (step := persist_under_way(run_dir, first)) and newest_in_memory(memory_dir) > step and step,
+            timeout=120,
+            what="a persist under way and the step after it in memory",
+        )
+        os.kill(heartbeat(run_dir, 0)["pid"], signal.SIGKILL)
+        assert persist_under_way(run_dir, first) == persisting  # the kill landed inside that persist
+        resumed = wait_until(lambda: launched(run_dir)[1:], timeout=60, what="the relaunch")[0][0]
+        second = wait_until(lambda: persist_under_way(run_dir, resumed), timeout=60, what="a persist after it")
+        pids = [heartbeat(run_dir, rank)["pid"] for rank in range(4)]
+        proc.kill()  # inside the second persist: the ranks die with it (parent-death signal)
+        proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert persist_under_way(run_dir, resumed) == second  # torn: nobody finishes it now
+    wait_until(lambda: not any(map(alive, pids)), timeout=10, what="the ranks to die with the supervisor")
+    on_disk = RunLayout(run_dir).checkpoints.complete_steps(4, "fsdp")[-1]
+    in_memory = sorted({int(d.name[5:-4]) for d in memory_dir.rglob("fsdp-*.dcp") if (d / MANIFEST).exists()})
+    flip_shards(memory_dir, "__1_0.distcp")
+    done = run_supervisor(job, run_dir, timeout=120)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed_at = max(e["step"] for e in rank_events(run_dir, 0) if e["event"] == "step" and e["attempt"] == 0)
+    assert launched(run_dir) == [(first, None), (resumed, "memory"), (on_disk, None)]
+    assert resumed >= killed_at - MEMORY_TIER["snapshot_steps"] and resumed > persisting
+    events = journal(run_dir)
+    restarted = max(i for i, e in enumerate(events) if e["event"] == "supervisor_started")
+    persisted = [(i > restarted, e["step"]) for i, e in enumerate(events) if e["event"] == "snapshot_persisted"]
+    assert (False, persisting) in persisted  # the persist the rank's kill landed in was completed
+    assert [step for later, step in persisted if later and step > on_disk]  # and the next supervisor's persist
+    passed = [(e["step"], e["reason"]) for e in events if e["event"] == "snapshot_passed_over"]
+    corrupted = {step for step, reason in passed if reason.startswith("memory: corrupted: checksum differs")}
+    assert corrupted == {step for step in in_memory if step > on_disk} != set(), (passed, in_memory, on_disk)
+    torn = {step for step, reason in passed if reason.startswith("memory: incomplete: ")}  # one being written
+    assert {step for step, _ in passed} == corrupted | torn, passed
+    store = run_dir / "checkpoint"
+    assert not list(store.rglob("*.tmp"))
+    assert all((d / MANIFEST).exists() for d in store.iterdir()), sorted(store.iterdir())
+    assert not memory_dir.exists()
+    got, want = export(run_dir), export(four_dir)
+    assert got.keys() == want.keys() and len(got) > 20
+    unequal = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not unequal, f"differ from the uninterrupted run: {unequal}"
 
 
 def rank_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
