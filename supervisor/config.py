@@ -111,6 +111,9 @@ class SlurmConfig:
     # While the Slurm controller does not answer, what needs it (a new step, a resubmission) waits for it this long
     # before the run ends (exit 75); the ranks already running go on meanwhile.
     controller_wait_s: float = 300.0
+    # The memory tier across nodes: each node's newest snapshot is copied to a partner node at most this fast, so that
+    # training traffic comes first (MB a second; 0: as fast as the network goes).
+    peer_copy_mb_s: float = 200.0
 
     @property
     def ledger_rules(self) -> LedgerRules:
@@ -216,6 +219,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.node_cooldown_s": (lambda v: v >= 0, "0 or more"),
     "slurm.time_limit_margin_s": (lambda v: v >= 0, "0 or more"),
     "slurm.controller_wait_s": (lambda v: v >= 0, "0 or more"),
+    "slurm.peer_copy_mb_s": (lambda v: v >= 0, "0 or more"),
     "stragglers.margin": (lambda v: v > 0, "more than 0"),
     "stragglers.sustain_s": (lambda v: v >= 0, "0 or more"),
     "standby.prewarm_imports": (
@@ -270,6 +274,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "worker.save_checkpoint_interval_s": (lambda v: v >= 0, "0 or more"),
     "worker.snapshot_steps": (lambda v: v == "auto" or (isinstance(v, int) and v >= 0), "0 or more, or auto"),
     "worker.snapshot_max_bytes": (lambda v: v >= 0, "0 or more (0: free memory decides)"),
+    "worker.persist_mb_s": (lambda v: v >= 0, "0 or more (0: no limit)"),
     "worker.verify_resume": (lambda v: v >= 0, "0 or more"),
     "worker.load_checkpoint": (lambda v: Path(v).is_dir(), "an existing directory (another run's checkpoint/ folder)"),
     "worker.heartbeat_interval_s": (lambda v: v > 0, "more than 0"),

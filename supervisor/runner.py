@@ -50,6 +50,7 @@ from supervisor.core.causes import explain
 from supervisor.core.decide import ends_at
 from supervisor.core.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
 from supervisor.launch.launcher import Isolated, Launcher, LocalLauncher, Spawned
+from supervisor.launch.node_memory import resume_store
 from supervisor.launch.ranks import Attempt
 from supervisor.launch.time_limit import TimeLimitWatch
 from supervisor.launch.trees import become_subreaper, kill_predecessor_leftovers
@@ -94,6 +95,8 @@ from worker.manifest import remove_sharded
 from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
 
 __all__ = ["LauncherFactory", "RunDirBusy", "Supervisor", "lock_run_dir"]
+
+AGENT_COPY_SETTLED_S = 120.0  # a torn temporary younger than this may be a node agent's copy under way
 
 POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the state file, this often
 # The next deadline walks every rank: after heartbeats alone (which only move a rank's deadline) it is worked out
@@ -162,7 +165,11 @@ class Supervisor:
         self.layout = layout = self._with_memory_tier(layout)
         # Disk checkpoints from the memory tier: pinned snapshots copied to the checkpoint store off the main loop.
         self._persister = (
-            None if layout.memory is None else Persister(layout, config.world_size, config.worker.prefix, self.log)
+            None
+            if layout.memory is None
+            else Persister(
+                layout, config.world_size, config.worker.prefix, self.log, persist_mb_s=config.worker.persist_mb_s
+            )
         )
         self._memory_removed = False
         self._memory_health_seen: int | None = None  # the memory snapshot health_ckpts.json lists
@@ -287,7 +294,7 @@ class Supervisor:
     def _with_memory_tier(self, layout: RunLayout) -> RunLayout:
         """The layout with this run's memory directory, created here (mode 0700) when snapshots are on and the ranks
         run on this machine; without it (refused, no /dev/shm) snapshots go to the disk slots, as before."""
-        multi_node = self.config.nodes > 1 or self.config.spare_nodes > 0  # no memory tier on Slurm yet
+        multi_node = self.config.nodes > 1 or self.config.spare_nodes > 0  # each node's agent keeps its own
         if self.config.worker.snapshot_steps in (0, "0") or multi_node:
             return layout
         path = memory_dir_for(layout.root)
@@ -698,6 +705,8 @@ class Supervisor:
                 torn=tuple(p for p in junk.torn if not self._persister.in_flight(p)),
                 foreign=tuple(p for p in junk.foreign if not self._persister.in_flight(p)),
             )
+        elif self._agents_persist():  # node agents copy pins to disk: a fresh temporary may be theirs, under way
+            junk = replace(junk, torn=tuple(p for p in junk.torn if not _recent(p, AGENT_COPY_SETTLED_S)))
         for path in junk.torn:
             if path.name.endswith(".dcp"):  # a sharded save that never got its manifest: the whole directory
                 remove_sharded(path)
@@ -708,6 +717,11 @@ class Supervisor:
         if unreported:
             self.log.warning("checkpoint_dir_junk", paths=unreported, action="ignored, left in place")
             self._reported_junk.update(junk.foreign)
+
+    def _agents_persist(self) -> bool:
+        """Whether node agents persist snapshots (the memory tier on a multi-node run), not this process."""
+        multi_node = self.config.nodes > 1 or self.config.spare_nodes > 0
+        return multi_node and self.config.worker.snapshot_steps != 0
 
     def _names_resume(self, attempt: int) -> bool:
         """Whether this attempt resumes from the checkpoint `worker.resume_training` names (the first only)."""
@@ -724,7 +738,7 @@ class Supervisor:
             named = parse_checkpoint_name(worker.resume_training)
             assert named is not None  # the config was validated
             return choose_explicit(named_store(self.layout, worker), world, worker.prefix, named)
-        return choose_resume(
+        choice = choose_resume(
             resume_stores(self.layout, worker),
             world,
             worker.prefix,
@@ -732,6 +746,12 @@ class Supervisor:
             require_healthy=worker.use_checkpoint_health_monitor,
             refused=dict(refused),
         )
+        # Multi-node: a snapshot newer than that in the nodes' memory, which each node gathers before its ranks start.
+        memory = self._launcher.memory_choice(world, newer_than=choice.step, at_most=at_most, refused=dict(refused))
+        if memory is None:
+            return choice
+        store = resume_store(memory_dir_for(self.layout.root))
+        return Choice(memory.step, choice.passed_over, replace(store, label=memory.label))
 
     def _record_health(self, steps: list[int]) -> list[int]:
         """Rotate, then keep health_ckpts.json (seed 000) listing every complete checkpoint of this world size, when
@@ -913,3 +933,11 @@ def _process_age() -> float:
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
     except (OSError, ValueError, IndexError, AttributeError):  # no /proc (not Linux): psutil's estimate
         return max(0.0, time.time() - psutil.Process().create_time())
+
+
+def _recent(path: Path, seconds: float) -> bool:
+    """Whether `path` was modified within the last `seconds` (a missing one is not)."""
+    try:
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime < seconds
+    except OSError:
+        return False

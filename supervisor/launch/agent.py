@@ -10,8 +10,12 @@ relaunch elsewhere knowing no half of the old job still runs. The succession: th
 successor (succession.py); if the supervisor's lease lapses and it is this agent's turn, it becomes the new
 supervisor. Both are written to the run's journal by the agent itself. Torch-free, like the whole supervisor.
 
-    python -m supervisor.agent --connect HOST:PORT --run-dir DIR --attempt N --fence-s S
-    (the run's token in TRAINWARDEN_AGENT_TOKEN)
+    python -m supervisor.agent --connect HOST:PORT --run-dir DIR --attempt N --fence-s S [--memory-prefix P]
+    (the run's token in TRAINWARDEN_AGENT_TOKEN; --memory-prefix: the memory tier is on, checkpoints named P)
+
+With the memory tier on, the agent also keeps its node's share of it (node_memory.py): the run's memory directory
+in this node's shared memory, its ranks' pins persisted to disk, their newest snapshot copied to a partner node,
+and what a relaunched rank resumes from gathered before it starts.
 """
 
 from __future__ import annotations
@@ -24,20 +28,22 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from supervisor.core import HeartbeatSeen
 from supervisor.launch.gpu_health import ENV_VISIBLE, count_gpus, gpu_problems
 from supervisor.launch.launcher import publish_order
+from supervisor.launch.node_memory import NodeMemory
 from supervisor.launch.ranks import Ranks, free_port, local_env, signal_group, spawn_ranks
 from supervisor.launch.stacks import collect_stacks
 from supervisor.launch.succession import Succession, become_successor, stand_for_successor
 from supervisor.launch.trees import descendants, die_with_parent, sigkill
 from supervisor.rundir.journal import append_event
 from supervisor.rundir.watch import HeartbeatFiles, HeartbeatUnreadable
-from worker.contract import ENV_RUN_DIR, RunLayout, StopOrder
+from worker.contract import ENV_MEMORY_DIR, ENV_RUN_DIR, RunLayout, StopOrder
+from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
 
 __all__ = ["ENV_TOKEN", "main"]
 
@@ -51,7 +57,9 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR
 class Agent:
     """Runs one attempt's ranks on this node for the supervisor at the other end of `peer`."""
 
-    def __init__(self, peer: Any, layout: RunLayout, attempt: int, fence_s: float, token: str) -> None:
+    def __init__(
+        self, peer: Any, layout: RunLayout, attempt: int, fence_s: float, token: str, memory_prefix: str | None = None
+    ) -> None:
         self._token = token
         self._peer = peer
         self._layout = layout
@@ -69,11 +77,16 @@ class Agent:
         self._beat_sent = 0.0
         self._host = socket.gethostname()
         self._succession: Succession | None = None  # how to take the supervisor's place, once it said
+        self._memory_prefix = memory_prefix
+        self._memory: NodeMemory | None = None  # this node's memory tier, when on and its directory could serve
+        self._inventory: dict[str, Any] | None = None  # what the supervisor was last told this node holds
+        self._preparing = False  # gathering what the ranks resume from (a launch under way)
 
     def run(self) -> int:
         for signum in FORWARDED_SIGNALS:  # Slurm signals every process of the step: the supervisor decides
             signal.signal(signum, lambda s, _f: self._inbox.put(("signal", s)))
         self._peer.serve(lambda m: self._inbox.put(("message", m)), lambda why: self._inbox.put(("end", why)))
+        memory_port = self._open_memory()
         self._send(
             "hello",
             token=self._token,
@@ -85,13 +98,17 @@ class Agent:
             gpu_problems=gpu_problems(),
             gpus=count_gpus().to_json(),  # judged against the job's `device` (`reported_shortage`)
             cuda_visible_devices=os.environ.get(ENV_VISIBLE),  # what the ranks inherit here
+            memory_port=memory_port,
+            memory=self._memory_inventory(),
         )
         fenced: str | None = None
+        ended = False
         try:
-            fenced = self._loop()
+            fenced, ended = self._loop()
         finally:
             killed = self._kill_all()
             self._peer.close()
+            self._close_memory(remove=ended)
         if fenced is None:
             return 0
         print(f"trainwarden agent: {fenced}: fencing", file=sys.stderr)
@@ -135,8 +152,8 @@ class Agent:
         except OSError as exc:
             print(f"trainwarden agent: cannot write the journal: {exc}", file=sys.stderr)
 
-    def _loop(self) -> str | None:
-        """Until the supervisor says exit (None), or why the agent must fence."""
+    def _loop(self) -> tuple[str | None, bool]:
+        """Until the supervisor says exit (None, and whether the run ended), or why the agent must fence."""
         while True:
             try:
                 kind, payload = self._inbox.get(timeout=POLL_S)
@@ -145,13 +162,15 @@ class Agent:
             if kind == "message":
                 self._heard = time.monotonic()
                 if payload["type"] == "exit":
-                    return None
+                    return None, payload.get("end") is True
                 try:
                     self._on_message(payload)
                 except (KeyError, TypeError, ValueError) as exc:
                     print(f"trainwarden agent: bad order {payload.get('type')!r}: {exc}", file=sys.stderr)
             elif kind == "end":
-                return f"supervisor gone ({payload or 'end of stream'})"
+                return f"supervisor gone ({payload or 'end of stream'})", False
+            elif kind == "resume_prepared":
+                self._spawn(*payload)
             elif kind == "exited":
                 self._on_rank_exit(*payload)
             elif kind == "signal":
@@ -160,13 +179,15 @@ class Agent:
                 self._send("stacks", **payload)
             if self._done() and not self._said_done:
                 sigkill(descendants())  # a rank's grandchildren do not outlive the attempt
+                if self._memory is not None:  # the copy under way finishes; later pins wait for the next attempt
+                    self._memory.stop_persisting()
                 self._send("done")
                 # Stay until the supervisor says exit: ranks that died because the supervisor's host did (their
                 # collective broke) must not take away the successor that this agent may have to become.
                 self._said_done = True
             self._forward_heartbeats()
             if time.monotonic() - self._heard > self._fence_s:
-                return f"nothing from the supervisor for {self._fence_s:g} s"
+                return f"nothing from the supervisor for {self._fence_s:g} s", False
 
     def _done(self) -> bool:
         return self._ranks is not None and self._exited >= set(self._ranks.procs)
@@ -190,9 +211,35 @@ class Agent:
             publish_order(self._layout, None if order is None else StopOrder.from_json(order), _StderrLog())
 
     def _launch(self, message: dict[str, Any]) -> None:
-        if self._ranks is not None:
+        if self._ranks is not None or self._preparing:
+            return
+        memory = message.get("memory")
+        resume = memory.get("resume") if isinstance(memory, dict) and self._memory is not None else None
+        if not isinstance(resume, dict):
+            self._spawn(message, None)
+            return
+        self._preparing = True  # a launch under way: a second one is not started meanwhile
+        node_memory, world_size = self._memory, int(message["memory"]["world_size"])
+        assert node_memory is not None
+        sources = {int(rank): holder for rank, holder in resume["sources"].items()}
+
+        def prepare() -> None:  # a fetch from another node may take a while: the loop keeps talking meanwhile
+            problem = node_memory.prepare_resume(int(resume["step"]), sources, world_size)
+            self._inbox.put(("resume_prepared", (message, problem)))
+
+        threading.Thread(target=prepare, name="memory-resume", daemon=True).start()
+
+    def _spawn(self, message: dict[str, Any], resume_problem: str | None) -> None:
+        if resume_problem is not None:
+            self._preparing = False
+            self._send("resume_failed", step=message["memory"]["resume"]["step"], reason=resume_problem)
             return
         envs = {int(rank): local_env(env) for rank, env in message["envs"].items()}
+        if self._memory_prefix is not None:
+            # This node's memory directory, even where it could not be made: its ranks then refuse it and tell the
+            # others (the tier is agreed by every rank, or snapshots stay on disk everywhere).
+            directory = str(memory_dir_for(self._layout.root))
+            envs = {rank: {**env, ENV_MEMORY_DIR: directory} for rank, env in envs.items()}
         try:
             self._ranks = spawn_ranks(
                 message["argv"],
@@ -205,11 +252,50 @@ class Agent:
             self._send("spawn_failed", error=f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
             return
         self._send("spawned", pids={str(rank): proc.pid for rank, proc in self._ranks.procs.items()})
+        orders = message.get("memory")
+        if self._memory is not None and isinstance(orders, dict):
+            self._memory.run_for(
+                sorted(envs),
+                int(orders["world_size"]),
+                orders.get("partner"),
+                float(orders["rate_bytes_s"]),
+                _JournalLog(self),
+                persist_mb_s=float(orders.get("persist_mb_s", 0.0)),
+            )
+
+    # -- the memory tier on this node (node_memory.py) --
+
+    def _open_memory(self) -> int | None:
+        """This node's memory directory made and served when the tier is on; the port other agents reach it at."""
+        if self._memory_prefix is None:
+            return None
+        path = memory_dir_for(self._layout.root)
+        try:
+            layout = replace(self._layout, memory=create_memory_dir(path))
+            self._memory = NodeMemory(layout, self._host, self._token, self._memory_prefix, self.journal)
+            return self._memory.serve()
+        except OSError as exc:
+            self._memory = None
+            self.journal("memory_tier_off", "warning", path=str(path), reason=str(exc), action="snapshots go to disk")
+            return None
+
+    def _memory_inventory(self) -> dict[str, Any] | None:
+        return None if self._memory is None else self._memory.inventory()
+
+    def _close_memory(self, *, remove: bool) -> None:
+        """The run ended (`remove`): this node's memory directory goes; else it stays for the next attempt."""
+        if self._memory is None:
+            return
+        self._memory.close()
+        if remove:
+            remove_memory_dir(self._memory.memory)
 
     def _on_rank_exit(self, rank: int, code: int) -> None:
         self._forward_heartbeats(only=[rank], now=True)  # the step it reached, before its exit
         self._exited.add(rank)
-        self._send("exited", rank=rank, code=code)
+        # What this node's memory holds now: the choice of where to resume comes next, and a beat's is a second old.
+        self._inventory = self._memory_inventory()
+        self._send("exited", rank=rank, code=code, **({} if self._inventory is None else {"memory": self._inventory}))
 
     def _dump_stacks(self, ranks: list[int], faulthandler: list[int]) -> None:
         assert self._ranks is not None
@@ -254,7 +340,12 @@ class Agent:
             sent = self._beat_sent = time.monotonic()
             beats = [{**record, "age_s": round(sent - written, 3)} for record, written in self._unsent.values()]
             self._unsent = {}
-            self._send("beat", beats=beats)
+            inventory = self._memory_inventory()
+            if inventory == self._inventory:
+                self._send("beat", beats=beats)
+            else:  # what this node holds in memory, when it changed
+                self._inventory = inventory
+                self._send("beat", beats=beats, memory=inventory)
 
     def _send(self, kind: str, **fields: Any) -> None:
         self._peer.send({"type": kind, **fields})
@@ -273,6 +364,19 @@ def beat_record(seen: HeartbeatSeen) -> dict[str, Any]:
     return {key: value for key, value in asdict(seen).items() if value is not None and key != "age_s"}
 
 
+class _JournalLog:
+    """The persister's log on a node: the run's journal, as the agent writes it."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._agent.journal(event, "info", **fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._agent.journal(event, "error", **fields)
+
+
 class _StderrLog:
     """Where the agent's few complaints go: its stderr, which srun labels and the supervisor's log keeps."""
 
@@ -288,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--attempt", type=int, required=True)
     parser.add_argument("--fence-s", type=float, required=True)
+    parser.add_argument("--memory-prefix")
     args = parser.parse_args(argv)
     die_with_parent()  # srun's step daemon going away takes us along
     host, _, port = args.connect.rpartition(":")
@@ -299,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     layout = RunLayout(Path(args.run_dir))
     os.environ[ENV_RUN_DIR] = str(layout.root)
-    agent = Agent(Peer(sock), layout, args.attempt, args.fence_s, token)
+    agent = Agent(Peer(sock), layout, args.attempt, args.fence_s, token, args.memory_prefix)
     try:
         return agent.run()
     except Exception as exc:

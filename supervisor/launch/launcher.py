@@ -14,7 +14,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,6 +25,7 @@ from supervisor.config import JobConfig
 from supervisor.core import ChildExited, Event, Heartbeats, HeartbeatSeen, LaunchFailed, RankState, StacksCollected
 from supervisor.core.causes import oom_kill_count
 from supervisor.launch.gpu_health import gpu_problems, preflight
+from supervisor.launch.node_memory import MemoryChoice
 from supervisor.launch.ranks import Attempt, Ranks, launch_ranks, rank_envs
 from supervisor.launch.stacks import start_stack_collection
 from supervisor.launch.standby import FILL_AFTER_S, Standby, Standbys
@@ -113,6 +114,12 @@ class Launcher(Protocol):
 
     def details(self) -> dict[str, Any]:
         """Launcher-specific facts for the status file."""
+
+    def memory_choice(
+        self, world_size: int, *, newer_than: int | None, at_most: int | None, refused: Mapping[int, str]
+    ) -> MemoryChoice | None:
+        """A memory snapshot newer than disk that the launcher's nodes hold (multi-node runs, node_memory.py); None
+        where the supervisor's own resume stores say it all (one machine)."""
 
     @property
     def launched(self) -> bool:
@@ -298,6 +305,11 @@ class LocalLauncher:
         if self._standbys is None:
             return {}
         return {"standbys_ready": 0 if self._standbys.failed else self._standbys.ready()}
+
+    def memory_choice(
+        self, world_size: int, *, newer_than: int | None, at_most: int | None, refused: Mapping[int, str]
+    ) -> MemoryChoice | None:
+        return None  # one machine: the supervisor's resume stores include the memory tier
 
     def _take_standbys(self) -> dict[int, Standby]:
         if self._standbys is None:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeGuard
 
@@ -53,6 +53,7 @@ from supervisor.launch import slurmctl
 from supervisor.launch.controller import STEP_RETRIES, ControllerWait, cut_off, retry_delay_s, step_not_created_yet
 from supervisor.launch.gpu_health import reported_shortage
 from supervisor.launch.launcher import Isolated, Spawned, publish_order
+from supervisor.launch.node_memory import Held, MemoryChoice, choose_memory, parse_inventory, unheld_ranks
 from supervisor.launch.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
 from supervisor.launch.ranks import Attempt, Placement, contract_env, rank_argv
 from supervisor.launch.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, StackDumps, judge
@@ -60,8 +61,9 @@ from supervisor.launch.succession import Succession
 from supervisor.launch.wire import Hub, Peer, WireError
 from supervisor.rundir.lease import ABDICATED, HELD, RELEASED, Lease
 from supervisor.rundir.lease import read as read_lease
+from supervisor.rundir.throttle import MB
 from supervisor.rundir.watch import progress_fields
-from worker.contract import EXIT_FAILED, EXIT_REQUEUE, RunLayout, StopOrder
+from worker.contract import EXIT_FAILED, EXIT_REQUEUE, MEMORY_LABEL, RunLayout, StopOrder
 from worker.files import open_append, read_bytes
 
 __all__ = ["SlurmLauncher", "in_allocation"]
@@ -92,6 +94,7 @@ class _Node:
     peer: Peer | None = None
     address: str | None = None
     port: int | None = None
+    memory_port: int | None = None  # where its agent serves the node's memory snapshots (node_memory.py)
     heard: float = 0.0  # monotonic: the last message from its agent
     pids: dict[int, int] = field(default_factory=dict)
     exited: set[int] = field(default_factory=set)
@@ -212,6 +215,13 @@ class SlurmLauncher:
         self._forwarded: dict[int, float] = {}  # signum -> when an agent's last forwarded one was posted
         self._failed_on: str | None = None
         self._ledger = self._load_ledger()
+        # The memory tier across nodes (node_memory.py): what each node holds, kept across attempts (a node's memory
+        # outlives its agent) until the node is lost; steps that failed to gather; the choice the next launch uses.
+        self._held: dict[str, Held] = {}
+        self._held_bytes: dict[str, int] = {}
+        self._held_lock = threading.Lock()
+        self._memory_refused: dict[int, str] = {}
+        self._chosen: MemoryChoice | None = None
 
     def _load_ledger(self) -> Ledger:
         try:
@@ -275,7 +285,7 @@ class SlurmLauncher:
     def close(self) -> None:
         for node in self._nodes.values():
             if node.peer is not None:
-                node.peer.send({"type": "exit"})
+                node.peer.send({"type": "exit", "end": True})  # the run is over: its memory on each node goes
         deadline = time.monotonic() + 3.0
         for proc in self._srun:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -427,7 +437,12 @@ class SlurmLauncher:
             str(attempt),
             "--fence-s",
             f"{fence_s:g}",
+            *(["--memory-prefix", self._config.worker.prefix] if self._memory_on() else []),
         ]
+
+    def _memory_on(self) -> bool:
+        """Snapshots in memory: asked for, and in checkpoints each node can hold its part of (not a framework's)."""
+        return self._config.worker.snapshot_steps != 0
 
     def _fence_s(self) -> float:
         return max(1.0, self._config.slurm.node_timeout_s / 2)  # fenced well before it is declared lost
@@ -440,9 +455,11 @@ class SlurmLauncher:
         )
         return f"{host}:{port}"
 
-    def _place(self) -> None:
+    def _place(self) -> list[Event]:
         """Every agent is here: tell each which ranks to start, with torchrun's variables."""
         attempt = self._pending
+        if gone := self._holders_gone(attempt):  # the memory snapshot chosen is no longer within reach
+            return self._resume_failed(next(iter(self._nodes.values())), {"step": attempt.resume_step, "reason": gone})
         first = min(self._nodes.values(), key=lambda node: node.group_rank)
         master, port = first.address or "127.0.0.1", first.port or 29500
         n = self._config.nproc_per_node
@@ -464,7 +481,10 @@ class SlurmLauncher:
             assert node.peer is not None
             if succession is not None:
                 node.peer.send({"type": "succession", "succession": succession.to_json()})
-            node.peer.send({"type": "launch", "argv": argv, "envs": envs})
+            launch: dict[str, Any] = {"type": "launch", "argv": argv, "envs": envs}
+            if self._memory_on() and node.memory_port is not None:
+                launch["memory"] = self._memory_orders(node, attempt, world)
+            node.peer.send(launch)
         self._log.info(
             "ranks_placed",
             attempt=attempt.number,
@@ -472,6 +492,18 @@ class SlurmLauncher:
             master_port=port,
             nodes={node.name: list(node.ranks) for node in self._nodes.values()},
         )
+        return []
+
+    def _holders_gone(self, attempt: Attempt) -> str | None:
+        """Resuming from memory: why some rank's snapshot cannot be fetched (its holder is not in this attempt)."""
+        chosen = self._chosen
+        if chosen is None or attempt.resume_step != chosen.step or attempt.resume_dir is None:
+            return None
+        for rank, holder in sorted(chosen.holders.items()):
+            node = self._nodes.get(holder)
+            if node is None or self._memory_address(node) is None:
+                return f"rank {rank}'s copy is on {holder}, which is not in this attempt"
+        return None
 
     def _succession(self) -> Succession | None:
         """How an agent takes our place: the other nodes of the attempt, in group-rank order, may."""
@@ -551,6 +583,78 @@ class SlurmLauncher:
             return self._link_checked(item)
         return None
 
+    def _memory_orders(self, node: _Node, attempt: Attempt, world: int) -> dict[str, Any]:
+        """A node's part of the memory tier this attempt: the partner its snapshots are copied to (the next node in
+        the ring), and, resuming from memory, where each of its ranks' files is (None: here)."""
+        ring = sorted(self._nodes.values(), key=lambda n: n.group_rank)
+        partner = ring[(ring.index(node) + 1) % len(ring)]
+        orders: dict[str, Any] = {
+            "world_size": world,
+            "partner": None if partner is node else self._memory_address(partner),
+            "rate_bytes_s": self._config.slurm.peer_copy_mb_s * MB,
+            "persist_mb_s": self._config.worker.persist_mb_s,
+        }
+        chosen = self._chosen
+        if chosen is not None and attempt.resume_step == chosen.step and attempt.resume_dir is not None:
+            holders = {rank: self._nodes.get(chosen.holders.get(rank, "")) for rank in node.ranks}
+            orders["resume"] = {
+                "step": chosen.step,
+                "sources": {
+                    str(rank): None if holder is node else self._memory_address(holder)
+                    for rank, holder in holders.items()
+                },
+            }
+        return orders
+
+    def _memory_address(self, node: _Node | None) -> str | None:
+        if node is None or node.address is None or node.memory_port is None:
+            return None
+        return f"{node.address}:{node.memory_port}"
+
+    def memory_choice(
+        self, world_size: int, *, newer_than: int | None, at_most: int | None, refused: Mapping[int, str]
+    ) -> MemoryChoice | None:
+        """The newest step the nodes' memory holds for every rank, newer than the disk's `newer_than` (the next
+        launch gathers it on each node); None when there is none, or the tier is off."""
+        if not self._memory_on():
+            return None
+        with self._held_lock:
+            held = {node: ranks for node, ranks in self._held.items() if node not in self._excluded()}
+        self._chosen = choose_memory(
+            held, world_size, newer_than=newer_than, at_most=at_most, refused={**self._memory_refused, **refused}
+        )
+        if self._chosen is None and (unheld := unheld_ranks(held, world_size, newer_than=newer_than)) is not None:
+            step, missing = unheld  # said plainly: a node and its partner were both lost
+            self._log.warning(
+                "memory_snapshot_lost",
+                step=step,
+                ranks_missing=missing,
+                reason="no node still in the run holds these ranks' snapshot or its partner copy",
+                action="resume from disk",
+            )
+        return self._chosen
+
+    def _hold(self, node: str, inventory: Any) -> None:
+        """What a node's agent says its memory holds (any thread)."""
+        with self._held_lock:
+            self._held[node] = parse_inventory(inventory)
+            raw = inventory.get("bytes") if isinstance(inventory, dict) else None
+            self._held_bytes[node] = raw if type(raw) is int and raw >= 0 else 0
+
+    def _forget_memory(self, node: str) -> None:
+        with self._held_lock:
+            self._held.pop(node, None)
+            self._held_bytes.pop(node, None)
+
+    def _resume_failed(self, node: _Node, message: dict[str, Any]) -> list[Event]:
+        """A node could not gather the memory snapshot its ranks were to resume from: that step is passed over and
+        the attempt launched again (from the next candidate, disk at worst)."""
+        step, reason = int(message["step"]), str(message["reason"])[:500]
+        self._memory_refused[step] = f"{MEMORY_LABEL}: on {node.name}: {reason}"
+        self._log.warning("snapshot_passed_over", step=step, reason=self._memory_refused[step], attempt=self._attempt)
+        self._kill_steps()
+        return [LaunchFailed(self._attempt or 0, f"memory snapshot of step {step} on {node.name}: {reason}")]
+
     def _arrived(self, peer: Peer, hello: dict[str, Any]) -> list[Event]:
         name = hello.get("node")
         attempt: Any = hello.get("attempt")  # the agent's word: this attempt's number, once checked below
@@ -572,9 +676,12 @@ class SlurmLauncher:
             said = [str(p)[:200] for p in problems[:16]]
             self._log.error("gpu_unhealthy", node=node.name, attempt=attempt, problems=said)
             return self._lose(node, f"unhealthy GPU: {'; '.join(said)}")
-        port = hello.get("port")
+        port, memory_port = hello.get("port"), hello.get("memory_port")
         node.peer, node.address, node.heard = peer, peer.address, time.monotonic()
         node.port = port if type(port) is int and 0 < port < 65536 else None
+        node.memory_port = memory_port if type(memory_port) is int and 0 < memory_port < 65536 else None
+        if node.memory_port is not None:
+            self._hold(node.name, hello.get("memory"))
         self._hub.add(
             peer,
             lambda m: self._heard(node, attempt, m),
@@ -585,7 +692,7 @@ class SlurmLauncher:
         )
         if all(n.peer is not None for n in self._nodes.values()):
             self._hello_deadline = None
-            self._place()
+            return self._place()
         return []
 
     def _heard(self, node: _Node, attempt: int, message: dict[str, Any]) -> None:
@@ -595,6 +702,8 @@ class SlurmLauncher:
         if message["type"] != "beat":
             self._post(_AgentSaid(attempt, node.name, message))
             return
+        if "memory" in message and node.state != "lost":
+            self._hold(node.name, message["memory"])
         records = message.get("beats")
         beats = (
             [beat for record in records if (beat := self._beat(node, record)) is not None]
@@ -622,10 +731,14 @@ class SlurmLauncher:
                 )
                 return [Spawned(self._attempt or 0, pids)]
             return []
+        if kind == "resume_failed":
+            return self._resume_failed(node, message)
         if kind == "spawn_failed":
             self._kill_steps()
             return [LaunchFailed(self._attempt or 0, f"on {node.name}: {str(message['error'])[:300]}")]
         if kind == "exited":
+            if "memory" in message:
+                self._hold(node.name, message["memory"])
             return self._exited(node, int(message["rank"]), int(message["code"]))
         if kind == "stacks":
             node.stacks = message
@@ -681,6 +794,7 @@ class SlurmLauncher:
     def _lose(self, node: _Node, why: str) -> list[Event]:
         """A node is gone: its ranks count as killed (they are blocked with a lost peer), it is charged."""
         node.state = "lost"
+        self._forget_memory(node.name)  # whatever it held in memory is out of reach
         if node.peer is not None:
             node.peer.close()
         if self._failed_on is None:
@@ -991,6 +1105,8 @@ class SlurmLauncher:
     def details(self) -> dict[str, Any]:
         now = time.monotonic()
         excluded = self._excluded()
+        with self._held_lock:
+            held = dict(self._held_bytes)  # what each node's memory tier holds (node_memory.py)
         nodes = [
             {
                 "node": n.name,
@@ -998,6 +1114,7 @@ class SlurmLauncher:
                 "state": n.shown_state(),
                 "ranks": list(n.ranks),
                 "heartbeat_age_s": None if n.peer is None else round(now - n.heard, 3),
+                **({"memory_bytes": held[n.name]} if n.name in held and n.active else {}),
             }
             for n in sorted(self._nodes.values(), key=lambda n: n.group_rank)
         ]

@@ -468,7 +468,9 @@ def _node_lines(status: dict[str, Any]) -> list[str]:
         heard = "" if age is None or stale or node["state"] == "ended" else f", agent heard {age:.1f} s ago"
         why = f" ({node['why']})" if node.get("why") else ""
         state = f"{node['state']} when the supervisor was last heard" if stale else node["state"]
-        lines.append(f"  node {node['node']}: {state}{why}{ranks}{heard}")
+        held = node.get("memory_bytes")
+        memory = f", {held / 1e6:.1f} MB of snapshots in memory" if type(held) is int and held > 0 else ""
+        lines.append(f"  node {node['node']}: {state}{why}{ranks}{heard}{memory}")
     return lines
 
 

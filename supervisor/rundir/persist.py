@@ -21,11 +21,13 @@ import stat
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from supervisor.rundir.checkpoints import completed_at, read_record
+from supervisor.rundir.throttle import MB, Throttle
 from worker.contract import (
     MANIFEST,
     CheckpointStore,
@@ -39,6 +41,8 @@ from worker.files import (
     atomic_write,
     atomic_write_bytes,
     atomic_write_json,
+    is_plain_dir,
+    is_plain_file,
     open_regular,
     parse_json,
     read_bytes,
@@ -46,7 +50,7 @@ from worker.files import (
 )
 from worker.manifest import rank_record_name, read_manifest, remove_sharded
 
-__all__ = ["CopyFailed", "Persister", "memory_status", "newest_memory_snapshot", "persist_snapshot"]
+__all__ = ["CopyFailed", "Persister", "complete_for", "memory_status", "newest_memory_snapshot", "persist_snapshot"]
 
 POLL_INTERVAL_S = 0.1  # how often the persister looks for new pins: one listing, so that none is superseded
 _CHUNK = 1 << 20
@@ -68,34 +72,46 @@ class Persisted:
     seconds: float
 
 
-def persist_snapshot(source: CheckpointStore, dest: CheckpointStore, step: int, world_size: int, prefix: str) -> int:
-    """Copy the snapshot of `step` from `source` (a pin or a memory slot) to `dest`, checked while copied; the bytes
+def persist_snapshot(
+    source: CheckpointStore,
+    dest: CheckpointStore,
+    step: int,
+    ranks: Sequence[int],
+    prefix: str,
+    *,
+    throttle: Throttle | None = None,
+) -> int:
+    """Copy the snapshot of `step` from `source` (a pin or a memory slot) to `dest`, checked while copied, for
+    `ranks` (every rank on one machine, a node's own on Slurm), paced by `throttle` (None: at full speed); the bytes
     written. CopyFailed (what was copied of it is removed again) when a file is not what its record says."""
+    throttle = throttle or Throttle(0)
     try:
         if source.is_sharded(step, prefix):
-            return _copy_sharded(source.sharded_dir(step, prefix), dest, step, prefix)
-        return _copy_per_rank(source, dest, step, world_size, prefix)
+            return _copy_sharded(source.sharded_dir(step, prefix), dest, step, prefix, throttle)
+        return _copy_per_rank(source, dest, step, ranks, prefix, throttle)
     except CopyFailed:
-        _remove_copy(dest, step, world_size, prefix)
+        _remove_copy(dest, step, ranks, prefix)
         raise
 
 
-def _copy_per_rank(source: CheckpointStore, dest: CheckpointStore, step: int, world_size: int, prefix: str) -> int:
+def _copy_per_rank(
+    source: CheckpointStore, dest: CheckpointStore, step: int, ranks: Sequence[int], prefix: str, throttle: Throttle
+) -> int:
     total = 0
-    for rank in range(world_size):
+    for rank in ranks:
         try:
             record = read_record(source, rank, step, prefix)
         except (OSError, ValueError) as exc:
             raise CopyFailed(f"rank {rank}'s completion record: {exc}") from None
         path = dest.file(rank, step, prefix)
-        total += _copy_checked(source.file(rank, step, prefix), path, record, dest.write_root, f"rank {rank}")
+        total += _copy_checked(source.file(rank, step, prefix), path, record, dest.write_root, f"rank {rank}", throttle)
         atomic_write_json(dest.record(rank, step, prefix), record, root=dest.write_root)  # after its file
         meta = {"last_epoch": 0, "last_step": step, "last_ckpt_file": path.name}  # as worker.checkpoint writes it
         atomic_write_json(dest.meta(rank), meta, root=dest.write_root)
     return total
 
 
-def _copy_sharded(directory: Path, dest: CheckpointStore, step: int, prefix: str) -> int:
+def _copy_sharded(directory: Path, dest: CheckpointStore, step: int, prefix: str, throttle: Throttle) -> int:
     try:
         manifest = read_manifest(directory, step)  # checked: every listed name is a plain one of ours
         manifest_bytes = read_bytes(directory / MANIFEST, MAX_JSON_BYTES)  # copied as it is, once checked equal
@@ -104,9 +120,12 @@ def _copy_sharded(directory: Path, dest: CheckpointStore, step: int, prefix: str
     except (OSError, ValueError) as exc:
         raise CopyFailed(f"manifest: {exc}") from None
     target = dest.root / directory.name
+    if is_plain_dir(target) and not is_plain_file(target / MANIFEST):
+        remove_sharded(target)  # a copy a killed persister left torn: its temporaries would outlive this copy
     total = 0
     for name, entry in sorted(manifest["files"].items()):
-        total += _copy_checked(directory / name, target / name, entry, dest.write_root, f"rank {entry.get('rank')}")
+        whose = f"rank {entry.get('rank')}"
+        total += _copy_checked(directory / name, target / name, entry, dest.write_root, whose, throttle)
     # Each rank's record too, as a sharded save leaves it (the manifest holds what resume checks).
     for rank in range(manifest["world_size"]):
         try:
@@ -118,9 +137,11 @@ def _copy_sharded(directory: Path, dest: CheckpointStore, step: int, prefix: str
     return total + len(manifest_bytes)
 
 
-def _copy_checked(source: Path, target: Path, expected: dict[str, Any], root: Path, whose: str) -> int:
-    """Stream `source` into `target` atomically, reading at most one byte past the expected size; CopyFailed
-    (nothing renamed into place) when size or CRC-32 differ."""
+def _copy_checked(
+    source: Path, target: Path, expected: dict[str, Any], root: Path, whose: str, throttle: Throttle
+) -> int:
+    """Stream `source` into `target` atomically, reading at most one byte past the expected size, each chunk paced
+    by `throttle`; CopyFailed (nothing renamed into place) when size or CRC-32 differ."""
     try:
         fd = open_regular(source)
     except OSError as exc:
@@ -132,6 +153,7 @@ def _copy_checked(source: Path, target: Path, expected: dict[str, Any], root: Pa
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
             out.write(chunk)
+            throttle.sent(len(chunk))
         if size != expected["size"]:
             raise CopyFailed(f"{whose}'s {source.name}: {size} bytes, {expected['size']} written")
         if f"{crc:08x}" != expected["crc32"]:
@@ -144,19 +166,20 @@ def _copy_checked(source: Path, target: Path, expected: dict[str, Any], root: Pa
     return int(expected["size"])
 
 
-def _remove_copy(dest: CheckpointStore, step: int, world_size: int, prefix: str) -> None:
+def _remove_copy(dest: CheckpointStore, step: int, ranks: Sequence[int], prefix: str) -> None:
     """Undo a failed copy: records first, so a kill in between leaves junk, not a checkpoint that lies."""
     if dest.is_sharded(step, prefix):
         remove_sharded(dest.sharded_dir(step, prefix))
         return
-    for rank in range(world_size):
+    for rank in ranks:
         unlink_quietly(dest.record(rank, step, prefix))
         unlink_quietly(dest.file(rank, step, prefix))
 
 
-def _pin_complete(pin: CheckpointStore, step: int, world_size: int, prefix: str) -> bool:
-    """Every rank's file and record linked, or the sharded directory with its manifest."""
-    return step in pin.complete_steps(world_size, prefix)
+def complete_for(store: CheckpointStore, step: int, ranks: Sequence[int], prefix: str) -> bool:
+    """Whether `store` holds `step` for every one of `ranks` (file and record), or as a sharded directory with its
+    manifest."""
+    return step in store.sharded_steps(prefix) or all(step in store.steps(rank, prefix) for rank in ranks)
 
 
 def _remove_pin(pin: CheckpointStore) -> None:
@@ -167,11 +190,22 @@ class Persister:
     """Copies complete pins to the run's checkpoints in a thread of its own; `in_flight` tells the supervisor's junk
     removal which temporaries in the checkpoint directory are a copy under way."""
 
-    def __init__(self, layout: RunLayout, world_size: int, prefix: str, log: Any) -> None:
+    def __init__(
+        self,
+        layout: RunLayout,
+        world_size: int,
+        prefix: str,
+        log: Any,
+        ranks: Sequence[int] | None = None,
+        *,
+        persist_mb_s: float = 0.0,
+    ) -> None:
         self.layout = layout
         self.world_size = world_size
+        self.ranks = tuple(range(world_size)) if ranks is None else tuple(ranks)  # whose files this one copies
         self.prefix = prefix
         self.log = log
+        self.bytes_per_s = persist_mb_s * MB  # worker.persist_mb_s: each copy's pace while ranks train; 0: none
         self._busy: set[int] = set()  # steps being copied now
         self._lock = threading.Lock()  # one pass at a time (the thread, the end-of-run persist)
         self._busy_lock = threading.Lock()
@@ -183,7 +217,7 @@ class Persister:
         self._thread.start()
 
     def stop(self) -> None:
-        """Let the copy under way finish, then end the thread."""
+        """Let the copy under way finish (at full speed from now: no rank trains any more), then end the thread."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -205,7 +239,7 @@ class Persister:
                 if newest is not None:
                     _remove_pin(pin)
                     self.log.info("snapshot_pin_superseded", step=step, by=newest)
-                elif _pin_complete(pin, step, self.world_size, self.prefix):
+                elif complete_for(pin, step, self.ranks, self.prefix):
                     newest = step
                     copied = self._persist(pin, step)
                     done += [copied] if copied else []
@@ -223,13 +257,16 @@ class Persister:
             return self._persist(*found)
 
     def _persist(self, source: CheckpointStore, step: int) -> Persisted | None:
-        if step in self.layout.checkpoints.complete_steps(self.world_size, self.prefix):
+        if complete_for(self.layout.checkpoints, step, self.ranks, self.prefix):
             return None  # already there (a predecessor copied it and died before removing the pin)
         started = time.monotonic()
         with self._busy_lock:
             self._busy.add(step)
         try:
-            written = persist_snapshot(source, self.layout.checkpoints, step, self.world_size, self.prefix)
+            throttle = Throttle(self.bytes_per_s, wait=self._stop.wait)  # a stop lifts the limit
+            written = persist_snapshot(
+                source, self.layout.checkpoints, step, self.ranks, self.prefix, throttle=throttle
+            )
         except (CopyFailed, OSError) as exc:
             self.log.error("persist_failed", step=step, reason=str(exc)[:500], source=str(source.root))
             return None

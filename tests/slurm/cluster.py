@@ -263,6 +263,12 @@ def node_procs(name: str) -> list[str]:
     return [c for c in map(_comm, netns_pids(name)) if c]
 
 
+def node_files(name: str, directory: str) -> list[str]:
+    """Names in `directory` as the node sees it (its own mount namespace: each node has its own /dev/shm)."""
+    slurmd = next(p for p in netns_pids(name) if _comm(p) == "slurmd")
+    return sorted(_run(["nsenter", "-t", str(slurmd), "-m", "ls", "-A", directory]).stdout.split())
+
+
 def slurmd_alive(name: str) -> bool:
     return any(_comm(p) == "slurmd" for p in netns_pids(name))
 

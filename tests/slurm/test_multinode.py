@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
+from supervisor.rundir.rank_logs import last_step
 from tests.checkpoint_files import assert_bitwise_equal, load_saved
 from tests.e2e.conftest import REPO, journal, write_config
+from worker.contract import RunLayout
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(400)]
 
@@ -231,6 +233,36 @@ def test_a_node_crashed_while_the_controller_is_out_of_reach_waits_for_it_and_th
     assert [e["nodes"] for e in events(run_dir, "ranks_placed")][-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
     assert status(run_dir)["state"] == "finished"
     assert_same_training_state(run_dir, reference)
+
+
+def test_a_crashed_node_s_ranks_resume_on_the_spare_from_their_partner_s_copy_in_memory(slurm, tmp_path, reference):
+    """Snapshots every step in each node's memory (its own /dev/shm), disk saves every 20: twnode2 crashes after step
+    25. Its ranks' newest snapshot died with it; twnode1's agent holds their partner copy. The relaunch on twnode1 and
+    the spare resumes from it (`memory (peer twnode1)`), at most one snapshot and the copy under way behind rank 2's
+    last step, never from disk's step 20, and ends bitwise as the uninterrupted run; every node's memory goes."""
+    slower = ",".join(f"{rank}:slow@1:0.1" for rank in range(4))  # a wide window at step 25 (the numbers stay)
+    job, run_dir = submit(
+        slurm,
+        tmp_path,
+        worker={"prefix": "demo", "save_checkpoint_steps": 20, "snapshot_steps": 1},
+        env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": slower},
+    )
+    wait_for_step(slurm, run_dir, 25)
+    slurm.crash_node("twnode2")
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    assert [e["node"] for e in events(run_dir, "node_lost")] == ["twnode2"]
+    crashed_at = last_step(RunLayout(run_dir), 2, 0)
+    launched = events(run_dir, "ranks_launched")[-1]
+    assert launched["resume_source"] == "memory (peer twnode1)", launched
+    assert crashed_at is not None and crashed_at - 2 <= launched["resume_step"] <= crashed_at
+    assert [e["nodes"] for e in events(run_dir, "ranks_placed")][-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
+    persisted = {(e["node"], e["step"]) for e in events(run_dir, "snapshot_persisted")}
+    assert {("twnode1", 20), ("twnode2", 20), ("twnode1", 40), ("twnode3", 40)} <= persisted, persisted
+    assert_same_training_state(run_dir, reference)
+    for node in ("twnode1", "twnode3"):  # the run ended: its memory on every node went with it
+        assert slurm.node_files(node, "/dev/shm") == [], node
 
 
 def test_a_node_whose_ranks_keep_dying_is_excluded_and_replaced_by_the_spare(slurm, tmp_path):

@@ -208,6 +208,22 @@ def test_a_damaged_sharded_pin_leaves_no_manifest_on_disk(layout: RunLayout) -> 
     assert not (layout.checkpoint_dir / source.name).exists()
 
 
+def test_a_torn_sharded_copy_a_killed_persister_left_is_cleared_before_the_step_is_copied_again(
+    layout: RunLayout,
+) -> None:
+    """A supervisor killed while copying step 6 left a shard renamed into place and a temporary beside it, no
+    manifest: the next copy of the pin clears them first, so the checkpoint holds its files and no leftover."""
+    source = sharded(layout.memory_pin(6), 6)
+    pinned = {path.name: path.read_bytes() for path in source.iterdir()}
+    target = layout.checkpoint_dir / source.name
+    target.mkdir(parents=True)
+    (target / "__0_0.distcp").write_bytes(b"half of an older copy")
+    (target / ".__1_0.distcp.0a1b2c3d.tmp").write_bytes(b"torn")
+    Persister(layout, WORLD, PREFIX, Log()).persist_pins()
+    assert {path.name: path.read_bytes() for path in target.iterdir()} == pinned
+    assert choose_resume(layout.checkpoint_stores(), WORLD, PREFIX).step == 6
+
+
 def test_resume_prefers_a_newer_memory_snapshot_over_an_older_disk_checkpoint(layout: RunLayout) -> None:
     """Disk holds step 4, memory step 6: step 6 from memory (label "memory", resume_source in ranks_launched)."""
     snapshot(layout.checkpoints, 4)

@@ -495,6 +495,17 @@ def test_status_of_a_thousand_node_run_is_a_summary_naming_what_is_worth_a_look(
     assert "  node bad: excluded (failed 3 times)" in lines
 
 
+def test_each_running_node_says_how_much_its_memory_tier_holds():
+    status = thousand_node_status()
+    status["nodes"] = [
+        {**status["nodes"][0], "memory_bytes": 5_600_000},
+        {**status["nodes"][1], "memory_bytes": 0},
+    ]
+    lines = render(status).splitlines()
+    assert "  node n0000: running, ranks 0-7, agent heard 0.4 s ago, 5.6 MB of snapshots in memory" in lines
+    assert "  node n0001: running, ranks 8-15, agent heard 0.4 s ago" in lines
+
+
 def test_the_state_file_of_a_thousand_node_run_is_read_back_whole(tmp_path):
     """Its state file is over the 1 MiB other JSON files are held to (a record per rank and node): `status`, a
     restarted supervisor (its failure history) and the plot read it whole, and `status` says how old it is (it is

@@ -146,7 +146,7 @@ def test_the_final_save_of_a_pinned_step_takes_the_supervisors_copy(loop, tmp_pa
     run = loop(config=PINNING)
     for _ in range(2):
         run.train_batch()
-    copier = threading.Timer(0.3, persist_snapshot, (layout.memory_pin(2), layout.checkpoints, 2, 1, PREFIX))
+    copier = threading.Timer(0.3, persist_snapshot, (layout.memory_pin(2), layout.checkpoints, 2, (0,), PREFIX))
     copier.start()
     run.warden.finish()
     copier.join()

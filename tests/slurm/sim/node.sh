@@ -36,9 +36,11 @@ start() {
   # inherits nothing from the caller (a test's process tag would make it look like a leak);
   # setsid + redirects so it outlives the caller and holds none of its pipes.
   # sh stays as the node's init and reaps orphans: slurmd does not, and an unreaped zombie in a
-  # job's process group keeps its step COMPLETING forever (proctrack/pgid)
+  # job's process group keeps its step COMPLETING forever (proctrack/pgid).
+  # Each node has its own /dev/shm (a tmpfs in its mount namespace), gone when the node crashes: a node's memory.
   setsid nsenter --net="/var/run/netns/$n" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
     unshare --uts --mount $pidns sh -c "hostname $n; mount --bind /etc/netns/$n/resolv.conf /etc/resolv.conf
+      mount -t tmpfs -o size=${TW_SIM_SHM:-512m},mode=1777 tmpfs /dev/shm
       /usr/sbin/slurmd -D -N $n & wait" \
     </dev/null >>"$SIM/log/slurmd-$n.out" 2>&1 &
   echo $! >"$SIM/pids/slurmd-$n.launcher"
