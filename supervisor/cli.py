@@ -11,6 +11,7 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ from supervisor.observe.status import StatusError, read_status, render, shown_st
 from supervisor.rundir.journal import open_journal
 from supervisor.rundir.lease import LOCAL_TTL_S, Lease
 from supervisor.runner import LauncherFactory, RunDirBusy, Supervisor, lock_run_dir
-from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
+from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout, newest_complete
 from worker.files import atomic_write_bytes
+from worker.memory import check_memory_dir, memory_dir_for
 
 __all__ = ["main"]
 
@@ -593,6 +595,8 @@ def _no_rank_running(layout: RunLayout) -> tuple[str, str] | None:
     newest = checkpoint.get("step") if isinstance(checkpoint, dict) else None
     if "newest_state" in status:  # the supervisor's own answer while no rank runs (a memory snapshot's step too)
         newest = status["newest_state"]
+    elif (found := _newest_complete(layout, status, len(ranks))) is not None:
+        newest = found  # as the next supervisor will find it: a save may have completed after the state was written
     progress = status.get("progress")
     heard = progress.get("step") if isinstance(progress, dict) else None
     if type(newest) is not int:
@@ -601,6 +605,23 @@ def _no_rank_running(layout: RunLayout) -> tuple[str, str] | None:
     return why, (
         f"the run ends stopped at its newest complete state, step {newest}; the steps trained past it{past} are lost"
     )
+
+
+def _newest_complete(layout: RunLayout, status: dict[str, Any], ranks: int) -> int | None:
+    """The newest state complete on every rank in the run dir (and this machine's memory tier), as a supervisor
+    starting now would find it; None when the state file does not say the prefix and world size, or none is."""
+    prefix, world = status.get("checkpoint_prefix"), status.get("world_size") or ranks
+    if not isinstance(prefix, str) or type(world) is not int or world < 1:
+        return None
+    try:
+        memory = check_memory_dir(memory_dir_for(layout.root))
+    except OSError:
+        memory = None
+    try:
+        found = newest_complete(replace(layout, memory=memory).checkpoint_stores(), world, prefix)
+    except (OSError, ValueError):
+        return None
+    return None if found is None else found[1]
 
 
 def _fenced(layout: RunLayout, attempt: Any) -> str | None:

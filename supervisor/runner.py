@@ -847,6 +847,7 @@ class Supervisor:
             "lease_generation": None if self._lease is None else self._lease.lease.generation,
             "started_at": self._started_at,
             "last_checkpoint": {"step": steps[-1]} if steps else None,
+            "checkpoint_prefix": self.config.worker.prefix,  # for `stop` while no supervisor runs (a takeover)
             # While no rank runs: where a stop would end the run (a memory snapshot's step included), for `stop`.
             **({"newest_state": self._newest_complete()} if self.state.phase in NO_RANK_SAVES else {}),
             "last_checkpoint_at": self._completed_at(steps[-1]) if steps else None,

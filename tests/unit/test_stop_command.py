@@ -91,3 +91,26 @@ def test_ranks_their_agents_fenced_are_not_running(monkeypatch, tmp_path):
         and found[0].startswith("the agents on twnode2 fenced their ranks")
         and found[1].startswith(ENDS)
     )
+
+
+def test_with_no_supervisor_alive_the_run_dir_says_the_newest_complete_state_not_the_stale_state_file(
+    monkeypatch, tmp_path
+):
+    """The supervisor died after a save completed but before it wrote its state: the next supervisor will find that
+    save, so `stop` names it too (read from the checkpoint directory: complete on every rank), not the state file's."""
+    layout = RunLayout(tmp_path)
+    for rank in (0, 1):
+        for step in (100, 120):
+            layout.checkpoints.rank_dir(rank).mkdir(parents=True, exist_ok=True)
+            layout.checkpoints.file(rank, step, "demo").write_bytes(b"x")
+            if (rank, step) != (1, 120):  # rank 1's record of 120 missing: 120 is not complete
+                layout.checkpoints.record(rank, step, "demo").write_text("{}")
+        layout.checkpoints.file(rank, 110, "demo").write_bytes(b"x")
+        layout.checkpoints.record(rank, 110, "demo").write_text("{}")
+    status = {"state": "running", "supervisor_alive": False, "ranks": RUNNING_RANKS, "checkpoint_prefix": "demo"}
+    status |= {"last_checkpoint": {"step": 100}, "progress": {"step": 115}}
+    monkeypatch.setattr(cli, "read_status", lambda _layout: status)
+    found = cli._no_rank_running(layout)
+    assert (
+        found is not None and "newest complete state, step 110; the steps trained past it, up to step 115" in found[1]
+    )
