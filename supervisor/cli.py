@@ -30,9 +30,10 @@ from supervisor.observe.status import StatusError, read_status, render, shown_st
 from supervisor.rundir.journal import open_journal
 from supervisor.rundir.lease import LOCAL_TTL_S, Lease
 from supervisor.runner import LauncherFactory, RunDirBusy, Supervisor, lock_run_dir
-from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout, newest_complete
+from worker.contract import EXIT_CONFIG, EXIT_FAILED, RunLayout
 from worker.files import atomic_write_bytes
 from worker.memory import check_memory_dir, memory_dir_for
+from worker.store import newest_complete
 
 __all__ = ["main"]
 

@@ -27,8 +27,9 @@ import yaml
 from supervisor.core import Policy
 from supervisor.core.hangs import HEARTBEAT_MODES, HangPolicy
 from supervisor.core.rollback import AnomalyPolicy
-from worker.contract import RunLayout, WorkerConfig, parse_checkpoint_name
+from worker.contract import RunLayout, WorkerConfig
 from worker.files import read_bytes
+from worker.store import parse_checkpoint_name
 
 __all__ = [
     "MAX_CONFIG_BYTES",

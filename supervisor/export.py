@@ -21,18 +21,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from supervisor.rundir.checkpoints import choose_explicit, choose_resume, world_sizes
 from worker.checkpoint import CheckpointRefused, load_checkpoint
-from worker.contract import EXIT_CHECKPOINT_REFUSED, EXIT_FAILED, CheckpointStore, RunLayout, parse_sharded_name
+from worker.contract import EXIT_CHECKPOINT_REFUSED, EXIT_FAILED, RunLayout
 from worker.files import atomic_write, open_regular, read_bytes
 from worker.manifest import FRAMEWORK_FORMAT, read_manifest
+from worker.store import (
+    CheckpointStore,
+    choose_explicit,
+    choose_resume,
+    prefixes,
+    rank_0_steps,
+    world_sizes,
+)
 
 __all__ = ["WRAPPER_PREFIXES", "ExportError", "Exported", "export_weights", "plain_state_dict"]
 
 # What wrappers put before every key: DistributedDataParallel / DataParallel, and torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _HF_WEIGHTS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$", re.ASCII)  # the Trainer's, sharded or not
-_RANK_0_FILE = re.compile(r"^(?P<prefix>.+)_rank_0-\d{1,18}\.ckpt$", re.ASCII)  # the shape of worker.contract's names
 
 
 class ExportError(Exception):
@@ -108,16 +114,7 @@ def export_weights(
 
 def _discover_prefix(layout: RunLayout, stores: list[CheckpointStore]) -> str:
     """The one prefix rank 0 has complete checkpoints of; ExportError when there is none, or several."""
-    found = set()
-    for store in stores:
-        for name in _names(store.rank_dir(0)):
-            match = _RANK_0_FILE.match(name)
-            if match and store.steps(0, match["prefix"]):
-                found.add(match["prefix"])
-        for name in _names(store.root):
-            sharded = parse_sharded_name(name)
-            if sharded and store.sharded_steps(sharded[0]):
-                found.add(sharded[0])
+    found = set().union(*map(prefixes, stores))
     if not found:
         raise ExportError(
             f"no checkpoint in {layout.checkpoint_dir} (no complete rank_0/PREFIX_rank_0-STEP.ckpt "
@@ -136,7 +133,7 @@ def _choose(
 ) -> tuple[CheckpointStore, int, tuple[tuple[int, str], ...]]:
     """The checkpoint to export, as the supervisor judges them, and the newer ones passed over on the way."""
     if step is not None:
-        store = next((s for s in stores if step in _rank_0_steps(s, prefix)), None)
+        store = next((s for s in stores if step in rank_0_steps(s, prefix)), None)
         if store is None:
             raise ExportError(
                 f"no complete checkpoint of step {step} in {layout.checkpoint_dir} "
@@ -152,10 +149,10 @@ def _choose(
                 EXIT_CHECKPOINT_REFUSED if complete else EXIT_FAILED,
             )
         return store, step, ()
-    newest = sorted({s for store in stores for s in _rank_0_steps(store, prefix)}, reverse=True)
+    newest = sorted({s for store in stores for s in rank_0_steps(store, prefix)}, reverse=True)
     if not newest:
         raise ExportError(f"no complete checkpoint with prefix {prefix!r} in {layout.checkpoint_dir}")
-    world = _world_size(next(s for s in stores if newest[0] in _rank_0_steps(s, prefix)), newest, prefix)
+    world = _world_size(next(s for s in stores if newest[0] in rank_0_steps(s, prefix)), newest, prefix)
     choice = choose_resume(stores, world, prefix, require_healthy=True)
     if choice.step is None or choice.store is None:
         newest_step, why = choice.passed_over[0] if choice.passed_over else (newest[0], "not complete")
@@ -169,14 +166,9 @@ def _world_size(store: CheckpointStore, steps: list[int], prefix: str) -> int:
     return next((sizes[step] for step in steps if sizes.get(step) is not None), None) or 1
 
 
-def _rank_0_steps(store: CheckpointStore, prefix: str) -> set[int]:
-    """Steps rank 0 has complete: its per-rank files, or a sharded checkpoint's manifest."""
-    return store.steps(0, prefix) | store.sharded_steps(prefix)
-
-
 def _steps_named(stores: list[CheckpointStore], prefix: str) -> str:
     """The newest ten steps rank 0 has complete, for a message."""
-    steps = sorted({s for store in stores for s in _rank_0_steps(store, prefix)})
+    steps = sorted({s for store in stores for s in rank_0_steps(store, prefix)})
     shown = ", ".join(map(str, steps[-10:])) or "none"
     return shown if len(steps) <= 10 else f"..., {shown}"
 
@@ -259,10 +251,3 @@ def _is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
-
-
-def _names(directory: Path) -> list[str]:
-    try:
-        return os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []

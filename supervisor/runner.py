@@ -60,39 +60,30 @@ from supervisor.observe.notify import Notifier, ServiceReporter
 from supervisor.observe.progress import Counts, Observer, Progress
 from supervisor.observe.status import StatusError, read_history, read_status, snapshot, write_status
 from supervisor.observe.stragglers import Stragglers
-from supervisor.rundir.checkpoints import (
-    Choice,
-    WorldSizeMismatch,
-    choose_explicit,
-    choose_resume,
-    completed_at,
-    find_junk,
-    health_entries,
-    passed_over_event,
-    rotation,
-    world_size_mismatch,
-    world_sizes,
-    write_health_file,
-)
+from supervisor.rundir.checkpoints import find_junk, rotation, write_health_file
 from supervisor.rundir.journal import Journal
 from supervisor.rundir.lease import ABDICATED, RELEASED, Lease, LeaseHolder, LeaseLost, read_relayed_signal
 from supervisor.rundir.persist import Persister, memory_status, newest_memory_snapshot
 from supervisor.rundir.rank_logs import abort_info, count, last_event, last_step, stderr_tail
 from supervisor.rundir.watch import HeartbeatUnreadable, StopFileChanged, StopFileWatcher, read_heartbeat
-from worker.contract import (
-    EXIT_ANOMALY,
-    EXIT_CHECKPOINT_REFUSED,
-    EXIT_FAILED,
-    MEMORY_LABEL,
-    RunLayout,
-    named_store,
-    newest_complete,
-    parse_checkpoint_name,
-    resume_stores,
-)
+from worker.contract import EXIT_ANOMALY, EXIT_CHECKPOINT_REFUSED, EXIT_FAILED, RunLayout, named_store, resume_stores
 from worker.files import DIR_MODE, open_in, open_regular, unlink_quietly
 from worker.manifest import remove_sharded
 from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
+from worker.store import (
+    MEMORY_LABEL,
+    Choice,
+    WorldSizeMismatch,
+    choose_explicit,
+    choose_resume,
+    completed_at,
+    health_entries,
+    newest_complete,
+    parse_checkpoint_name,
+    passed_over_event,
+    world_size_mismatch,
+    world_sizes,
+)
 
 __all__ = ["LauncherFactory", "RunDirBusy", "Supervisor", "lock_run_dir"]
 

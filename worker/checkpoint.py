@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from worker.contract import CheckpointStore
 from worker.files import Refused, atomic_write, atomic_write_json, open_regular, unlink_quietly
+from worker.store import CheckpointStore
 
 __all__ = [
     "CheckpointRefused",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -15,7 +14,15 @@ from typing import Any
 
 from worker.anomaly import AdaptiveConfig, MonitorConfig
 from worker.feature_rule import FeatureValueConfig
-from worker.files import is_plain_dir, is_plain_file
+from worker.manifest import MANIFEST
+from worker.store import (
+    MEMORY_LABEL,
+    STEP_NAME,
+    CheckpointStore,
+    newest_complete,
+    parse_checkpoint_name,
+    parse_sharded_name,
+)
 
 __all__ = [
     "CHECKPOINT_WRITER_GROUP",
@@ -28,6 +35,7 @@ __all__ = [
     "ENV_SKIP_TO_BATCH",
     "ENV_WORKER_CONFIG",
     "MANIFEST",
+    "MEMORY_LABEL",
     "EXIT_ANOMALY",
     "EXIT_CHECKPOINT_REFUSED",
     "EXIT_CONFIG",
@@ -91,15 +99,6 @@ EXIT_REQUEUE = 75
 SNAPSHOT_DIR = "snapshot"  # checkpoint/snapshot/{0,1}/rank_R/... and, in memory, MEMORY/snapshot/{0,1}/...
 SNAPSHOT_SLOTS = (0, 1)
 PERSIST_DIR = "persist"  # MEMORY/persist/STEP/...: a snapshot pinned (hard links) until it is copied to disk
-MEMORY_LABEL = "memory"  # how logs, status and `resume_source` name the memory tier
-
-# ASCII digits, at most 18: any name that matches gives a rank and step that fit 64 bits.
-_CKPT_NAME = re.compile(r"^(?P<prefix>.+)_rank_(?P<rank>\d{1,18})-(?P<step>\d{1,18})\.(?P<kind>ckpt|json)$", re.ASCII)
-_STEP = re.compile(r"\d{1,18}", re.ASCII)
-# A checkpoint directory: one per step, complete once its manifest exists (worker.manifest). `.dcp`: a sharded
-# checkpoint of the worker library's; no suffix: a framework's (Lightning, the Hugging Face Trainer's checkpoint-S).
-_SHARDED_NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d{1,18})(?P<dcp>\.dcp)?$", re.ASCII)
-MANIFEST = "MANIFEST.json"
 
 
 @dataclass(frozen=True)
@@ -278,7 +277,7 @@ class RunLayout:
             names = os.listdir(self.memory / PERSIST_DIR)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(int(name) for name in names if _STEP.fullmatch(name))
+        return sorted(int(name) for name in names if STEP_NAME.fullmatch(name))
 
     def memory_stores(self) -> list[CheckpointStore]:
         """The memory tier's stores: both slots and every pinned snapshot (none without a memory directory)."""
@@ -290,89 +289,6 @@ class RunLayout:
         """Every place of this run a resume may come from: regular checkpoints first, then the memory tier, then
         the snapshot slots on disk."""
         return [self.checkpoints, *self.memory_stores(), *(self.snapshot_slot(slot) for slot in SNAPSHOT_SLOTS)]
-
-
-@dataclass(frozen=True)
-class CheckpointStore:
-    """A directory of per-rank checkpoints laid out as seed 001's: `rank_R/PREFIX_rank_R-STEP.ckpt`, its
-    completion record `PREFIX_rank_R-STEP.json` (written after the file) and `rank_R/meta.json`."""
-
-    root: Path
-    label: str = "checkpoint"  # how logs and status name checkpoints from here
-    base: Path | None = None  # writes follow no symlink below this (default `root`): the run's checkpoint/ dir
-
-    @property
-    def write_root(self) -> Path:
-        return self.root if self.base is None else self.base
-
-    def rank_dir(self, rank: int) -> Path:
-        return self.root / f"rank_{rank}"
-
-    def file(self, rank: int, step: int, prefix: str) -> Path:
-        return self.rank_dir(rank) / f"{prefix}_rank_{rank}-{step}.ckpt"
-
-    def record(self, rank: int, step: int, prefix: str) -> Path:
-        """The completion record of a rank's checkpoint: size, checksum, health; written after the file."""
-        return self.rank_dir(rank) / f"{prefix}_rank_{rank}-{step}.json"
-
-    def meta(self, rank: int) -> Path:
-        return self.rank_dir(rank) / "meta.json"
-
-    def sharded_dir(self, step: int, prefix: str) -> Path:
-        """The checkpoint directory of `step`: a sharded (DCP) one (every rank's shard, its own state and, written
-        last, the manifest), or a framework's (`framework_dir`) if only that exists."""
-        sharded = self.root / f"{prefix}-{step}.dcp"
-        framework = self.framework_dir(step, prefix)
-        return framework if not is_plain_dir(sharded) and is_plain_dir(framework) else sharded
-
-    def framework_dir(self, step: int, prefix: str) -> Path:
-        """A framework's checkpoint of `step` (worker.integrations): its own files, our records, the manifest."""
-        return self.root / f"{prefix}-{step}"
-
-    def sharded_steps(self, prefix: str, kind: str = "complete") -> set[int]:
-        """Steps with a checkpoint directory (sharded or a framework's) holding its manifest (`kind="complete"`), or
-        any (`"any"`)."""
-        try:
-            names = os.listdir(self.root)
-        except (FileNotFoundError, NotADirectoryError):
-            return set()
-        steps = set()
-        for name in names:
-            match = _SHARDED_NAME.match(name)
-            if match and match["prefix"] == prefix and (kind == "any" or is_plain_file(self.root / name / MANIFEST)):
-                steps.add(int(match["step"]))
-        return steps
-
-    def is_sharded(self, step: int, prefix: str) -> bool:
-        """Whether the checkpoint of `step` here is a directory (sharded or a framework's), complete or not."""
-        return is_plain_dir(self.sharded_dir(step, prefix))
-
-    def owns(self, name: str, rank: int, prefix: str) -> bool:
-        """Whether `name` in `rank_dir(rank)` is one of our files: a checkpoint, its record or meta.json."""
-        match = _CKPT_NAME.match(name)
-        return name == "meta.json" or bool(match and match["prefix"] == prefix and int(match["rank"]) == rank)
-
-    def steps(self, rank: int, prefix: str, kind: str = "complete") -> set[int]:
-        """Steps for which `rank` has a checkpoint file and its completion record (`kind="complete"`),
-        or either of them (`kind="any"`); stray files and other prefixes are ignored."""
-        try:
-            names = os.listdir(self.rank_dir(rank))
-        except (FileNotFoundError, NotADirectoryError):
-            return set()
-        found: dict[int, set[str]] = {}
-        for name in names:
-            match = _CKPT_NAME.match(name)
-            if match and self.owns(name, rank, prefix):
-                found.setdefault(int(match["step"]), set()).add(match["kind"])
-        return {step for step, kinds in found.items() if kind == "any" or kinds == {"ckpt", "json"}}
-
-    def complete_steps(self, world_size: int, prefix: str) -> list[int]:
-        """Steps, oldest first, whose checkpoint file and completion record exist on every rank, or whose sharded
-        checkpoint has its manifest (any world size: it reshards on load)."""
-        common = self.steps(0, prefix)
-        for rank in range(1, world_size):
-            common &= self.steps(rank, prefix)
-        return sorted(common | self.sharded_steps(prefix))
 
 
 def failures_env(failures: int, wall_s: float) -> str:
@@ -392,20 +308,6 @@ def parse_failures(text: str) -> tuple[int, float] | None:
     return failures, wall_s
 
 
-def parse_sharded_name(name: str) -> tuple[str, int] | None:
-    """(prefix, step) of a checkpoint directory's name (sharded or a framework's), or None."""
-    match = _SHARDED_NAME.match(name)
-    return (match["prefix"], int(match["step"])) if match else None
-
-
-def parse_checkpoint_name(name: str) -> int | None:
-    """The step a checkpoint name means: a rank's file name (`demo_rank_0-40.ckpt`) or the step itself."""
-    match = _CKPT_NAME.match(name.strip())
-    if match:
-        return int(match["step"])
-    return int(name) if _STEP.fullmatch(name.strip()) else None
-
-
 def resume_stores(layout: RunLayout, config: WorkerConfig) -> list[CheckpointStore]:
     """Where a resume may come from: this run's checkpoints and snapshots, then `load_checkpoint`'s directory."""
     own = layout.checkpoint_stores()
@@ -419,12 +321,3 @@ def named_store(layout: RunLayout, config: WorkerConfig) -> CheckpointStore:
 
 def load_checkpoint_store(directory: str) -> CheckpointStore:
     return CheckpointStore(Path(directory), label=f"load_checkpoint {directory}")
-
-
-def newest_complete(stores: list[CheckpointStore], world_size: int, prefix: str) -> tuple[CheckpointStore, int] | None:
-    """The newest checkpoint complete on every rank (unverified), regular ones first on equal steps."""
-    found = [(step, -i, store) for i, store in enumerate(stores) for step in store.complete_steps(world_size, prefix)]
-    if not found:
-        return None
-    step, _, store = max(found, key=lambda f: f[:2])
-    return store, step

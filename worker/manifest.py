@@ -21,10 +21,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from worker.contract import MANIFEST
 from worker.files import file_crc32, is_plain_dir, is_plain_file, read_json, unlink_quietly
 
 __all__ = [
+    "MANIFEST",
     "FORMAT",
     "FRAMEWORK_FORMAT",
     "METADATA",
@@ -39,6 +39,7 @@ __all__ = [
     "remove_sharded",
 ]
 
+MANIFEST = "MANIFEST.json"  # a checkpoint directory's, written last: it is complete once this exists
 FORMAT = "trainwarden-dcp"
 FRAMEWORK_FORMAT = "trainwarden-framework"
 VERSION = 1

@@ -11,9 +11,9 @@ import contextlib
 import os
 from pathlib import Path
 
-from worker.contract import MANIFEST, CheckpointStore
 from worker.files import ensure_dir, is_plain_file, read_bytes, unlink_quietly
-from worker.manifest import remove_sharded
+from worker.manifest import MANIFEST, remove_sharded
+from worker.store import CheckpointStore
 
 __all__ = [
     "MEMORY_HEADROOM",

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.checkpoint import HashingWriter, restore_rng
-from worker.contract import CHECKPOINT_WRITER_GROUP, MANIFEST
+from worker.contract import CHECKPOINT_WRITER_GROUP
 from worker.files import (
     Refused,
     atomic_write,
@@ -51,6 +51,7 @@ from worker.files import (
     unlink_quietly,
 )
 from worker.manifest import (
+    MANIFEST,
     METADATA,
     ManifestError,
     build_manifest,

@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from supervisor.config import MAX_NPROC
-from supervisor.rundir.checkpoints import read_record
 from supervisor.rundir.persist import Persister, bytes_held, complete_for
 from supervisor.rundir.throttle import Throttle
-from worker.contract import MEMORY_LABEL, CheckpointStore, RunLayout
+from worker.contract import RunLayout
 from worker.files import atomic_write, atomic_write_json, file_crc32, open_regular, parse_json, read_json
 from worker.memory_tier import memory_room
+from worker.store import MEMORY_LABEL, CheckpointStore, read_record
 
 __all__ = [
     "MemoryChoice",

@@ -63,8 +63,9 @@ from supervisor.rundir.lease import ABDICATED, HELD, RELEASED, Lease
 from supervisor.rundir.lease import read as read_lease
 from supervisor.rundir.throttle import MB
 from supervisor.rundir.watch import progress_fields
-from worker.contract import EXIT_FAILED, EXIT_REQUEUE, MEMORY_LABEL, RunLayout, StopOrder
+from worker.contract import EXIT_FAILED, EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import open_append, read_bytes
+from worker.store import MEMORY_LABEL
 
 __all__ = ["SlurmLauncher", "in_allocation"]
 

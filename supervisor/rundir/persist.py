@@ -26,16 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.rundir.checkpoints import completed_at, read_record
 from supervisor.rundir.throttle import MB, Throttle
-from worker.contract import (
-    MANIFEST,
-    CheckpointStore,
-    RunLayout,
-    newest_complete,
-    parse_checkpoint_name,
-    parse_sharded_name,
-)
+from worker.contract import RunLayout
 from worker.files import (
     MAX_JSON_BYTES,
     atomic_write,
@@ -48,7 +40,15 @@ from worker.files import (
     read_bytes,
     unlink_quietly,
 )
-from worker.manifest import rank_record_name, read_manifest, remove_sharded
+from worker.manifest import MANIFEST, rank_record_name, read_manifest, remove_sharded
+from worker.store import (
+    CheckpointStore,
+    completed_at,
+    newest_complete,
+    parse_checkpoint_name,
+    parse_sharded_name,
+    read_record,
+)
 
 __all__ = ["CopyFailed", "Persister", "complete_for", "memory_status", "newest_memory_snapshot", "persist_snapshot"]
 

@@ -26,7 +26,8 @@ import yaml
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import FAST_HANG, REPO, Finished, finish, heartbeat, journal, run_supervisor, start_supervisor
-from worker.contract import MANIFEST, RunLayout
+from worker.contract import RunLayout
+from worker.manifest import MANIFEST
 from worker.memory import memory_dir_for, remove_memory_dir
 from worker.sharded import numpy_missing
 

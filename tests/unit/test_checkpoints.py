@@ -6,8 +6,9 @@ import json
 import zlib
 from pathlib import Path
 
-from supervisor.rundir.checkpoints import Choice, choose_resume, find_junk, health_entries
-from worker.contract import CheckpointStore, RunLayout, WorkerConfig, named_store, resume_stores
+from supervisor.rundir.checkpoints import find_junk
+from worker.contract import RunLayout, WorkerConfig, named_store, resume_stores
+from worker.store import CheckpointStore, Choice, choose_resume, health_entries
 
 PREFIX = "demo"
 

@@ -19,7 +19,7 @@ from supervisor.core.stop_requests import MAX_STOP_FILE_BYTES
 from supervisor.launch.stacks import MAX_DUMP_BYTES, _read_from
 from supervisor.launch.trees import kill_predecessor_leftovers, record_pids
 from supervisor.observe.status import StatusError, read_status, write_status
-from supervisor.rundir.checkpoints import Choice, choose_resume, write_health_file
+from supervisor.rundir.checkpoints import write_health_file
 from supervisor.rundir.journal import open_journal
 from supervisor.rundir.rank_logs import TAIL_BYTES, last_event, stderr_tail
 from supervisor.rundir.watch import HeartbeatUnreadable, read_heartbeat
@@ -30,6 +30,7 @@ from worker.events import open_event_log
 from worker.files import Refused
 from worker.heartbeat import Heartbeat
 from worker.orders import StopOrders
+from worker.store import Choice, choose_resume
 
 
 @pytest.fixture

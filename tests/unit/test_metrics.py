@@ -17,8 +17,8 @@ from supervisor.core import Failure, Policy, RanksLaunched, decide, initial_stat
 from supervisor.core.causes import Cause, CauseKind
 from supervisor.observe.metrics import CAUSES, PHASES, MetricsExporter, RestartCounts, StatusCollector, families
 from supervisor.observe.status import snapshot
-from supervisor.rundir.checkpoints import completed_at
 from worker.contract import RunLayout
+from worker.store import completed_at
 
 NOW = 1_700_000_000.0  # wall clock
 POLICY = Policy(

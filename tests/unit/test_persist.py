@@ -20,14 +20,15 @@ from supervisor.launch.ranks import Attempt, rank_envs
 from supervisor.observe import plot
 from supervisor.observe.metrics import families
 from supervisor.observe.status import render
-from supervisor.rundir.checkpoints import choose_resume, find_junk, passed_over_event
+from supervisor.rundir.checkpoints import find_junk
 from supervisor.rundir.journal import open_journal
 from supervisor.rundir.persist import Persister, bytes_held, memory_status, newest_memory_snapshot
 from supervisor.runner import Supervisor, lock_run_dir
-from worker.contract import ENV_MEMORY_DIR, MANIFEST, CheckpointStore, RunLayout
+from worker.contract import ENV_MEMORY_DIR, RunLayout
 from worker.files import atomic_write_json
-from worker.manifest import build_manifest, rank_record_name, rank_state_name
+from worker.manifest import MANIFEST, build_manifest, rank_record_name, rank_state_name
 from worker.memory import check_memory_dir, create_memory_dir, memory_dir_for, remove_memory_dir
+from worker.store import CheckpointStore, choose_resume, passed_over_event
 
 PREFIX = "demo"
 WORLD = 2

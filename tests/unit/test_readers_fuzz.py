@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from supervisor.core.stop_requests import StopFileUnparsable, StopRequest, parse_stop_file
 from supervisor.launch.trees import kill_predecessor_leftovers
 from supervisor.observe.status import StatusError, read_history, read_status, render
-from supervisor.rundir.checkpoints import Choice, choose_resume, health_entries
 from supervisor.rundir.rank_logs import abort_info, last_event, last_step
 from supervisor.rundir.watch import HeartbeatUnreadable, read_heartbeat
 from supervisor.runner import _previous_status, _previous_step_gaps
 from worker.contract import RunLayout, StopOrder
 from worker.files import parse_json
 from worker.orders import StopOrders
+from worker.store import Choice, choose_resume, health_entries
 
 # A fixed budget per property, so the whole file runs in CI in seconds, the same examples every time.
 FUZZ = settings(

@@ -10,18 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.rundir.checkpoints import (
-    Choice,
-    choose_explicit,
-    choose_resume,
-    completed_at,
-    find_junk,
-    health_entries,
-    world_size_mismatch,
-)
+from supervisor.rundir.checkpoints import find_junk
 from tests.unit.test_checkpoints import PREFIX, save
-from worker.contract import MANIFEST, CheckpointStore, RunLayout, parse_sharded_name
+from worker.contract import RunLayout
 from worker.manifest import (
+    MANIFEST,
     METADATA,
     ManifestError,
     build_manifest,
@@ -29,6 +22,16 @@ from worker.manifest import (
     manifest_problem,
     read_manifest,
     remove_sharded,
+)
+from worker.store import (
+    CheckpointStore,
+    Choice,
+    choose_explicit,
+    choose_resume,
+    completed_at,
+    health_entries,
+    parse_sharded_name,
+    world_size_mismatch,
 )
 
 

@@ -10,7 +10,8 @@ import pytest
 from supervisor.rundir.persist import Persister, persist_snapshot
 from supervisor.rundir.throttle import MB, Throttle
 from tests.unit.test_persist import PREFIX, WORLD, Log, sharded, snapshot
-from worker.contract import CheckpointStore, RunLayout
+from worker.contract import RunLayout
+from worker.store import CheckpointStore
 
 NOW = 1000.0
 

@@ -9,8 +9,9 @@ import pytest
 from supervisor.config import ConfigError, load_config, parse_config
 from supervisor.core.rollback import AnomalyPolicy
 from worker.anomaly import AdaptiveConfig, MonitorConfig
-from worker.contract import ENV_WORKER_CONFIG, WorkerConfig, parse_checkpoint_name
+from worker.contract import ENV_WORKER_CONFIG, WorkerConfig
 from worker.feature_rule import FeatureValueConfig
+from worker.store import parse_checkpoint_name
 
 SEED_000 = {
     "use_skip_data_by_global_norm": True,

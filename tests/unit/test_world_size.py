@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from supervisor.core import LaunchFailed, Phase, decide, initial_state
-from supervisor.rundir.checkpoints import Choice, WorldSizeMismatch, choose_resume, world_size_mismatch, world_sizes
 from tests.unit.test_checkpoints import PREFIX
 from tests.unit.test_core import NOW, POLICY, shape
-from worker.contract import EXIT_CONFIG, CheckpointStore, RunLayout, WorkerConfig, resume_stores
+from worker.contract import EXIT_CONFIG, RunLayout, WorkerConfig, resume_stores
+from worker.store import CheckpointStore, Choice, WorldSizeMismatch, choose_resume, world_size_mismatch, world_sizes
 
 FOUR = (0, 1, 2, 3)
 

@@ -26,7 +26,8 @@ from worker.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from worker.contract import ENV_RESUME_STEP, EXIT_CHECKPOINT_REFUSED, EXIT_CONFIG, CheckpointStore, RunLayout
+from worker.contract import ENV_RESUME_STEP, EXIT_CHECKPOINT_REFUSED, EXIT_CONFIG, RunLayout
+from worker.store import CheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]
 # A NumPy global RNG state as capture_rng stores it, for checkpoints written where NumPy may not be installed.

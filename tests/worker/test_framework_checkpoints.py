@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.rundir.checkpoints import choose_resume, find_junk, health_entries
+from supervisor.rundir.checkpoints import find_junk
 from worker.contract import ENV_RESUME_DIR, ENV_RESUME_STEP, RunLayout, WorkerConfig
 from worker.files import read_json
 from worker.integrations.records import framework_files, record_completion, resume_directory
@@ -22,6 +22,7 @@ from worker.manifest import (
     read_manifest,
     remove_sharded,
 )
+from worker.store import choose_resume, health_entries
 from worker.warden import Warden
 
 HEALTHY = {"is_health": 0, "health_reasons": []}

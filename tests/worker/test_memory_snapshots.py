@@ -25,11 +25,11 @@ from worker.contract import (
     ENV_RESUME_STEP,
     ENV_RUN_DIR,
     ENV_WORKER_CONFIG,
-    MANIFEST,
     RunLayout,
     WorkerConfig,
 )
 from worker.faults import ENV_FAULTS
+from worker.manifest import MANIFEST
 from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
 from worker.memory_tier import memory_room, snapshot_room_problem
 

@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from supervisor.export import export_weights
-from supervisor.rundir.checkpoints import choose_resume, find_junk
+from supervisor.rundir.checkpoints import find_junk
 from tests.checkpoint_files import assert_bitwise_equal
 from tests.conftest import wait_until
-from worker.contract import EXIT_CHECKPOINT_REFUSED, MANIFEST, RunLayout, WorkerConfig
-from worker.manifest import METADATA, read_manifest
+from worker.contract import EXIT_CHECKPOINT_REFUSED, RunLayout, WorkerConfig
+from worker.manifest import MANIFEST, METADATA, read_manifest
 from worker.sharded import _load_planner, _MetadataUnpickler, numpy_missing
+from worker.store import choose_resume
 
 REPO = Path(__file__).resolve().parents[2]
 SHARDED = WorkerConfig(checkpoint_format="dcp", save_checkpoint_steps=3)

@@ -21,11 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from worker.contract import ENV_WORKER_CONFIG, EXIT_CONFIG, MANIFEST, WorkerConfig
+from worker.contract import ENV_WORKER_CONFIG, EXIT_CONFIG, WorkerConfig
 from worker.exits import leave
 from worker.files import unlink_quietly
 from worker.integrations import drop_gradients, run_layout
 from worker.integrations.records import resume_directory
+from worker.manifest import MANIFEST
 from worker.warden import SAVE_PHASE, Warden
 
 try:

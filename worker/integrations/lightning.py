@@ -16,10 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from worker.contract import MANIFEST, WorkerConfig
+from worker.contract import WorkerConfig
 from worker.files import ensure_dir, unlink_quietly
 from worker.integrations import drop_gradients, run_layout
 from worker.integrations.records import resume_directory
+from worker.manifest import MANIFEST
 from worker.warden import Warden
 
 try:

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.contract import ENV_RESUME_DIR, ENV_RESUME_STEP, MANIFEST, CheckpointStore, RunLayout, WorkerConfig
+from worker.contract import ENV_RESUME_DIR, ENV_RESUME_STEP, RunLayout, WorkerConfig
 from worker.files import atomic_write_json, file_crc32, is_plain_dir, is_plain_file, read_json
-from worker.manifest import FRAMEWORK_FORMAT, build_manifest, framework_name, rank_record_name
+from worker.manifest import FRAMEWORK_FORMAT, MANIFEST, build_manifest, framework_name, rank_record_name
+from worker.store import CheckpointStore
 
 __all__ = ["framework_files", "record_completion", "resume_directory"]
 
