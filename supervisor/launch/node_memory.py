@@ -63,6 +63,7 @@ MAX_FILES = 4 * 1024  # per stream: a node's ranks, one file each
 PUSH_POLL_S = 0.1  # how often the agent looks for a newer snapshot to copy to its partner
 RETRY_S = 5.0  # after a failed copy to the partner
 TIMEOUT_S = 10.0  # a stream that stalls this long is dropped
+MAX_STREAMS = 16  # streams served at once; more wait in the listen backlog (a stranger cannot start a thousand threads)
 _CHUNK = 1 << 20
 
 Held = dict[int, dict[int, str | None]]  # rank -> step -> None (the node's own snapshot) or the node it came from
@@ -169,6 +170,7 @@ class NodeMemory:
         self.port: int | None = None  # where other agents reach this one (`serve`)
         self._stop = threading.Event()
         self._persister: Persister | None = None
+        self._streams = threading.BoundedSemaphore(MAX_STREAMS)
         self._pushed: int | None = None  # the newest step copied to the partner
         self._push_failed: str | None = None  # what the last copy to the partner said, said once
 
@@ -185,6 +187,7 @@ class NodeMemory:
     def _accept(self) -> None:
         assert self._server is not None
         while not self._stop.is_set():
+            self._streams.acquire()
             try:
                 sock, _ = self._server.accept()
             except OSError:
@@ -192,25 +195,32 @@ class NodeMemory:
             threading.Thread(target=self._handle, args=(sock,), name="memory-stream", daemon=True).start()
 
     def _handle(self, sock: socket.socket) -> None:
-        with sock, contextlib.suppress(OSError, StreamError):
-            sock.settimeout(TIMEOUT_S)
-            reader = sock.makefile("rb")
-            header = _read_header(reader)
-            if not hmac.compare_digest(str(header.get("token", "")), self._token):
-                raise StreamError("wrong token")
-            if header.get("type") == "push":
-                try:
-                    self._receive_push(header, reader)
-                except StreamError as exc:
-                    _send_line(sock, {"ok": False, "error": str(exc)[:300]})
-                    raise
-                _send_line(sock, {"ok": True})
-            elif header.get("type") == "fetch":
-                self._send_fetched(sock, header)
+        try:
+            with sock, contextlib.suppress(OSError, ValueError, StreamError):  # a stranger's garbage ends its stream
+                self._serve(sock)
+        finally:
+            self._streams.release()
+
+    def _serve(self, sock: socket.socket) -> None:
+        """One stream: a partner's copy received, or a fetch answered; StreamError when it is not ours."""
+        sock.settimeout(TIMEOUT_S)
+        reader = sock.makefile("rb")
+        header = _read_header(reader)
+        if not hmac.compare_digest(str(header.get("token", "")), self._token):
+            raise StreamError("wrong token")
+        if header.get("type") == "push":
+            try:
+                self._receive_push(header, reader)
+            except StreamError as exc:
+                _send_line(sock, {"ok": False, "error": str(exc)[:300]})
+                raise
+            _send_line(sock, {"ok": True})
+        elif header.get("type") == "fetch":
+            self._send_fetched(sock, header)
 
     def _receive_push(self, header: dict[str, Any], reader: IO[bytes]) -> None:
         origin, step, files = str(header.get("from", ""))[:200], header.get("step"), _files_of(header)
-        if type(step) is not int or not files or not origin:
+        if type(step) is not int or step < 0 or not files or not origin:
             raise StreamError("a push without its node, step or files")
         ranks = sorted(entry["rank"] for entry in files)
         group = self.memory / PEER_DIR / f"r{ranks[0]}"
