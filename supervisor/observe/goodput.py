@@ -17,7 +17,9 @@ time between categories, so the categories always add up to `wall_s`:
   is none, and training of kept steps counts as productive whole.
 - `lost_s`: training that was thrown away. When an attempt resumes from step R, the time earlier attempts trained
   past step R (up to their last progress) moves from productive to lost; the time from an attempt's last progress to
-  its failure or forced stop (the step in flight) is lost at once. An anomaly rollback (resuming further back) and a
+  its failure or forced stop (the step in flight) is lost at once, and given back to training when the next attempt
+  resumes from a step past the last one heard (a snapshot taken after the last beat: at the ideal step time per step
+  up to it, at most all of it). An anomaly rollback (resuming further back) and a
   supervisor that died mid-run (its successor resumes from the newest checkpoint) lose work the same way, and so
   does a run that ends stopped at step S (`stopped_at`: a stop while no rank ran ends at the newest complete state).
 - `startup_s`: the run's start-up, unproductive as in ByteRobust's accounting, but no failure's: from the
@@ -108,6 +110,7 @@ class Goodput:
         self._starting = category != "restart_s"  # downtime is start-up until the first attempt trains or ends
         self._wall = sum(self._totals.values())
         self._tail = 0.0
+        self._failed_tail = 0.0  # training since the last progress that a failure lost, until the relaunch's resume
         self._last: float | None = None  # monotonic time of the last event seen
         self._category: str | None = None  # where the time from `_last` on goes
         self._attempt: int | None = None  # the attempt whose progress is tracked
@@ -187,6 +190,7 @@ class Goodput:
         self._progressed, self._heard, self._trained, self._saves = False, False, 0.0, {}
         self._add("productive_s", self._take(_TAIL, self._tail))  # nothing pending normally: a failure resolved it
         before = self._kept[-1][0]
+        self._keep_tail_up_to(self._top)
         lost = self._roll_back(self._top)
         if lost <= 0:
             return []
@@ -263,8 +267,25 @@ class Goodput:
             self._add("hang_s", self._take(self._down, now - self._launched_at))
         elif clean and not self._heard:  # no heartbeat (no worker library), yet it did its work
             self._add("productive_s", self._take(self._down, now - self._launched_at))
-        self._add("hang_s" if hang else "productive_s" if clean else "lost_s", self._take(_TAIL, self._tail))
+        category = "hang_s" if hang else "productive_s" if clean else "lost_s"
+        tail = self._take(_TAIL, self._tail)
+        self._add(category, tail)
+        self._failed_tail = tail if category == "lost_s" else 0.0
         self._starting = False  # whatever comes next follows a failure or a stop
+
+    def _keep_tail_up_to(self, step: int) -> None:
+        """A resume from `step`, past the last step heard (a snapshot the failed attempt took after its last beat):
+        the training up to it, lost at the failure, was kept after all, at the ideal step time per step (all of it
+        while that is unknown)."""
+        tail, self._failed_tail = self._failed_tail, 0.0
+        heard = self._kept[-1][0]
+        if tail <= 0 or step <= heard:
+            return
+        ideal = self.ideal_step_s()
+        kept = tail if ideal is None else min(tail, (step - heard) * ideal)
+        self._totals["lost_s"] -= kept
+        self._totals["productive_s"] += kept
+        self._kept.append((step, self._totals["productive_s"]))
 
     # ---- the kept timeline ----
 

@@ -161,6 +161,22 @@ def test_crash_loses_the_training_past_the_resume_step():
     assert run.split() == expect(startup_s=5, restart_s=8, productive_s=15 + 51, lost_s=12)
 
 
+def test_a_resume_past_the_last_step_heard_keeps_the_training_up_to_it():
+    """Steps every second, the last beat at step 21 (t=25), the crash at t=29: the 4 s since are lost at once; the
+    relaunch resumes from a snapshot of step 23, taken after that beat: 2 steps at the ideal 1 s each go back from
+    lost to productive, and no work_lost is said."""
+    run = Run()
+    run.start()
+    for step in range(1, 22):
+        run.beat(4 + step, step)
+    run.exit(29, 1, -signal.SIGKILL)
+    run.exit(30, 0, -signal.SIGTERM)
+    assert run.split() == expect(startup_s=5, productive_s=20, lost_s=4, restart_s=1)
+    run.launch(31, resume_step=23)
+    assert run.split() == expect(startup_s=5, productive_s=22, lost_s=2, restart_s=2)
+    assert not [record for record in run.records if record[1] == "work_lost"]
+
+
 def test_relaunch_from_scratch_loses_every_step():
     """No checkpoint (resume_step None) after a crash: all training of the failed attempt is lost."""
     run = Run()
