@@ -33,7 +33,7 @@ import socket
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -42,6 +42,7 @@ from supervisor.rundir.persist import Persister, bytes_held, complete_for
 from supervisor.rundir.throttle import Throttle
 from worker.contract import RunLayout
 from worker.files import atomic_write, atomic_write_json, file_crc32, open_regular, parse_json, read_json
+from worker.memory import check_memory_dir, memory_dir_for
 from worker.memory_tier import memory_room
 from worker.store import MEMORY_LABEL, CheckpointStore, read_record
 
@@ -259,43 +260,11 @@ class NodeMemory:
     # -- what this node holds --
 
     def _stores(self) -> Iterator[tuple[CheckpointStore, str | None]]:
-        """Own slots, pins and the steps last copied to the partner first, then partner copies (with the node each
-        came from)."""
-        for store in self.layout.memory_stores():
-            yield store, None
-        for slot in _plain_dirs(self.memory / PUSHED_DIR):
-            yield CheckpointStore(slot, label=MEMORY_LABEL, base=self.memory), None
-        for group in _plain_dirs(self.memory / PEER_DIR):
-            for slot in _plain_dirs(group):
-                origin = read_origin(slot)
-                if origin is not None:
-                    yield CheckpointStore(slot, label=MEMORY_LABEL, base=self.memory), origin
+        return node_stores(self.layout)
 
     def inventory(self) -> dict[str, Any]:
-        """What this node holds, for the supervisor: own and partner snapshots per rank (complete, and healthy as
-        their records say), and the bytes."""
-        own: dict[str, set[int]] = {}
-        peer: dict[str, dict[str, set[int]]] = {}
-        for store, origin in self._stores():
-            into = own if origin is None else peer.setdefault(origin, {})
-            for rank in _ranks_in(store.root):
-                steps = {step for step in store.steps(rank, self.prefix) if self._healthy(store, rank, step)}
-                into.setdefault(str(rank), set()).update(steps)
-        return {
-            "own": {rank: sorted(steps)[-4:] for rank, steps in own.items() if steps},
-            "peer": {
-                node: {r: sorted(s)[-4:] for r, s in ranks.items() if s}
-                for node, ranks in peer.items()
-                if any(ranks.values())
-            },
-            "bytes": bytes_held(self.memory),
-        }
-
-    def _healthy(self, store: CheckpointStore, rank: int, step: int) -> bool:
-        try:
-            return read_record(store, rank, step, self.prefix).get("is_health", 0) == 0
-        except (OSError, ValueError):
-            return False
+        """What this node holds, for the supervisor (`inventory`)."""
+        return inventory(self.layout, self.prefix)
 
     # -- an attempt's ranks: persist and copy to the partner --
 
@@ -429,6 +398,59 @@ def _check_world_size(record: dict[str, Any], world_size: int) -> None:
     written = record.get("world_size")
     if type(written) is int and written != world_size:
         raise StreamError(f"written by {written} ranks; this attempt has {world_size}")
+
+
+def node_stores(layout: RunLayout) -> Iterator[tuple[CheckpointStore, str | None]]:
+    """A node's memory stores: own slots, pins and the steps last copied to the partner first, then partner copies
+    (with the node each came from)."""
+    assert layout.memory is not None
+    yield from ((store, None) for store in layout.memory_stores())
+    for slot in _plain_dirs(layout.memory / PUSHED_DIR):
+        yield CheckpointStore(slot, label=MEMORY_LABEL, base=layout.memory), None
+    for group in _plain_dirs(layout.memory / PEER_DIR):
+        for slot in _plain_dirs(group):
+            origin = read_origin(slot)
+            if origin is not None:
+                yield CheckpointStore(slot, label=MEMORY_LABEL, base=layout.memory), origin
+
+
+def inventory(layout: RunLayout, prefix: str) -> dict[str, Any]:
+    """What a node's memory holds, as its agent reports it: own and partner snapshots per rank (complete, and healthy
+    as their records say; the newest four steps each), and the bytes."""
+    assert layout.memory is not None
+    own: dict[str, set[int]] = {}
+    peer: dict[str, dict[str, set[int]]] = {}
+    for store, origin in node_stores(layout):
+        into = own if origin is None else peer.setdefault(origin, {})
+        for rank in _ranks_in(store.root):
+            steps = {step for step in store.steps(rank, prefix) if _healthy(store, rank, step, prefix)}
+            into.setdefault(str(rank), set()).update(steps)
+    return {
+        "own": {rank: sorted(steps)[-4:] for rank, steps in own.items() if steps},
+        "peer": {
+            node: {r: sorted(s)[-4:] for r, s in ranks.items() if s}
+            for node, ranks in peer.items()
+            if any(ranks.values())
+        },
+        "bytes": bytes_held(layout.memory),
+    }
+
+
+def held_here(layout: RunLayout, prefix: str) -> dict[str, Any] | None:
+    """What this machine's memory directory of the run holds (a successor starting on a node of the run: its own
+    snapshots and a partner's copy survive the supervisor it replaces); None without a directory we may trust."""
+    try:
+        memory = check_memory_dir(memory_dir_for(layout.root))
+    except OSError:
+        return None
+    return inventory(replace(layout, memory=memory), prefix)
+
+
+def _healthy(store: CheckpointStore, rank: int, step: int, prefix: str) -> bool:
+    try:
+        return read_record(store, rank, step, prefix).get("is_health", 0) == 0
+    except (OSError, ValueError):
+        return False
 
 
 def read_origin(slot: Path) -> str | None:

@@ -53,7 +53,14 @@ from supervisor.launch import slurmctl
 from supervisor.launch.controller import STEP_RETRIES, ControllerWait, cut_off, retry_delay_s, step_not_created_yet
 from supervisor.launch.gpu_health import reported_shortage
 from supervisor.launch.launcher import Isolated, Spawned, publish_order
-from supervisor.launch.node_memory import Held, MemoryChoice, choose_memory, parse_inventory, unheld_ranks
+from supervisor.launch.node_memory import (
+    Held,
+    MemoryChoice,
+    choose_memory,
+    held_here,
+    parse_inventory,
+    unheld_ranks,
+)
 from supervisor.launch.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
 from supervisor.launch.ranks import Attempt, Placement, contract_env, rank_argv
 from supervisor.launch.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, StackDumps, judge
@@ -238,6 +245,8 @@ class SlurmLauncher:
     def start(self) -> None:
         threading.Thread(target=self._accept, daemon=True, name="agents").start()
         self._charge_predecessor()
+        if self._memory_on() and (held := held_here(self._layout, self._config.worker.prefix)) is not None:
+            self._hold(self._host, held)  # a successor's node: its snapshots and its partner's copy, before any agent
         self._log.info(
             "slurm_allocation",
             job=slurmctl.job_id(),

@@ -16,6 +16,7 @@ import pytest
 from supervisor.launch.node_memory import (
     NodeMemory,
     choose_memory,
+    held_here,
     parse_inventory,
     read_origin,
     resume_store,
@@ -196,3 +197,18 @@ def test_a_node_persists_its_own_ranks_pins_and_the_checkpoint_is_complete_once_
     Persister(n2.layout, WORLD, PREFIX, Log(), ranks=(2, 3)).persist_pins()
     assert disk.complete_steps(WORLD, PREFIX) == [40]
     assert os.listdir(n2.memory / "persist") == []
+
+
+def test_a_successor_starting_on_a_node_of_the_run_knows_what_that_node_holds(nodes: dict[str, NodeMemory]) -> None:
+    """The batch host died: the successor on n2 holds n2's own snapshots and n1's partner copy before any agent of
+    its first attempt reports, so that attempt can resume from memory (`SlurmLauncher.start`)."""
+    n1, n2 = nodes["n1"], nodes["n2"]
+    snapshot(n1.layout.memory_slot(0), 7, (0, 1), world=WORLD)
+    snapshot(n2.layout.memory_slot(0), 7, (2, 3), world=WORLD)
+    n1.run_for([0, 1], WORLD, address(n2), rate_bytes_s=0, log=Log())
+    until(lambda: 7 in n2.inventory()["peer"].get("n1", {}).get("1", []))
+    run_dir = n2.memory.parent / "no-such-run"  # a run dir whose memory directory on this machine is n2's:
+    assert held_here(RunLayout(run_dir), PREFIX) is None  # none made: nothing held
+    held = held_here(RunLayout(n2.layout.root.parent / "n2"), PREFIX)
+    assert held is not None and parse_inventory(held) == {2: {7: None}, 3: {7: None}, 0: {7: "n1"}, 1: {7: "n1"}}
+    assert choose_memory({"n2": parse_inventory(held)}, WORLD, newer_than=None).label == "memory (peer n2)"  # type: ignore[union-attr]
