@@ -5,7 +5,6 @@ the supervisor, and a run whose standbys cannot work goes on cold."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -16,7 +15,6 @@ from typing import Any
 import psutil
 import pytest
 
-from supervisor.launch.standby import idle_priority_allowed
 from tests.conftest import wait_until
 from tests.e2e.conftest import (
     FAST_HANG,
@@ -165,22 +163,13 @@ import json, os, sys, time
 from pathlib import Path
 from worker.heartbeat import Heartbeat
 
-def group_nice():
-    try:
-        return Path("/proc/self/autogroup").read_text().split()[-1]
-    except OSError:
-        return None
-
 run, rank = Path(os.environ["TRAINWARDEN_RUN_DIR"]), int(os.environ["RANK"])
 attempt = int(os.environ["TRAINWARDEN_ATTEMPT"])
 print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0],
                   "prewarmed": "wave" in sys.modules, "restart_count": os.environ["TORCHELASTIC_RESTART_COUNT"],
                   "port": os.environ["MASTER_PORT"], "stdin": sys.stdin.read(), "pid": os.getpid(),
                   "standby_env": sorted(k for k in os.environ if "STANDBY" in k or "PREWARM" in k),
-                  "tag": os.environ.get("FROM_CONFIG"),
-                  "policies": sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}),
-                  "group": group_nice()}),
-      flush=True)
+                  "tag": os.environ.get("FROM_CONFIG")}), flush=True)
 print("stderr of attempt", attempt, file=sys.stderr, flush=True)
 Heartbeat(run / "ranks" / f"rank_{rank}" / "heartbeat.json", root=run, rank=rank, attempt=attempt,
           interval_s=0.1).beat(1, "train", force=True)
@@ -210,29 +199,10 @@ def facts(run_dir: Path, attempt: int, rank: int) -> dict[str, Any]:
     return json.loads((run_dir / "logs" / f"attempt_{attempt}" / f"rank_{rank}.out").read_text())
 
 
-def thread_policies(pid: int) -> set[int]:
-    """The CPU scheduling policies of the process's threads."""
-    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
-
-
-def group_nice(pid: int) -> str | None:
-    """The nice of the process's autogroup (None: the kernel has none)."""
-    try:
-        return Path(f"/proc/{pid}/autogroup").read_text().split()[-1]
-    except OSError:
-        return None
-
-
 def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log_files(tmp_path: Path) -> None:
-    """A standby waits at idle CPU priority (its threads where this user may take them back, its autogroup) and runs
-    the script as a freshly started `python -u facts.py` would: as __main__, with the attempt's environment, log
-    files, and normal priority."""
     config, run_dir, crash = facts_job(tmp_path)
     proc = start_supervisor(config, run_dir)
     waiting = wait_for_standbys(proc, run_dir)
-    waiting_policy = os.SCHED_IDLE if idle_priority_allowed() else os.SCHED_OTHER
-    assert [thread_policies(pid) for pid in waiting] == [{waiting_policy}] * 2
-    assert {group_nice(pid) for pid in waiting} <= {"19", None}  # lowered at spawn (or at the next fill: rate limit)
     crash.touch()
     done = finish(proc, run_dir)
 
@@ -246,8 +216,6 @@ def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log
     assert (cold["restart_count"], warm["restart_count"]) == ("0", "1") and warm["port"] != cold["port"]
     assert (run_dir / "logs" / "attempt_1" / "rank_1.err").read_text() == "stderr of attempt 1\n"
     assert facts(run_dir, 1, 1)["pid"] in waiting
-    assert cold["policies"] == warm["policies"] == facts(run_dir, 1, 1)["policies"] == [os.SCHED_OTHER]
-    assert warm["group"] == facts(run_dir, 1, 1)["group"] == cold["group"] in ("0", None)
 
 
 def test_standbys_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
