@@ -6,8 +6,7 @@ A fault fires only in the first attempt of a run, so the relaunched run can pass
 in the rank's folder of the run dir remembers it): a stream of faults over several attempts, as a benchmark
 needs, under the supervisor or torchrun alike.
 Kinds:
-- `sigkill`: the rank SIGKILLs itself right after finishing step STEP (a snapshot into memory still being
-  written by its background thread completes first, so what the kill leaves does not depend on that thread).
+- `sigkill`: the rank SIGKILLs itself right after finishing step STEP.
 - `sigkill_in_save`: the rank SIGKILLs itself halfway through writing its checkpoint of step STEP (a sharded
   one: at its first write into its shard, in the background thread with async_save).
 - `sigkill_in_async_write`: the same, named for what it tests: the rank dies while its background thread writes

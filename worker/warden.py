@@ -71,7 +71,6 @@ from worker.memory_tier import (
 )
 from worker.orders import StopOrders
 from worker.sharded import derived_rng
-from worker.snapshot_writer import SnapshotWrite, SnapshotWriter
 from worker.verify import Trajectory, unregistered_scalers
 
 __all__ = ["Warden"]
@@ -210,7 +209,6 @@ class Warden:
         self._memory_room_checked = False
         self._memory_bytes: dict[int, int] = {}
         self._pinned: int | None = None
-        self._snapshots = SnapshotWriter()  # per-rank snapshots into memory, written off the training thread
         # Python's last collections at exit walk torch's whole object graph (0.8 s of CPU per rank, measured): a rank
         # that leaves, on a stop or an abort, would hold its relaunch up for it. Runs after the handler below.
         atexit.register(gc.freeze)
@@ -463,7 +461,6 @@ class Warden:
         self.samples += self.global_batch_size or 0
         self.step = self.step + applied if step is None else step
         self._note_background_save()
-        self._snapshot_written(wait=False)
         self.log.info(
             "step",
             step=self.step,
@@ -480,8 +477,6 @@ class Warden:
         )
         if not applied:
             return False
-        if any(fault.step == self.step for fault in self._faults.armed("sigkill")):
-            self._snapshot_written(wait=True)  # what a kill after this step finds is the same however the thread ran
         self._faults.after_step(self.step)
         if not self._first_step_done:
             self._after_first_step()
@@ -741,7 +736,6 @@ class Warden:
         other (a stop's, the final one, the script's own) is written to disk here."""
         if self._on_schedule and self._memory_tier_on():
             return self._snapshot_in_memory(step, pin=True)
-        self._snapshot_written(wait=True)  # a pin of this step is complete before the choice below
         with self.phase(SAVE_PHASE):
             if step == self._pinned:  # a stop's or the final save of a pinned step: the supervisor is copying it
                 persisted = self._await_persisted(step)
@@ -848,101 +842,35 @@ class Warden:
 
     def _snapshot_in_memory(self, step: int, *, pin: bool) -> Path:
         """A snapshot of `step` in the memory slot not holding the newest complete one (a kill mid-copy leaves that
-        one whole); `pin`: a scheduled save, hard-linked into MEMORY/persist/STEP for the supervisor to persist.
-        Per-rank files: the loop copies the state (worker.snapshot_writer), a background thread writes and pins it;
-        sharded: written here, synchronously."""
-        started = time.perf_counter()
-        self._snapshot_written(wait=True)  # one write at a time: the newest complete snapshot is known
+        one whole); `pin`: a scheduled save, hard-linked into MEMORY/persist/STEP for the supervisor to persist."""
         slot = SNAPSHOT_SLOTS[0] if self._memory_newest is None else SNAPSHOT_SLOTS[1 - self._memory_newest]
         store = self.layout.memory_slot(slot)
+        started = time.perf_counter()
         # No save phase: its two forced heartbeat writes (to the run dir) would cost more than this copy; a copy to
         # memory is over long before any phase timeout would tell it apart from training.
+        self._empty_slot(store)
         self._faults.in_save(step)
         self._check_unsaved_state()
-        write = SnapshotWrite(step, slot, pin)
-        if self._sharded_format:
-            self._empty_slot(store)
-            path = self._snapshot_sharded(step, store, started)
-            if pin:
-                self._pin(step, store)
-            write.bytes = self._snapshot_bytes(store, step)
-            write.done.set()
-        else:
-            path = self._start_snapshot_write(write, store)
-            self._pinned = step if pin else self._pinned
-        write.stall_s = time.perf_counter() - started
-        self._heartbeat.last_save_s = round(write.stall_s, 6)
+        path = self._snapshot_sharded(step, store, started) if self._sharded_format else self._save_files(step, store)
+        if pin:
+            self._pin(step, store)
+        stall_s = time.perf_counter() - started
+        self._memory_newest = slot
+        self._memory_bytes[slot] = self._snapshot_bytes(store, step)
+        self._heartbeat.memory_bytes, self._heartbeat.memory_step = sum(self._memory_bytes.values()), step
+        self._heartbeat.last_save_s = round(stall_s, 6)
         self._heartbeat.save_s += self._heartbeat.last_save_s  # the loop's stall: goodput's save time
         self._last_save = time.monotonic()  # the time-based cadence counts from a pinned save too
-        if self._sharded_format:
-            self._snapshot_complete(write)
-        elif any(fault.step == step for fault in self._faults.armed("sigkill_after_save")):
-            self._snapshot_written(wait=True)  # the fault strikes once this snapshot is complete, as it always did
-        return path
-
-    def _start_snapshot_write(self, write: SnapshotWrite, store: CheckpointStore) -> Path:
-        """Copy this rank's state (the loop's only stall) and hand the write of the copy to the background thread."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **self._rank_state()}
-        payload, ready = self._snapshots.staged.copy(state)
-        health = self._health()  # of the live state, at this step, as a synchronous save judged it
-        torn = self._torn_save if self._faults.due("sigkill_in_save", write.step) else None
-        self._snapshots.start(write, lambda: self._write_snapshot(write, store, payload, health, torn), ready)
-        return store.file(self.rank, write.step, self.config.prefix)
-
-    def _write_snapshot(
-        self,
-        write: SnapshotWrite,
-        store: CheckpointStore,
-        payload: dict[str, Any],
-        health: dict[str, Any],
-        torn: Callable[[Path], None] | None,
-    ) -> int:
-        """The background thread's part of a snapshot: empty the slot, write file, record and meta.json, pin them
-        (only once the record exists: a pin is whole); returns the bytes written."""
-        prefix = self.config.prefix
-        self._empty_slot(store)
-        save_checkpoint(
-            store,
-            rank=self.rank,
-            step=write.step,
-            prefix=prefix,
-            payload=payload,
-            health=health,
-            before_rename=torn,
-            in_memory=True,
-        )
-        if write.pin:
-            pin_files(store, self.layout.memory_pin(write.step), rank=self.rank, step=write.step, prefix=prefix)
-        return self._snapshot_bytes(store, write.step)
-
-    def _snapshot_written(self, *, wait: bool) -> None:
-        """Take the snapshot write that has ended (`wait`: the one in flight, once it ends), raising what it raised."""
-        write = self._snapshots.wait() if wait else self._snapshots.finished()
-        if write is not None:
-            self._snapshot_complete(write)
-
-    def wait_for_snapshot(self) -> None:
-        """Wait until the snapshot being written in the background (if any) is complete, and log it."""
-        self._snapshot_written(wait=True)
-
-    def _snapshot_complete(self, write: SnapshotWrite) -> None:
-        """A snapshot is complete in its slot: the newest now, said in the log and the heartbeat."""
-        store = self.layout.memory_slot(write.slot)
-        step, prefix = write.step, self.config.prefix
-        self._memory_newest = write.slot
-        self._memory_bytes[write.slot] = write.bytes
-        self._heartbeat.memory_bytes, self._heartbeat.memory_step = sum(self._memory_bytes.values()), step
-        path = store.sharded_dir(step, prefix) if self._sharded_format else store.file(self.rank, step, prefix)
         self.log.info(
-            "snapshot_pinned" if write.pin else "snapshot_saved",
+            "snapshot_pinned" if pin else "snapshot_saved",
             step=step,
             path=str(path),
-            bytes=write.bytes,
-            stall_s=round(write.stall_s, 4),
-            write_s=round(write.write_s, 4),
-            **({"pin": str(self.layout.memory_pin(step).root)} if write.pin else {}),
+            bytes=self._memory_bytes[slot],
+            stall_s=round(stall_s, 4),
+            **({"pin": str(self.layout.memory_pin(step).root)} if pin else {}),
         )
         self._faults.after_save(step)
+        return path
 
     def _snapshot_sharded(self, step: int, store: CheckpointStore, started: float) -> Path:
         """A sharded snapshot into memory, written synchronously: the copy into tmpfs is its only stall, so the
@@ -1256,7 +1184,6 @@ class Warden:
         if save:
             self.save_final()
         self._note_background_save(wait=True)
-        self._snapshot_written(wait=True)
         self.log.info("rank_finished", step=self.step)
         self._phase = "done"
         self._heartbeat.beat(self.step, "done", force=True)
@@ -1369,7 +1296,6 @@ class Warden:
         if self._sharded is not None and self._sharded.in_flight is not None:
             self._heartbeat.beat(self.step, SAVE_PHASE, force=True)  # the supervisor waits for a save, not longer
             self._sharded.wait_quietly()
-        self._snapshots.wait_quietly()  # a snapshot half written into memory would be lost; it takes milliseconds
         # A trainer's own handler is not called: Lightning's broadcasts to its peers, which hangs when one is dead.
         previous = self._previous_term if self._framework_save is None else signal.SIG_DFL
         if callable(previous):

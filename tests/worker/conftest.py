@@ -65,7 +65,6 @@ class Loop:
             self.optimizer.step()
             self.scheduler.step()
         self.warden.step_done(loss=loss)
-        self.warden.wait_for_snapshot()  # a snapshot into memory is written in the background: tests look at it next
         return applied
 
     def snapshot(self) -> dict[str, Any]:
