@@ -126,10 +126,10 @@ def choose_memory(
         if step in refused:
             continue
         holders: dict[int, tuple[str, str | None]] = {}
-        for node, ranks in sorted(held.items()):
-            for rank in range(world_size):
-                if step in ranks.get(rank, {}) and (rank not in holders or holders[rank][1] is not None):
-                    holders[rank] = (node, ranks[rank][step])
+        for node, ranks in sorted(held.items()):  # each node's own ranks only: a thousand nodes stay cheap
+            for rank, by_step in ranks.items():
+                if rank < world_size and step in by_step and (rank not in holders or holders[rank][1] is not None):
+                    holders[rank] = (node, by_step[step])
         if len(holders) == world_size:
             peers = sorted({node for node, origin in holders.values() if origin is not None})
             label = MEMORY_LABEL if not peers else f"{MEMORY_LABEL} (peer {', '.join(peers)})"
