@@ -150,6 +150,7 @@ class StandbyConfig:
 
     enabled: bool = True  # only for `script:` jobs on one machine (a `command:` or a multi-node job starts cold)
     keep_warm: bool = True  # one waits per rank while the run trains; false: started at each launch decision only
+    fork_server: bool = True  # kept-warm standbys are forked from one process that imported once; false: each imports
     prewarm_imports: list[str] | None = None  # what a standby imports; None: torch and the script's installed imports
 
 

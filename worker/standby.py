@@ -12,35 +12,67 @@ DistributedDataParallel imports when first built), and the script's own top-leve
 `import`s of modules that live outside the script's folder (the standard library and installed packages: not
 the project's own modules, whose import may act on the attempt's environment). A module that fails to import
 is reported in the standby's log and left to the script, which then imports it itself.
+
+A fork server (`python -u -m worker.standby --fork-server`) imports once and then forks a standby per request, so
+refilling the pool after a relaunch costs a fork instead of every standby's own `import torch` (seconds of CPU
+beside the training ranks). It forks only what is safe to fork: no Python thread started and no CUDA context made
+by the imports (torch's own CUDA check is made to use NVML while they run); otherwise it says why and exits, and the
+supervisor spawns standbys as above. Each standby is forked twice over, so that it is re-parented to the
+supervisor (a child subreaper), which waits for it as for any rank; it leads its own session, dies with the
+supervisor, and is named `tw-standby` until it runs the script.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
 import importlib
 import importlib.util
 import json
 import os
 import runpy
+import signal
 import socket
 import struct
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV_PREWARM", "ENV_SCRIPT", "ENV_STANDBY_FD", "READY", "activate_message", "main", "script_imports"]
+__all__ = [
+    "ENV_PREWARM",
+    "ENV_SCRIPT",
+    "ENV_STANDBY_FD",
+    "FORK",
+    "FORK_SERVER_FLAG",
+    "READY",
+    "REFUSED",
+    "STANDBY_NAME",
+    "activate_message",
+    "main",
+    "script_imports",
+]
 
 ENV_STANDBY_FD = "TRAINWARDEN_STANDBY_FD"
 ENV_PREWARM = "TRAINWARDEN_PREWARM"
 ENV_SCRIPT = "TRAINWARDEN_STANDBY_SCRIPT"
 READY = b"R"
 _ORDER = b"A"  # sent with the two log descriptors
+FORK = b"F"  # to the fork server, with the new standby's socket and log descriptors
+REFUSED = b"N"  # the fork server's answer to its own imports when forking them is unsafe, then the reason
+FORK_SERVER_FLAG = "--fork-server"
+STANDBY_NAME = b"tw-standby"  # the process name (`ps -o comm`) while it waits
+_PID = struct.Struct("!i")
+_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
+_SETTLE_S = 5.0  # a forked standby's wait for its re-parenting (the intermediate process exits at once)
 _LENGTH = struct.Struct("!I")
 MAX_ORDER_BYTES = 16 << 20  # an environment and argv are far smaller
 MAX_SCRIPT_BYTES = 4 << 20  # the script is parsed for its imports only up to this size
 # torch._dynamo: DistributedDataParallel and torch.compile import it at their first use, 1 s of CPU of a relaunch.
 ALWAYS = ("torch", "torch._dynamo")
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def activate_message(argv: list[str], env: dict[str, str]) -> bytes:
@@ -100,8 +132,8 @@ def _prewarm(names: list[str]) -> None:
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     """The activation order, or None when the supervisor closed the socket (retired, or gone)."""
-    tag, fds, _flags, _addr = socket.recv_fds(sock, 1, 2)
-    if tag != _ORDER or len(fds) != 2:
+    fds = _receive_fds(sock, _ORDER)
+    if fds is None:
         return None
     header = _read_exactly(sock, _LENGTH.size)
     size = _LENGTH.unpack(header)[0] if header is not None else MAX_ORDER_BYTES + 1
@@ -109,6 +141,16 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     if body is None:
         return None
     return json.loads(body), fds
+
+
+def _receive_fds(sock: socket.socket, tag: bytes) -> list[int] | None:
+    """Two descriptors sent with `tag`, or None at the end of the stream (any stray descriptor closed)."""
+    got, fds, _flags, _addr = socket.recv_fds(sock, 1, 2)
+    if got == tag and len(fds) == 2:
+        return fds
+    for fd in fds:
+        os.close(fd)
+    return None
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
@@ -120,6 +162,19 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+def _name_as_python() -> None:
+    """A forked standby's process name back to what a freshly started `python script.py` has."""
+    if _comm() == STANDBY_NAME.decode():
+        name = Path(sys.executable).name.encode()[:15]
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+
+
+def _comm() -> str:
+    with contextlib.suppress(OSError), open("/proc/self/comm") as file:
+        return file.read().strip()
+    return ""
 
 
 def _become_rank(order: dict[str, Any], fds: list[int]) -> list[str]:
@@ -140,11 +195,109 @@ def _become_rank(order: dict[str, Any], fds: list[int]) -> list[str]:
     return argv
 
 
+def _unforkable() -> str | None:
+    """Why a fork of this process after its imports would not be a sound standby, or None."""
+    if threading.active_count() > 1:
+        return f"the imports started Python threads: {[t.name for t in threading.enumerate()][1:]}"
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None and cuda.is_initialized():
+        return "the imports initialized CUDA, which a forked process cannot use"
+    return None
+
+
+def _serve_forks(server: socket.socket) -> socket.socket | None:
+    """Fork a standby per request until the supervisor closes the socket (None); in a forked standby, its socket."""
+    supervisor = os.getppid()
+    while True:
+        try:
+            fds = _receive_fds(server, FORK)
+        except OSError:
+            fds = None
+        if fds is None:
+            return None
+        standby = _fork_standby(server, supervisor, fds)
+        if standby is not None:
+            return standby
+
+
+def _fork_standby(server: socket.socket, supervisor: int, fds: list[int]) -> socket.socket | None:
+    """Fork twice (the middle process exits at once, so the standby is re-parented to the supervisor, a child
+    subreaper) and answer the standby's pid, or -1; in the standby, return its socket."""
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        me = os.getpid()
+        try:
+            standby = os.fork()
+            if standby == 0:
+                os.close(read_end)
+                os.close(write_end)
+                server.close()
+                return _settle(me, supervisor, fds)
+            os.write(write_end, _PID.pack(standby))
+        finally:
+            if os.getpid() == me:
+                os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read(_PID.size)
+    os.waitpid(middle, 0)  # reaped: the standby's re-parenting is done
+    for fd in fds:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        server.sendall(answer if len(answer) == _PID.size else _PID.pack(-1))
+    return None
+
+
+def _settle(middle: int, supervisor: int, fds: list[int]) -> socket.socket:
+    """The forked standby: its own session and log, re-parented to the supervisor and dying with it, its own seeds."""
+    os.setsid()
+    sock, log = socket.socket(fileno=fds[0]), fds[1]
+    for target in (1, 2):
+        os.dup2(log, target)
+    os.close(log)
+    deadline = time.monotonic() + _SETTLE_S
+    while os.getppid() == middle and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != supervisor:  # its supervisor is gone (or never adopted it): no standby of nobody
+        os._exit(1)
+    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(STANDBY_NAME), 0, 0, 0)
+    if (numpy_random := sys.modules.get("numpy.random")) is not None:
+        numpy_random.seed()  # as a fresh process seeds it (Python reseeds `random` at a fork itself)
+    return sock
+
+
+def _imported(script: Path) -> None:
+    sys.path[0] = str(script.resolve().parent)  # find modules as the script will (`-m` put the cwd there)
+    nvml_check = os.environ.get(_NVML_CHECK)
+    os.environ[_NVML_CHECK] = "1"  # an import asking torch.cuda.is_available() must not initialize CUDA
+    try:
+        _prewarm(_prewarm_list(os.environ.pop(ENV_PREWARM, "auto"), script))
+    finally:
+        if nvml_check is None:
+            del os.environ[_NVML_CHECK]
+        else:
+            os.environ[_NVML_CHECK] = nvml_check
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop(ENV_STANDBY_FD)))
     script = Path(os.environ.pop(ENV_SCRIPT))
-    sys.path[0] = str(script.resolve().parent)  # find modules as the script will (`-m` put the cwd there)
-    _prewarm(_prewarm_list(os.environ.pop(ENV_PREWARM, "auto"), script))
+    if FORK_SERVER_FLAG in sys.argv:
+        _imported(script)
+        if why := _unforkable():
+            with contextlib.suppress(OSError):
+                sock.sendall(REFUSED + why.encode()[:1000])
+            return
+        sock.sendall(READY)
+        forked = _serve_forks(sock)
+        if forked is None:
+            return
+        sock = forked
+    else:
+        _imported(script)
     with contextlib.suppress(OSError):  # taken while still importing: the order is already in the socket
         sock.sendall(READY)
     try:
@@ -155,6 +308,7 @@ def main() -> None:
         return  # retired before use
     argv = _become_rank(*received)
     sock.close()
+    _name_as_python()
     runpy.run_path(argv[0], run_name="__main__")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.config import JobConfig
-from supervisor.launch.standby import Standby
+from supervisor.launch.standby import Process, Standby
 from supervisor.launch.trees import die_with_parent
 from worker.contract import (
     ENV_ATTEMPT,
@@ -76,7 +76,7 @@ class Ranks:
     """The rank processes of one attempt on this machine, by global rank."""
 
     attempt: int
-    procs: dict[int, subprocess.Popen]
+    procs: dict[int, Process]
 
     def signal(self, signum: int, only: Callable[[int], bool]) -> list[int]:
         """Send `signum` to the process group of each rank for which `only(rank)` holds; returns those ranks."""
@@ -222,7 +222,7 @@ def spawn_ranks(
 
 def _spawn(
     argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int, rank: int, standby: Standby | None
-) -> subprocess.Popen:
+) -> Process:
     with contextlib.ExitStack() as logs:
         out, err = (
             logs.enter_context(
@@ -245,5 +245,5 @@ def _spawn(
         )
 
 
-def _wait(proc: subprocess.Popen, attempt: int, rank: int, on_exit: Callable[[int, int, int], None]) -> None:
+def _wait(proc: Process, attempt: int, rank: int, on_exit: Callable[[int, int, int], None]) -> None:
     on_exit(attempt, rank, proc.wait())

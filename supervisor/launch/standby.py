@@ -1,11 +1,16 @@
 """Warm standby ranks: one waiting process per local rank, so a relaunch skips Python's start and `import torch`.
 
-A standby (worker/standby.py) is spawned like a rank (its own session, killed with the supervisor, pids recorded
-for a successor), never forked from a process that has started torch's threads. It gets the rank's environment
-less the variables only an attempt knows (`PER_ATTEMPT`), imports torch and the configured modules, then waits on
-a socket. A relaunch hands each rank's standby the attempt's environment and the rank's log files; a rank whose
-standby is gone starts cold. The pool is refilled once the new attempt trains, so standbys never compete with the
-ranks' own start-up.
+A standby (worker/standby.py) lives like a rank (its own session, killed with the supervisor, pids recorded for a
+successor). It has the rank's environment less the variables only an attempt knows (`PER_ATTEMPT`), torch and the
+configured modules imported, and waits on a socket. A relaunch hands each rank's standby the attempt's environment
+and the rank's log files; a rank whose standby is gone starts cold. The pool is refilled once the new attempt
+trains, so standbys never compete with the ranks' own start-up.
+
+Where standbys are kept warm, they are forked from a fork server (`standby.fork_server`) that imported once, never
+from a process that has started torch's threads: refilling the pool after a relaunch then costs a fork, not the
+seconds of CPU of every standby's own `import torch` beside the training ranks. The supervisor, a child subreaper,
+adopts each and waits for it as for a process it spawned (`Adopted`). A server that finds its imports unsafe to
+fork, or that dies, says why (`fork_server_off`), and standbys are spawned one by one instead.
 """
 
 from __future__ import annotations
@@ -14,18 +19,31 @@ import contextlib
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from supervisor.config import JobConfig
-from supervisor.launch.trees import die_with_parent
+from supervisor.launch.trees import die_with_parent, is_subreaper
 from worker.contract import ENV_ATTEMPT, ENV_FAILURES, ENV_RESUME_DIR, ENV_RESUME_STEP, ENV_SKIP_TO_BATCH, RunLayout
 from worker.files import open_append
-from worker.standby import ENV_PREWARM, ENV_SCRIPT, ENV_STANDBY_FD, READY, activate_message
+from worker.standby import (
+    ENV_PREWARM,
+    ENV_SCRIPT,
+    ENV_STANDBY_FD,
+    FORK,
+    FORK_SERVER_FLAG,
+    READY,
+    REFUSED,
+    activate_message,
+)
 
-__all__ = ["PER_ATTEMPT", "Standby", "Standbys"]
+__all__ = ["PER_ATTEMPT", "Adopted", "ForkServer", "Process", "Standby", "Standbys"]
 
 # Set only when an attempt starts: a standby waits without them and must not read them at import time.
 PER_ATTEMPT = (
@@ -38,7 +56,53 @@ PER_ATTEMPT = (
     ENV_FAILURES,
 )
 FILL_AFTER_S = 30.0  # without training heartbeats to go by, refill this long after a launch
+FORK_TIMEOUT_S = 5.0  # a fork and the forked standby's first word take milliseconds
+UNKNOWN_EXIT = 255  # a process reaped by someone else: its status is lost
 _ORDER = b"A"
+_PID = struct.Struct("!i")
+
+
+class Adopted:
+    """A process the supervisor did not spawn but adopted (a forked standby): polled and waited for as a Popen."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._lock.acquire(blocking=False):  # another thread waits: it will know
+            try:
+                self._reap(os.WNOHANG)
+            finally:
+                self._lock.release()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            with self._lock:
+                self._reap(0)
+        deadline = time.monotonic() + (timeout or 0.0)
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _reap(self, flags: int) -> None:
+        if self.returncode is not None:
+            return
+        try:
+            pid, status = os.waitpid(self.pid, flags)
+        except ChildProcessError:
+            self.returncode = UNKNOWN_EXIT
+            return
+        if pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+
+
+Process = subprocess.Popen | Adopted
 
 
 @dataclass
@@ -46,7 +110,7 @@ class Standby:
     """One waiting process and the supervisor's end of its socket."""
 
     rank: int
-    proc: subprocess.Popen
+    proc: Process
     sock: socket.socket
     argv: list[str]  # the script and its arguments
     ready: bool = False
@@ -79,10 +143,76 @@ class Standby:
     def retire(self) -> None:
         """Kill it (its own session: nothing of it stays) and collect its exit status."""
         self.sock.close()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it died meanwhile
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        _end(self.proc)
+
+
+class ForkServer:
+    """The process that imported once and forks a standby per request (worker/standby.py --fork-server)."""
+
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket) -> None:
+        self.proc, self.sock = proc, sock
+        self.ready = False
+        self.refused = ""  # why it will not fork, once it said so or died
+
+    def check(self) -> bool | None:
+        """True once it is ready to fork, None while it imports, False when it refused or died (see `refused`)."""
+        if self.ready or self.refused:
+            return self.ready and self.proc.poll() is None
+        try:
+            said = self.sock.recv(1024)
+        except (BlockingIOError, InterruptedError):
+            if self.proc.poll() is None:
+                return None
+            said = b""
+        except OSError:
+            said = b""
+        if said[:1] == READY:
+            self.ready = True
+            return True
+        self.refused = said[1:].decode(errors="replace") if said[:1] == REFUSED else "it exited while importing"
+        return False
+
+    def fork(self, log: int) -> tuple[Adopted, socket.socket]:
+        """A standby forked, adopted and ready, with the supervisor's end of its socket; OSError if not."""
+        ours, theirs = socket.socketpair()
+        try:
+            self.sock.settimeout(FORK_TIMEOUT_S)
+            socket.send_fds(self.sock, [FORK], [theirs.fileno(), log])
+            answer = self.sock.recv(_PID.size, socket.MSG_WAITALL)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        pid = _PID.unpack(answer)[0] if len(answer) == _PID.size else -1
+        if pid <= 0:
+            ours.close()
+            self.refused = "it could not fork" if answer else "it exited"
+            raise OSError(f"the fork server failed: {self.refused}")
+        proc = Adopted(pid)
+        ours.settimeout(FORK_TIMEOUT_S)
+        try:
+            said = ours.recv(1)
+        except OSError:
+            said = b""
+        if said != READY:  # it was not adopted, or died settling
+            ours.close()
+            _end(proc)
+            raise OSError(f"the forked standby {pid} did not start (exit {proc.returncode})")
+        ours.setblocking(False)
+        return proc, ours
+
+    def retire(self) -> None:
+        self.sock.close()  # it exits at the end of its stream
+        _end(self.proc)
+
+
+def _end(proc: Process) -> None:
+    """SIGKILL the process's session (nothing of it stays) and collect its exit status."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # it died meanwhile
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 class Standbys:
@@ -96,31 +226,42 @@ class Standbys:
         self._prewarm = "auto" if config.standby.prewarm_imports is None else ",".join(config.standby.prewarm_imports)
         self._envs = {rank: {k: v for k, v in env.items() if k not in PER_ATTEMPT} for rank, env in envs.items()}
         self._pool: dict[int, Standby] = {}
+        self._forking = config.standby.fork_server and config.standby.keep_warm  # where it pays: a pool kept warm
+        self._server: ForkServer | None = None
         self.failed = False  # a standby died unused: from then on every rank starts cold
 
     @property
     def pids(self) -> set[int]:
-        return {standby.proc.pid for standby in self._pool.values()}
+        server = {self._server.proc.pid} if self._server else set()
+        return server | {standby.proc.pid for standby in self._pool.values()}
 
     def ready(self) -> int:
         return sum(standby.is_ready() for standby in self._pool.values())
 
     def fill(self) -> None:
-        """Spawn the missing standbys. Call from the main thread: a child's parent-death signal is tied to the
-        thread that spawned it."""
+        """Spawn (or fork) the missing standbys. Call from the main thread: a child's parent-death signal is tied
+        to the thread that spawned it."""
         self._drop_dead()
-        for rank in self._envs:
-            if rank not in self._pool and not self.failed:
-                try:
-                    self._pool[rank] = self._spawn(rank)
-                except OSError as exc:
-                    self._fail(f"cannot start a standby for rank {rank}: {exc}")
+        missing = [rank for rank in self._envs if rank not in self._pool]
+        if self.failed or not missing:
+            return
+        server = self._ready_server()
+        if self._forking and server is None:
+            return  # still importing: the standbys are forked at a later fill
+        for rank in missing:
+            try:
+                self._pool[rank] = self._fork(server, rank) if server else self._spawn(rank)
+            except OSError as exc:
+                self._fail(f"cannot start a standby for rank {rank}: {exc}")
 
     def take(self, rank: int) -> Standby | None:
-        """The rank's standby while it lives (it leaves the pool). One still importing is taken too: it runs the
-        script as soon as its imports are done, still ahead of a process started now."""
+        """The rank's standby while it lives (it leaves the pool), or one forked now. One still importing is taken
+        too: it runs the script as soon as its imports are done, still ahead of a process started now."""
         standby = self._pool.pop(rank, None)
         if standby is None:
+            server = None if self.failed else self._ready_server()
+            with contextlib.suppress(OSError):  # then it starts cold
+                return self._fork(server, rank) if server else None
             return None
         if standby.proc.poll() is None:
             return standby
@@ -132,19 +273,64 @@ class Standbys:
         for standby in self._pool.values():
             standby.retire()
         self._pool.clear()
+        if self._server is not None:
+            self._server.retire()
+            self._server = None
+
+    def _ready_server(self) -> ForkServer | None:
+        """The fork server once it can fork (started at the first call); None while it imports or when off."""
+        if not self._forking:
+            return None
+        if self._server is None:
+            if not is_subreaper():
+                self._fork_server_off("the supervisor cannot adopt forked processes (not a child subreaper)")
+                return None
+            try:
+                self._server = self._spawn_server()
+            except OSError as exc:
+                self._fork_server_off(f"cannot start it: {exc}")
+                return None
+        state = self._server.check()
+        if state is False:
+            self._fork_server_off(self._server.refused)
+        return self._server if state else None
+
+    def _fork_server_off(self, reason: str) -> None:
+        self._log.warning("fork_server_off", reason=reason, log=str(self._log_path("fork_server")))
+        self._forking = False
+        if self._server is not None:
+            self._server.retire()
+            self._server = None
+
+    def _fork(self, server: ForkServer, rank: int) -> Standby:
+        log = self._open_log(f"rank_{rank}")
+        try:
+            proc, sock = server.fork(log)
+        except OSError:
+            if server.refused:
+                self._fork_server_off(server.refused)
+            raise
+        finally:
+            os.close(log)
+        return Standby(rank, proc, sock, self._argv, ready=True)
+
+    def _spawn_server(self) -> ForkServer:
+        first, *others = self._envs.values()
+        alike = {key: value for key, value in first.items() if all(env.get(key) == value for env in others)}
+        proc, sock = self._popen("fork_server", alike, [FORK_SERVER_FLAG])  # imports see what every rank has
+        return ForkServer(proc, sock)
 
     def _spawn(self, rank: int) -> Standby:
+        proc, sock = self._popen(f"rank_{rank}", self._envs[rank], [])
+        return Standby(rank, proc, sock, self._argv)
+
+    def _popen(self, name: str, env: dict[str, str], flags: list[str]) -> tuple[subprocess.Popen, socket.socket]:
         ours, theirs = socket.socketpair()
-        log = open_append(self._layout.root / "logs" / f"standby_rank_{rank}.log", root=self._layout.root)
-        env = {
-            **self._envs[rank],
-            ENV_STANDBY_FD: str(theirs.fileno()),
-            ENV_SCRIPT: self._argv[0],
-            ENV_PREWARM: self._prewarm,
-        }
+        log = self._open_log(name)
+        env = {**env, ENV_STANDBY_FD: str(theirs.fileno()), ENV_SCRIPT: self._argv[0], ENV_PREWARM: self._prewarm}
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-u", "-m", "worker.standby"],
+                [sys.executable, "-u", "-m", "worker.standby", *flags],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -160,7 +346,13 @@ class Standbys:
             theirs.close()
             os.close(log)
         ours.setblocking(False)
-        return Standby(rank, proc, ours, self._argv)
+        return proc, ours
+
+    def _open_log(self, name: str) -> int:
+        return open_append(self._log_path(name), root=self._layout.root)
+
+    def _log_path(self, name: str) -> Path:
+        return self._layout.root / "logs" / f"standby_{name}.log"
 
     def _drop_dead(self) -> None:
         for rank, standby in list(self._pool.items()):
@@ -174,7 +366,7 @@ class Standbys:
         if code is not None:
             self._fail(
                 f"the standby of rank {standby.rank} exited with {code} before it was used "
-                f"(see {self._layout.root / 'logs' / f'standby_rank_{standby.rank}.log'})"
+                f"(see {self._log_path(f'rank_{standby.rank}')})"
             )
 
     def _fail(self, reason: str) -> None:

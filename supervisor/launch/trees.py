@@ -23,6 +23,7 @@ from worker.files import atomic_write_json, read_json
 __all__ = [
     "become_subreaper",
     "descendants",
+    "is_subreaper",
     "die_with_parent",
     "kill_predecessor_leftovers",
     "record_pids",
@@ -32,6 +33,7 @@ __all__ = [
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 # Resolved once in the parent: the preexec hook runs between fork and exec and must do next to nothing.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
 
@@ -44,6 +46,12 @@ def die_with_parent() -> None:
 def become_subreaper() -> bool:
     """Adopt orphaned descendants (Linux 3.4+); False where the kernel refuses."""
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def is_subreaper() -> bool:
+    """This process adopts orphaned descendants (it made itself a subreaper)."""
+    flag = ctypes.c_int(0)
+    return _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value == 1
 
 
 def descendants() -> list[psutil.Process]:

@@ -25,6 +25,7 @@ from tests.e2e.conftest import (
     start_supervisor,
     write_config,
 )
+from worker.standby import FORK_SERVER_FLAG
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,8 +45,9 @@ WARM_STREAM = {
 }
 
 
-def standbys(supervisor: subprocess.Popen | int) -> dict[int, psutil.Process]:
-    """The supervisor's standby processes, by pid (those used since run the script: the same command line)."""
+def standbys(supervisor: subprocess.Popen | int, *, server: bool = False) -> dict[int, psutil.Process]:
+    """The supervisor's waiting standby processes (forked ones are named so; spawned ones keep their command line
+    until they run the script), or with `server` its fork server, by pid."""
     pid = supervisor if isinstance(supervisor, int) else supervisor.pid
     found = {}
     try:
@@ -54,7 +56,10 @@ def standbys(supervisor: subprocess.Popen | int) -> dict[int, psutil.Process]:
         return {}
     for child in children:
         try:
-            if "worker.standby" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+            cmdline, name = child.cmdline(), child.name()
+            if child.status() == psutil.STATUS_ZOMBIE or "worker.standby" not in cmdline:
+                continue
+            if server == (FORK_SERVER_FLAG in cmdline and name != "tw-standby"):
                 found[child.pid] = child
         except psutil.Error:
             continue
@@ -159,7 +164,7 @@ def rollbacks(run_dir: Path) -> list[tuple[int, int]]:
 # the demo tests above prewarm it).
 PREWARMED = "wave"
 FACTS_SCRIPT = """
-import json, os, sys, time
+import json, os, random, sys, time
 from pathlib import Path
 from worker.heartbeat import Heartbeat
 
@@ -169,7 +174,8 @@ print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "path0":
                   "prewarmed": "wave" in sys.modules, "restart_count": os.environ["TORCHELASTIC_RESTART_COUNT"],
                   "port": os.environ["MASTER_PORT"], "stdin": sys.stdin.read(), "pid": os.getpid(),
                   "standby_env": sorted(k for k in os.environ if "STANDBY" in k or "PREWARM" in k),
-                  "tag": os.environ.get("FROM_CONFIG")}), flush=True)
+                  "tag": os.environ.get("FROM_CONFIG"), "comm": Path("/proc/self/comm").read_text(),
+                  "random": random.random()}), flush=True)
 print("stderr of attempt", attempt, file=sys.stderr, flush=True)
 Heartbeat(run / "ranks" / f"rank_{rank}" / "heartbeat.json", root=run, rank=rank, attempt=attempt,
           interval_s=0.1).beat(1, "train", force=True)
@@ -200,18 +206,24 @@ def facts(run_dir: Path, attempt: int, rank: int) -> dict[str, Any]:
 
 
 def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log_files(tmp_path: Path) -> None:
+    """The standbys are forked from the fork server and adopted by the supervisor; once used, nothing tells them
+    from a freshly started `python -u facts.py` (but the prewarmed module), not even their name or random seed."""
     config, run_dir, crash = facts_job(tmp_path)
     proc = start_supervisor(config, run_dir)
     waiting = wait_for_standbys(proc, run_dir)
+    assert len(standbys(proc, server=True)) == 1
+    assert {psutil.Process(pid).name() for pid in waiting} == {"tw-standby"}
     crash.touch()
     done = finish(proc, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
     assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert not [e for e in journal(run_dir) if e["event"] in ("fork_server_off", "standbys_off")]
     cold, warm = facts(run_dir, 0, 0), facts(run_dir, 1, 0)
     assert warm["pid"] in waiting and not cold["prewarmed"] and warm["prewarmed"]
-    for key in ("name", "file", "argv", "path0", "stdin", "standby_env", "tag"):
+    for key in ("name", "file", "argv", "path0", "stdin", "standby_env", "tag", "comm"):
         assert warm[key] == cold[key], key  # as `python -u facts.py` has them
+    assert warm["random"] != facts(run_dir, 1, 1)["random"]  # each fork seeded afresh
     assert (warm["name"], warm["path0"], warm["standby_env"]) == ("__main__", str(tmp_path), [])
     assert (cold["restart_count"], warm["restart_count"]) == ("0", "1") and warm["port"] != cold["port"]
     assert (run_dir / "logs" / "attempt_1" / "rank_1.err").read_text() == "stderr of attempt 1\n"
@@ -221,7 +233,8 @@ def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log
 def test_standbys_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
     config, run_dir, _ = facts_job(tmp_path)
     proc = start_supervisor(config, run_dir)
-    waiting = wait_for_standbys(proc, run_dir)
+    waiting = wait_for_standbys(proc, run_dir) | set(standbys(proc, server=True))
+    assert len(waiting) == 3
     proc.kill()
     proc.communicate(timeout=30)
     _, alive = psutil.wait_procs([psutil.Process(pid) for pid in waiting if psutil.pid_exists(pid)], timeout=10)
@@ -244,6 +257,8 @@ def test_a_standby_that_dies_unused_turns_standbys_off_and_the_relaunch_starts_c
     done = finish(proc, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
+    (server_off,) = [e for e in journal(run_dir) if e["event"] == "fork_server_off"]
+    assert server_off["reason"] == "it exited while importing"  # then standbys are spawned, which exit too
     (off,) = [e for e in journal(run_dir) if e["event"] == "standbys_off"]
     assert "exited with 3 before it was used" in off["reason"] and "standby_rank_" in off["reason"]
     assert warm_launches(run_dir) == []
@@ -266,7 +281,7 @@ def test_no_standby_waits_while_the_run_trains_when_turned_off_or_not_kept_warm(
     first = run_dir / "logs" / "attempt_0" / "rank_1.out"
     wait(proc, lambda: first.exists() and first.stat().st_size > 0, "rank 1 to start")
     time.sleep(1.5)  # the pool would be filled at the next poll (once a second) after the ranks' training heartbeat
-    assert standbys(proc) == {}
+    assert standbys(proc) == standbys(proc, server=True) == {}
     crash.touch()
     done = finish(proc, run_dir)
 
@@ -276,9 +291,28 @@ def test_no_standby_waits_while_the_run_trains_when_turned_off_or_not_kept_warm(
     assert ("standbys_ready" in done.status()) == bool(warm)
 
 
+def test_a_fork_server_whose_imports_start_a_thread_is_refused_and_standbys_are_spawned(tmp_path: Path) -> None:
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), name='poller', daemon=True).start()\n"
+    )
+    config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["starts_a_thread"]})
+    proc = start_supervisor(config, run_dir)
+    waiting = wait_for_standbys(proc, run_dir)
+    crash.touch()
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    (off,) = [e for e in journal(run_dir) if e["event"] == "fork_server_off"]
+    assert off["reason"] == "the imports started Python threads: ['poller']"
+    assert off["log"].endswith("logs/standby_fork_server.log")
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert {facts(run_dir, 1, rank)["pid"] for rank in (0, 1)} == waiting
+
+
 def test_a_standby_taken_while_still_importing_runs_the_script_once_its_imports_are_done(tmp_path: Path) -> None:
+    """Spawned standbys (no fork server: one still importing has no standby to give) are taken importing."""
     (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(3)\n")
-    config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["slow_to_import"]})
+    config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["slow_to_import"], "fork_server": False})
     proc = start_supervisor(config, run_dir)
     waiting = spawned_standbys(proc)
     assert standbys_ready(proc, run_dir) in (None, 0)
