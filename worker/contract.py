@@ -116,9 +116,9 @@ class WorkerConfig:
     async_save: bool = True  # dcp: the loop pays only the staging copy; the write runs in a background thread
     keep_checkpoint_max: int = 0  # seed 001; the supervisor deletes older complete checkpoints; 0 keeps all
     # seed 004's oss_snapshot_freq: also save into two alternating snapshot slots, in memory where the supervisor
-    # gave a memory directory (worker.memory), else on disk; "auto": the interval follows measured costs and the
-    # failure rate (worker.cadence); 0: off
-    snapshot_steps: int | str = 0
+    # gave a memory directory (worker.memory), else on disk; "auto": in memory only, the interval following measured
+    # costs and the failure rate (worker.cadence); 0: off
+    snapshot_steps: int | str = "auto"
     snapshot_max_bytes: int = 0  # the memory tier's bound per node (both slots and a pin); 0: free memory decides
     persist_mb_s: float = 0.0  # the pace of the supervisor's copies of pinned snapshots to disk (MB/s); 0: no limit
     load_checkpoint: str | None = None  # seed 001: another run's checkpoint directory to resume from as well

@@ -163,6 +163,8 @@ class Warden:
         )
         self._saved_at = 0  # step of the newest regular checkpoint this rank holds (0: none)
         self._last_save = time.monotonic()  # the time-based cadence counts from here
+        if self.config.snapshot_steps == "auto" and (framework_save is not None or not os.environ.get(ENV_MEMORY_DIR)):
+            self.config = replace(self.config, snapshot_steps=0)  # `auto` snapshots to memory only; disk's: a number
         self._schedule = _or_config_error(self._snapshot_schedule)  # `snapshot_steps: auto` (worker.cadence)
         self._auto_slot: int | None = None  # with it, the disk slot of the newest snapshot this process wrote
         self._stopping = False  # a stop order was carried out and the loop asked about it: the loop ends
@@ -555,7 +557,7 @@ class Warden:
         if saved:
             schedule.saved(self.step)
             return False
-        return schedule.due(self.step)
+        return schedule.due(self.step) and self._memory_tier_on()  # a tier turned off (no room) ends `auto`'s snapshots
 
     def _save_on_schedule(self, saved: bool) -> None:
         """The save (`saved`) or snapshot the cadence made due. With `auto`, a snapshot's stall is measured, and a

@@ -77,6 +77,9 @@ def write_config(path: Path, steps: int = DEMO_STEPS, **overrides: Any) -> Path:
     config["stop"]["kill_grace_s"] = 1.0
     # Standbys cost two torch imports a run (CPU the suite is short of); test_warm_standby.py turns them on.
     config["standby"] = {"enabled": False}
+    # The memory tier (on by default: `auto`) has its own tests; the others keep the saves and collectives, and so
+    # the timing, they were written for (a rank's own disk saves and faults inside them; which rank meets a desync).
+    config["worker"]["snapshot_steps"] = 0
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
@@ -121,6 +124,7 @@ def fake_job(tmp_path: Path, **overrides: object) -> Path:
         "restart": {"max_restarts": 0},
         "stop": {"kill_grace_s": 2.0},
         "hang": {"heartbeat": "required", "first_heartbeat_s": 30.0, "phase_timeouts_s": {"train": 3.0}},
+        "worker": {"snapshot_steps": 0},  # no worker library: no memory directory to make (or leave, if SIGKILLed)
         **overrides,
     }
     path = tmp_path / "job.yaml"

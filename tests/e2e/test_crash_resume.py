@@ -3,6 +3,7 @@ run: test_fault_stream.py)."""
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,10 @@ def test_a_minimal_config_saves_by_time_and_a_killed_rank_resumes_from_a_checkpo
     assert status["resumed_from"]["step"] > 0
     store = RunLayout(run_dir).checkpoints
     assert store.steps(0, "ckpt") == store.steps(1, "ckpt") and 150 in store.steps(0, "ckpt")
+    # `snapshot_steps: auto` by default: snapshots in memory, at an interval the ranks chose, gone at the end
+    ranks_said = {e["event"] for e in map(json.loads, (run_dir / "ranks" / "rank_0" / "events.jsonl").open())}
+    assert {"snapshot_saved", "cadence_chosen"} <= ranks_said
+    assert any(e["event"] == "memory_tier_removed" for e in journal(run_dir))
 
 
 def test_the_supervisor_says_at_start_when_a_run_saves_no_checkpoints(tmp_path: Path) -> None:

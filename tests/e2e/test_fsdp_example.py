@@ -72,6 +72,7 @@ def fsdp_job(
     config["env"] = {**config["env"], "TRAINWARDEN_FAULTS": faults, "TRAINWARDEN_FAULTS_ONCE": "1"}
     config["worker"]["save_checkpoint_steps"] = SAVE_EVERY
     config["worker"]["keep_checkpoint_max"] = KEEP
+    config["worker"]["snapshot_steps"] = 0  # the background disk writes under test (MEMORY_TIER: the memory tier's)
     config["worker"].update(worker or {})
     config["restart"]["backoff_initial_s"] = 0.2
     config["stop"]["kill_grace_s"] = 1.0

@@ -1,5 +1,6 @@
 """`snapshot_steps: auto` in real loops: a measured first snapshot, the interval said (`cadence_chosen`), and every
-rank snapshotting at the same steps although each measures and proposes its own interval."""
+rank snapshotting at the same steps although each measures and proposes its own interval. `auto` snapshots to
+memory only: without a memory directory it is off."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.launch.ranks import free_port
-from worker.contract import ENV_FAILURES, RunLayout, WorkerConfig
+from worker.contract import ENV_FAILURES, ENV_MEMORY_DIR, RunLayout, WorkerConfig
+from worker.memory import create_memory_dir
 
 REPO = Path(__file__).resolve().parents[2]
 AUTO = WorkerConfig(save_checkpoint_steps=20, snapshot_steps="auto")
@@ -24,9 +26,13 @@ def events(run_dir: Path, rank: int, name: str) -> list[dict]:
 
 
 def snapshot_steps(run_dir: Path, rank: int) -> list[int]:
-    """The steps this rank saved into a snapshot slot (on disk: no memory tier in these tests)."""
-    saved = events(run_dir, rank, "checkpoint_saved")
-    return [e["step"] for e in saved if f"{os.sep}snapshot{os.sep}" in e["path"]]
+    """The steps this rank saved into a memory slot."""
+    return [e["step"] for e in events(run_dir, rank, "snapshot_saved")]
+
+
+def memory_dir(tmp_path: Path) -> Path:
+    """A memory directory as the supervisor makes one (a private folder: tmpfs or not, the worker cannot tell)."""
+    return create_memory_dir(tmp_path / "memory")
 
 
 def test_auto_measures_a_snapshot_at_the_second_step_and_says_the_interval_chosen(
@@ -35,6 +41,8 @@ def test_auto_measures_a_snapshot_at_the_second_step_and_says_the_interval_chose
     """The first snapshots come at steps 2, 4, 6 (the first step pays the warm-up); their stalls set an interval
     within [1, the disk interval], said with the failures the supervisor counted; snapshots alternate slots."""
     monkeypatch.setenv(ENV_FAILURES, "3/400.0")
+    memory = memory_dir(tmp_path)
+    monkeypatch.setenv(ENV_MEMORY_DIR, str(memory))
     run = loop(config=AUTO)
     for _ in range(12):
         run.train_batch()
@@ -45,9 +53,19 @@ def test_auto_measures_a_snapshot_at_the_second_step_and_says_the_interval_chose
     assert 1000.0 <= chosen[0]["mtbf_s"] <= 1010.0  # (3600 s prior + 400 s) / 4, and the seconds since
     steps = snapshot_steps(tmp_path, 0)
     assert steps[:3] == [2, 4, 6]
-    layout = RunLayout(tmp_path)
-    assert layout.snapshot_slot(0).steps(0, "ckpt") | layout.snapshot_slot(1).steps(0, "ckpt") == set(steps[-2:])
-    assert steps[-1] in layout.snapshot_slot(len(steps[:-1]) % 2).steps(0, "ckpt")  # slot 0, 1, 0, ... in turn
+    layout = RunLayout(tmp_path, memory=memory)
+    assert layout.memory_slot(0).steps(0, "ckpt") | layout.memory_slot(1).steps(0, "ckpt") == set(steps[-2:])
+    assert steps[-1] in layout.memory_slot(len(steps[:-1]) % 2).steps(0, "ckpt")  # slot 0, 1, 0, ... in turn
+
+
+def test_auto_without_a_memory_directory_takes_no_snapshot(loop, tmp_path: Path) -> None:
+    """No supervisor gave a memory directory (a plain torchrun): `auto` is off; the disk saves go on as set."""
+    run = loop(config=AUTO)
+    for _ in range(21):
+        run.train_batch()
+    assert events(tmp_path, 0, "snapshot_saved") == events(tmp_path, 0, "cadence_chosen") == []
+    assert [e["step"] for e in events(tmp_path, 0, "checkpoint_saved")] == [20]
+    assert not (tmp_path / "snapshot").exists()
 
 
 RANKS = """
@@ -84,6 +102,7 @@ def test_ranks_proposing_different_intervals_snapshot_at_the_same_steps(tmp_path
         "WORLD_SIZE": "2",
         "OMP_NUM_THREADS": "1",
         "TRAINWARDEN_WORKER_CONFIG": json.dumps({"save_checkpoint_steps": 20, "snapshot_steps": "auto"}),
+        ENV_MEMORY_DIR: str(memory_dir(tmp_path)),
     }
     failures = {0: "0/0.0", 1: "100000000/1.0"}  # rank 1: a failure every 36 µs
     procs = [
