@@ -85,7 +85,9 @@ def test_a_save_due_while_the_previous_one_is_written_counts_the_wait_and_says_s
     assert staged[3]["waited_s"] == 0.0  # nothing in flight before the first save
     key, steps, more = said["setting"].split(" ", 2)  # as many steps as the write takes at the pace seen
     assert (key, more) == ("worker.save_checkpoint_steps:", "or more") and int(steps) > 3
-    assert int(steps) == pytest.approx(said["write_s"] * 3 / said["interval_s"], rel=0.1)
+    # ceil(write_s x 3 / interval_s) of the unrounded figures: within a step of it from the logged ones (a relative
+    # tolerance failed under load, where slow steps make it a few steps only and the ceil's step exceeds 10 %)
+    assert abs(int(steps) - said["write_s"] * 3 / said["interval_s"]) <= 1
     beat = json.loads((tmp_path / "ranks" / "rank_0" / "heartbeat.json").read_text())
     assert beat["slow_saves"] == {
         "write_s": said["write_s"],
