@@ -39,6 +39,7 @@ FAULT_STREAM = {
     },
     "hang": FAST_HANG,
     "restart": {"max_restarts": 10, "backoff_factor": 1.0},
+    "standby": {"enabled": True},  # four relaunches: fork-served standbys cost one import, cold ranks eight
 }
 RESUMES = [None, 10, 20, 20, 30]  # each attempt's resume step
 

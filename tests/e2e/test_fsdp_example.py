@@ -62,6 +62,7 @@ def fsdp_job(
     faults: str = "",
     samples: Path | None = None,
     worker: dict[str, Any] | None = None,
+    standby: bool = False,
 ) -> Path:
     """examples/fsdp.yaml with the test's size, `faults` injected once each, `worker` settings added, and quick
     relaunches."""
@@ -77,7 +78,7 @@ def fsdp_job(
     config["restart"]["backoff_initial_s"] = 0.2
     config["stop"]["kill_grace_s"] = 1.0
     config["hang"] = {**config["hang"], **FAST_HANG}
-    config["standby"] = {"enabled": False}
+    config["standby"] = {"enabled": standby}  # worth its one import where a run relaunches more than once
     path = tmp / f"job_{nproc}_{steps}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -101,7 +102,7 @@ def export(run_dir: Path) -> dict[str, torch.Tensor]:
 def interrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     """Killed in a background write, hung, then stopped once the third attempt is past step 20: (tmp, stop step)."""
     tmp = tmp_path_factory.mktemp("interrupted")
-    proc = start_supervisor(fsdp_job(tmp, steps=UNTIL_STOPPED, faults=f"{KILL},{HANG}"), tmp / "run")
+    proc = start_supervisor(fsdp_job(tmp, steps=UNTIL_STOPPED, faults=f"{KILL},{HANG}", standby=True), tmp / "run")
     wait_until(
         lambda: all((b := heartbeat(tmp / "run", rank)) and b["attempt"] == 2 and b["step"] > 20 for rank in (0, 1)),
         timeout=150,
