@@ -285,8 +285,8 @@ def _imported(script: Path) -> None:
 def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop(ENV_STANDBY_FD)))
     script = Path(os.environ.pop(ENV_SCRIPT))
+    _imported(script)
     if FORK_SERVER_FLAG in sys.argv:
-        _imported(script)
         if why := _unforkable():
             with contextlib.suppress(OSError):
                 sock.sendall(REFUSED + why.encode()[:1000])
@@ -295,9 +295,7 @@ def main() -> None:
         forked = _serve_forks(sock)
         if forked is None:
             return
-        sock = forked
-    else:
-        _imported(script)
+        sock = forked  # in a forked standby from here on
     with contextlib.suppress(OSError):  # taken while still importing: the order is already in the socket
         sock.sendall(READY)
     try:
