@@ -183,7 +183,8 @@ def test_a_stop_in_the_relaunched_attempt_exits_0_after_the_code_past_the_loop(s
     code after its training loop ran: the metrics file ends with its `finished` line."""
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert (stopped.status["state"], stopped.status["restarts"]) == ("stopped", 1)
-    assert stopped.status["resumed_from"] == {"step": 70}
+    # the save of 70 (snapshots in memory by default): its pin persisted by then, or the kill was first
+    assert stopped.status["resumed_from"] in ({"step": 70}, {"step": 70, "source": "memory"})
     events = journal(stopped.run_dir)
     assert [(e["rank"], e["returncode"]) for e in events if e["event"] == "rank_crashed"] == [(1, -signal.SIGKILL)]
     (ordered,) = [e for e in events if e["event"] == "stop_ordered"]
