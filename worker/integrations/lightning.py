@@ -27,8 +27,9 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
     try:
-        # unused-ignore: where lightning is not installed, both names are Any and mypy finds nothing to ignore
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef, unused-ignore]
+        # unused-ignore: where lightning is not installed, both names are Any and mypy finds nothing to ignore;
+        # assignment: where both packages are, their Callback classes are two types
+        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef, assignment, unused-ignore]
     except ImportError as exc:
         raise ImportError(
             "worker.integrations.lightning needs PyTorch Lightning: pip install 'trainwarden[lightning]'"
