@@ -238,15 +238,16 @@ class Standbys:
     def ready(self) -> int:
         return sum(standby.is_ready() for standby in self._pool.values())
 
-    def fill(self) -> None:
-        """Spawn (or fork) the missing standbys. Call from the main thread: a child's parent-death signal is tied
-        to the thread that spawned it."""
+    def fill(self, *, now: bool = False) -> None:
+        """Spawn (or fork) the missing standbys. `now`: for a relaunch decided now, where no fork server is ready
+        they are spawned, to be taken at once while they import, and no server is started beside them. Call from
+        the main thread: a child's parent-death signal is tied to the thread that spawned it."""
         self._drop_dead()
         missing = [rank for rank in self._envs if rank not in self._pool]
         if self.failed or not missing:
             return
-        server = self._ready_server()
-        if self._forking and server is None:
+        server = self._ready_server(start=not now)
+        if self._forking and server is None and not now:
             return  # still importing: the standbys are forked at a later fill
         for rank in missing:
             try:
@@ -259,7 +260,7 @@ class Standbys:
         too: it runs the script as soon as its imports are done, still ahead of a process started now."""
         standby = self._pool.pop(rank, None)
         if standby is None:
-            server = None if self.failed else self._ready_server()
+            server = None if self.failed else self._ready_server(start=False)
             with contextlib.suppress(OSError):  # then it starts cold
                 return self._fork(server, rank) if server else None
             return None
@@ -277,9 +278,10 @@ class Standbys:
             self._server.retire()
             self._server = None
 
-    def _ready_server(self) -> ForkServer | None:
-        """The fork server once it can fork (started at the first call); None while it imports or when off."""
-        if not self._forking:
+    def _ready_server(self, *, start: bool = True) -> ForkServer | None:
+        """The fork server once it can fork (started at the first call that may `start` it); None while it
+        imports, before it is started, or when off."""
+        if not self._forking or (self._server is None and not start):
             return None
         if self._server is None:
             if not is_subreaper():

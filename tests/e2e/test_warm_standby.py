@@ -108,21 +108,22 @@ def launched_pids(run_dir: Path, attempt: int) -> set[int]:
 def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise_as_a_cold_one(
     tmp_path: Path, rollback_run: Path
 ) -> None:
-    """SIGTERM: the ranks save and exit, the standbys go with the supervisor. The next supervisor resumes from the
+    """SIGTERM: the ranks save and exit, the fork server goes with the supervisor. The next supervisor resumes from the
     stop with standbys of its own; a kill, a freeze (a hang) and a spike streak (a rollback past the bad data) are
     each relaunched in standby processes that waited, the pool refilled after each, and the run ends bitwise equal
     to the cold run through the spike streak alone: it resumed from the same checkpoint and skipped the same data."""
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "job.yaml", **WARM_STREAM, standby=WARM)
     proc = start_supervisor(config, run_dir)
-    waiting = spawned_standbys(proc)
+    # The fork server started (perhaps still importing): the stop comes well before step 20, the first fault's save.
+    waiting = set(wait(proc, lambda: standbys(proc, server=True), "the fork server to be started"))
     proc.send_signal(signal.SIGTERM)
     stopped = finish(proc, run_dir)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert stopped.status()["state"] == "stopped"
     assert not [pid for pid in waiting if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     stop_step = stopped.status()["last_checkpoint"]["step"]
-    assert stop_step < 25, "stopped before the first fault"
+    assert stop_step < 20, "stopped before the checkpoint the first fault resumes from"
 
     proc = start_supervisor(config, run_dir)
     first = spawned_standbys(proc)  # perhaps still importing: taken all the same, and ahead of a cold start
@@ -175,7 +176,8 @@ print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "path0":
                   "port": os.environ["MASTER_PORT"], "stdin": sys.stdin.read(), "pid": os.getpid(),
                   "standby_env": sorted(k for k in os.environ if "STANDBY" in k or "PREWARM" in k),
                   "tag": os.environ.get("FROM_CONFIG"), "comm": Path("/proc/self/comm").read_text(),
-                  "random": random.random()}), flush=True)
+                  "random": random.random(), "forked": "--fork-server" in Path("/proc/self/cmdline").read_text()}),
+      flush=True)
 print("stderr of attempt", attempt, file=sys.stderr, flush=True)
 Heartbeat(run / "ranks" / f"rank_{rank}" / "heartbeat.json", root=run, rank=rank, attempt=attempt,
           interval_s=0.1).beat(1, "train", force=True)
@@ -224,6 +226,7 @@ def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log
     for key in ("name", "file", "argv", "path0", "stdin", "standby_env", "tag", "comm"):
         assert warm[key] == cold[key], key  # as `python -u facts.py` has them
     assert warm["random"] != facts(run_dir, 1, 1)["random"]  # each fork seeded afresh
+    assert warm["forked"] and not cold["forked"]
     assert (warm["name"], warm["path0"], warm["standby_env"]) == ("__main__", str(tmp_path), [])
     assert (cold["restart_count"], warm["restart_count"]) == ("0", "1") and warm["port"] != cold["port"]
     assert (run_dir / "logs" / "attempt_1" / "rank_1.err").read_text() == "stderr of attempt 1\n"
@@ -307,6 +310,25 @@ def test_a_fork_server_whose_imports_start_a_thread_is_refused_and_standbys_are_
     assert off["log"].endswith("logs/standby_fork_server.log")
     assert warm_launches(run_dir) == [(1, [0, 1])]
     assert {facts(run_dir, 1, rank)["pid"] for rank in (0, 1)} == waiting
+
+
+def test_a_relaunch_while_the_fork_server_imports_takes_standbys_spawned_for_it(tmp_path: Path) -> None:
+    """The fork server (started once the first attempt trains) still imports when a rank crashes: the relaunch
+    spawns its standbys and takes them at once, importing, as without a fork server, instead of starting cold."""
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(3)\n")
+    config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["slow_to_import", PREWARMED]})
+    proc = start_supervisor(config, run_dir)
+    wait(proc, lambda: standbys(proc, server=True), "the fork server to be started")
+    assert standbys_ready(proc, run_dir) in (None, 0)
+    crash.touch()
+    done = finish(proc, run_dir)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert warm_launches(run_dir) == [(1, [0, 1])]
+    for rank in (0, 1):
+        warm = facts(run_dir, 1, rank)
+        assert warm["prewarmed"] and not warm["forked"]
+    assert not [e for e in journal(run_dir) if e["event"] in ("fork_server_off", "standbys_off")]
 
 
 def test_a_standby_taken_while_still_importing_runs_the_script_once_its_imports_are_done(tmp_path: Path) -> None:
