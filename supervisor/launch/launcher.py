@@ -183,7 +183,7 @@ class LocalLauncher:
         """A standby for each rank that has none waiting, spawned now: its Python and imports overlap the choice of
         the resume point (checksums read) and the clean-up of torn saves, which torchrun's restart has not to do."""
         if self._standbys is not None:
-            self._standbys.fill(now=True)
+            self._standbys.fill()
 
     def launch(self, attempt: Attempt) -> Spawned | LaunchFailed:
         def on_exit(number: int, rank: int, code: int) -> None:

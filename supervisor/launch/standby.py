@@ -156,8 +156,10 @@ class ForkServer:
 
     def check(self) -> bool | None:
         """True once it is ready to fork, None while it imports, False when it refused or died (see `refused`)."""
+        if self.ready and self.proc.poll() is not None:
+            self.ready, self.refused = False, f"it exited with {self.proc.returncode}"
         if self.ready or self.refused:
-            return self.ready and self.proc.poll() is None
+            return self.ready
         try:
             said = self.sock.recv(1024)
         except (BlockingIOError, InterruptedError):
@@ -238,16 +240,15 @@ class Standbys:
     def ready(self) -> int:
         return sum(standby.is_ready() for standby in self._pool.values())
 
-    def fill(self, *, now: bool = False) -> None:
-        """Spawn (or fork) the missing standbys. `now`: for a relaunch decided now, where no fork server is ready
-        they are spawned, to be taken at once while they import, and no server is started beside them. Call from
-        the main thread: a child's parent-death signal is tied to the thread that spawned it."""
+    def fill(self) -> None:
+        """Spawn (or fork) the missing standbys. Call from the main thread: a child's parent-death signal is tied
+        to the thread that spawned it."""
         self._drop_dead()
         missing = [rank for rank in self._envs if rank not in self._pool]
         if self.failed or not missing:
             return
-        server = self._ready_server(start=not now)
-        if self._forking and server is None and not now:
+        server = self._ready_server()
+        if self._forking and server is None:
             return  # still importing: the standbys are forked at a later fill
         for rank in missing:
             try:

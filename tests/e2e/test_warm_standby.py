@@ -312,25 +312,6 @@ def test_a_fork_server_whose_imports_start_a_thread_is_refused_and_standbys_are_
     assert {facts(run_dir, 1, rank)["pid"] for rank in (0, 1)} == waiting
 
 
-def test_a_relaunch_while_the_fork_server_imports_takes_standbys_spawned_for_it(tmp_path: Path) -> None:
-    """The fork server (started once the first attempt trains) still imports when a rank crashes: the relaunch
-    spawns its standbys and takes them at once, importing, as without a fork server, instead of starting cold."""
-    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(3)\n")
-    config, run_dir, crash = facts_job(tmp_path, {"prewarm_imports": ["slow_to_import", PREWARMED]})
-    proc = start_supervisor(config, run_dir)
-    wait(proc, lambda: standbys(proc, server=True), "the fork server to be started")
-    assert standbys_ready(proc, run_dir) in (None, 0)
-    crash.touch()
-    done = finish(proc, run_dir)
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert warm_launches(run_dir) == [(1, [0, 1])]
-    for rank in (0, 1):
-        warm = facts(run_dir, 1, rank)
-        assert warm["prewarmed"] and not warm["forked"]
-    assert not [e for e in journal(run_dir) if e["event"] in ("fork_server_off", "standbys_off")]
-
-
 def test_a_standby_taken_while_still_importing_runs_the_script_once_its_imports_are_done(tmp_path: Path) -> None:
     """Spawned standbys (no fork server: one still importing has no standby to give) are taken importing."""
     (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(3)\n")
