@@ -30,14 +30,14 @@ from worker.standby import FORK_SERVER_FLAG
 pytestmark = pytest.mark.timeout(300)
 
 WARM, COLD = {"enabled": True}, {"enabled": False}  # write_config turns them off unless told
-# After a stop, each once: rank 1 killed after step 25, rank 0 frozen (SIGSTOP: a hang) after 32, and SPIKE_STREAK's
+# After a stop, each once: rank 1 killed after step 29, rank 0 frozen (SIGSTOP: a hang) after 32, and SPIKE_STREAK's
 # spike streak at 45. Slower steps (a sleep: the numbers stay the same) give the standbys time to import in between.
 WARM_STREAM = {
     **SPIKE_STREAK,
     "env": {
         "TRAINWARDEN_FAULTS_ONCE": "1",
         "TRAINWARDEN_FAULTS": ",".join(
-            ["1:sigkill@25", "0:sigstop@32", SPIKE_STREAK["env"]["TRAINWARDEN_FAULTS"], "0:slow@1:0.2", "1:slow@1:0.2"]
+            ["1:sigkill@29", "0:sigstop@32", SPIKE_STREAK["env"]["TRAINWARDEN_FAULTS"], "0:slow@1:0.2", "1:slow@1:0.2"]
         ),
     },
     "hang": FAST_HANG,
@@ -108,14 +108,15 @@ def launched_pids(run_dir: Path, attempt: int) -> set[int]:
 def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise_as_a_cold_one(
     tmp_path: Path, rollback_run: Path
 ) -> None:
-    """SIGTERM: the ranks save and exit, the fork server goes with the supervisor. The next supervisor resumes from the
+    """SIGTERM: the ranks save and exit, the standbys go with the supervisor. The next supervisor resumes from the
     stop with standbys of its own; a kill, a freeze (a hang) and a spike streak (a rollback past the bad data) are
     each relaunched in standby processes that waited, the pool refilled after each, and the run ends bitwise equal
     to the cold run through the spike streak alone: it resumed from the same checkpoint and skipped the same data."""
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "job.yaml", **WARM_STREAM, standby=WARM)
     proc = start_supervisor(config, run_dir)
-    # The fork server started (perhaps still importing): the stop comes well before step 20, the first fault's save.
+    # The fork server started (perhaps still importing): the stop comes well before step 20, so that the next run's
+    # server has the steps up to the kill to import in.
     waiting = set(wait(proc, lambda: standbys(proc, server=True), "the fork server to be started"))
     proc.send_signal(signal.SIGTERM)
     stopped = finish(proc, run_dir)
