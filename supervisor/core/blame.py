@@ -142,8 +142,10 @@ def parse_flight(raw: Any) -> dict[str, GroupRecord] | None:
     for pg in set(recent) | {str(k)[:MAX_FIELD_CHARS] for k in status}:
         seen = sorted({c.seq: c for c in recent.get(pg, [])}.values(), key=lambda c: c.seq)[-RECENT:]
         done = [c.seq for c in seen if c.state == "completed"]
-        enqueued = _int((status.get(pg) or {}).get("last_enqueued_collective"), max((c.seq for c in seen), default=-1))
-        completed = _int((status.get(pg) or {}).get("last_completed_collective"), max(done, default=-1))
+        # The newest of the group's status and its entries: gloo's worker threads each set the status after they
+        # finish, so one that finished an earlier collective can overwrite a later one's (its entry says retired).
+        enqueued = max(_int((status.get(pg) or {}).get("last_enqueued_collective"), -1), *(c.seq for c in seen), -1)
+        completed = max(_int((status.get(pg) or {}).get("last_completed_collective"), -1), *done, -1)
         if enqueued >= 0:
             groups[pg] = GroupRecord(enqueued, completed, tuple(seen), descs.get(pg, ""))
     return groups or None

@@ -265,7 +265,12 @@ def test_a_gpu_lost_between_attempts_stops_the_run_with_exit_78_before_the_relau
     then takes one away and fails; the relaunch is refused before any rank starts, exit 78, naming 1 GPU and 2 ranks."""
     gpus = tmp_path / "gpus"
     gpus.write_text("2")
-    lose_one = "import os, sys; r = os.environ['RANK']; r == '0' and open(sys.argv[1], 'w').write('1'); sys.exit(3)"
+    # Rank 0 takes a GPU away and fails; rank 1 waits to be stopped (had it failed first, the relaunch could come
+    # before rank 0 wrote).
+    lose_one = (
+        "import os, sys, time; os.environ['RANK'] == '1' and time.sleep(60); "
+        "open(sys.argv[1], 'w').write('1'); sys.exit(3)"
+    )
     config = tmp_path / "job.yaml"
     job = {
         "command": [sys.executable, "-c", lose_one, str(gpus)],

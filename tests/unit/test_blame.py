@@ -68,6 +68,20 @@ def test_a_rank_that_issued_no_more_collectives_is_host_side():
     )
 
 
+def test_a_completed_collective_counts_though_the_groups_status_says_an_earlier_one():
+    """Gloo's two worker threads each set the group's last completed collective after they finish: the thread of
+    #34 (DDP's all-gather, whose completion let rank 1 go on) set it after #35's thread had, so rank 1's status says
+    34 while its entry of #35 is retired. Rank 1 completed #35 and stopped: host-side, not inside #35 (it was named
+    in-collective once in CI)."""
+    peer = {"entries": [entry(34, "all_gather"), entry(35), entry(36, "all_gather", done=False)]}
+    peer["pg_status"] = {"0": {"last_enqueued_collective": "36", "last_completed_collective": "35"}}
+    late = {"entries": [entry(34, "all_gather"), entry(35)]}
+    late["pg_status"] = {"0": {"last_enqueued_collective": "35", "last_completed_collective": "34"}}
+    verdict = judge({0: parse_flight(peer), 1: parse_flight(late)})
+    assert (verdict.rank, verdict.cls) == (1, "host-side")
+    assert "rank 1 completed collective #35 (all_reduce [[8]]) and issued no more" in verdict.evidence
+
+
 def test_a_collective_with_other_sizes_on_one_rank_is_a_desync_named_by_the_majority():
     """Recorded: rank 3's all-reduce had 7 elements, its peers' 8 (gloo hung; ranks 1 and 3 even completed it)."""
     verdict = judge(recorded("gloo_desync_sizes_4_ranks"))
