@@ -149,8 +149,8 @@ class StandbyConfig:
     """Warm standby ranks: a process per local rank with Python started and torch imported, used at a relaunch."""
 
     enabled: bool = True  # only for `script:` jobs on one machine (a `command:` or a multi-node job starts cold)
-    keep_warm: bool = True  # one waits per rank while the run trains; false: started at each launch decision only
-    fork_server: bool = True  # kept-warm standbys are forked from one process that imported once; false: each imports
+    keep_warm: bool = True  # one waits per rank while the run trains; false: started at each relaunch decision only
+    fork_server: bool = True  # the first launch's ranks and kept-warm standbys are forked from one that imported once
     prewarm_imports: list[str] | None = None  # what a standby imports; None: torch and the script's installed imports
 
 

@@ -564,8 +564,7 @@ class Supervisor:
                 "ranks_signalled", signal=signal.Signals(action.signum).name, ranks=sent, attempt=action.attempt
             )
         elif isinstance(action, LaunchRanks):
-            if action.attempt > 0:  # a relaunch (the first launch runs the script as torchrun would)
-                self._launcher.prestart()
+            self._launcher.prestart(action.attempt)
             threading.Thread(target=self._prepare_launch, args=(action,), daemon=True).start()
         elif isinstance(action, DumpStacks):
             self._launcher.dump_stacks(
@@ -591,6 +590,7 @@ class Supervisor:
                 self._inbox.put_nowait(LaunchFailed(action.attempt, mismatch.message(), retryable=False))
                 return
             choice = self._choose_resume(action.attempt, action.resume_at_most, action.refused)
+            self._launcher.await_prestarted()  # its ranks are forked from the fork server once it has imported
         except Exception as exc:  # noqa: BLE001 - whatever it is, the run must not wait forever in STARTING
             self._inbox.put_nowait(LaunchFailed(action.attempt, f"choosing a checkpoint failed: {exc!r}"))
             return

@@ -64,6 +64,7 @@ FORK = b"F"  # to the fork server, with the new standby's socket and log descrip
 REFUSED = b"N"  # the fork server's answer to its own imports when forking them is unsafe, then the reason
 FORK_SERVER_FLAG = "--fork-server"
 STANDBY_NAME = b"tw-standby"  # the process name (`ps -o comm`) while it waits
+FORK_SERVER_NAME = b"tw-fork-server"  # the fork server's
 _PID = struct.Struct("!i")
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
 _SETTLE_S = 5.0  # a forked standby's wait for its re-parenting (the intermediate process exits at once)
@@ -167,8 +168,12 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
 def _name_as_python() -> None:
     """A forked standby's process name back to what a freshly started `python script.py` has."""
     if _comm() == STANDBY_NAME.decode():
-        name = Path(sys.executable).name.encode()[:15]
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+        _set_name(Path(sys.executable).name.encode())
+
+
+def _set_name(name: bytes) -> None:
+    """This process's name, as `ps -o comm` shows it (the kernel keeps 15 bytes)."""
+    ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 def _comm() -> str:
@@ -252,6 +257,7 @@ def _fork_standby(server: socket.socket, supervisor: int, fds: list[int]) -> soc
 def _settle(middle: int, supervisor: int, fds: list[int]) -> socket.socket:
     """The forked standby: its own session and log, re-parented to the supervisor and dying with it, its own seeds."""
     os.setsid()
+    _set_name(STANDBY_NAME)  # at once: no longer the fork server
     sock, log = socket.socket(fileno=fds[0]), fds[1]
     for target in (1, 2):
         os.dup2(log, target)
@@ -263,7 +269,6 @@ def _settle(middle: int, supervisor: int, fds: list[int]) -> socket.socket:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != supervisor:  # its supervisor is gone (or never adopted it): no standby of nobody
         os._exit(1)
-    libc.prctl(_PR_SET_NAME, ctypes.c_char_p(STANDBY_NAME), 0, 0, 0)
     if (numpy_random := sys.modules.get("numpy.random")) is not None:
         numpy_random.seed()  # as a fresh process seeds it (Python reseeds `random` at a fork itself)
     return sock
@@ -285,6 +290,8 @@ def _imported(script: Path) -> None:
 def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop(ENV_STANDBY_FD)))
     script = Path(os.environ.pop(ENV_SCRIPT))
+    if FORK_SERVER_FLAG in sys.argv:
+        _set_name(FORK_SERVER_NAME)
     _imported(script)
     if FORK_SERVER_FLAG in sys.argv:
         if why := _unforkable():

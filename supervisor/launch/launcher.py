@@ -71,8 +71,12 @@ class Launcher(Protocol):
     def hand_over(self) -> None:
         """Stop without killing what a successor may live in: the ranks are fenced by their agents."""
 
-    def prestart(self) -> None:
-        """A relaunch is decided: start what can start before its resume point is chosen (on the main thread)."""
+    def prestart(self, attempt: int) -> None:
+        """A launch is decided: start what can start before its resume point is chosen (on the main thread)."""
+
+    def await_prestarted(self) -> None:
+        """Off the main thread, once the resume point is chosen: wait (bounded) for what `prestart` started and
+        the launch will use."""
 
     def launch(self, attempt: Attempt) -> Spawned | LaunchFailed | None:
         """Start every rank; the outcome now, or None when it will be posted."""
@@ -179,11 +183,20 @@ class LocalLauncher:
     def hand_over(self) -> None:
         self.close()  # on one machine there is nobody to hand over to
 
-    def prestart(self) -> None:
+    def prestart(self, attempt: int) -> None:
         """A standby for each rank that has none waiting, spawned now: its Python and imports overlap the choice of
-        the resume point (checksums read) and the clean-up of torn saves, which torchrun's restart has not to do."""
-        if self._standbys is not None:
+        the resume point (checksums read) and the clean-up of torn saves, which torchrun's restart has not to do.
+        Before the first launch, only the fork server: its ranks are forked from its one import."""
+        if self._standbys is None:
+            return
+        if attempt == 0:
+            self._standbys.start_server()
+        else:
             self._standbys.fill()
+
+    def await_prestarted(self) -> None:
+        if self._standbys is not None:
+            self._standbys.await_server()
 
     def launch(self, attempt: Attempt) -> Spawned | LaunchFailed:
         def on_exit(number: int, rank: int, code: int) -> None:

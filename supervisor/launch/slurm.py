@@ -318,8 +318,11 @@ class SlurmLauncher:
 
     # ---- launching ----
 
-    def prestart(self) -> None:
+    def prestart(self, attempt: int) -> None:
         """Nothing: the agents start their ranks when the attempt's launch reaches them."""
+
+    def await_prestarted(self) -> None:
+        """Nothing was started."""
 
     def launch(self, attempt: Attempt) -> None:
         """Ask Slurm for the nodes (in a thread: the controller may be slow or out of reach); `_Planned` goes on."""

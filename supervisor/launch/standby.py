@@ -9,14 +9,17 @@ trains, so standbys never compete with the ranks' own start-up.
 Where standbys are kept warm, they are forked from a fork server (`standby.fork_server`) that imported once, never
 from a process that has started torch's threads: refilling the pool after a relaunch then costs a fork, not the
 seconds of CPU of every standby's own `import torch` beside the training ranks. The supervisor, a child subreaper,
-adopts each and waits for it as for a process it spawned (`Adopted`). A server that finds its imports unsafe to
-fork, or that dies, says why (`fork_server_off`), and standbys are spawned one by one instead.
+adopts each and waits for it as for a process it spawned (`Adopted`). The server starts with the run and the first
+launch waits for its imports (SERVER_WAIT_S at most), so that launch's ranks are forked from one import too, not
+each started with its own. A server that finds its imports unsafe to fork, or that dies, says why
+(`fork_server_off`), and standbys are spawned one by one instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import struct
@@ -57,6 +60,8 @@ PER_ATTEMPT = (
 )
 FILL_AFTER_S = 30.0  # without training heartbeats to go by, refill this long after a launch
 FORK_TIMEOUT_S = 5.0  # a fork and the forked standby's first word take milliseconds
+# A launch waits this long for the fork server's imports (a cold rank would import as long); then it starts cold.
+SERVER_WAIT_S = 120.0
 UNKNOWN_EXIT = 255  # a process reaped by someone else: its status is lost
 _ORDER = b"A"
 _PID = struct.Struct("!i")
@@ -151,6 +156,7 @@ class ForkServer:
 
     def __init__(self, proc: subprocess.Popen, sock: socket.socket) -> None:
         self.proc, self.sock = proc, sock
+        self.started = time.monotonic()
         self.ready = False
         self.refused = ""  # why it will not fork, once it said so or died
 
@@ -255,6 +261,20 @@ class Standbys:
                 self._pool[rank] = self._fork(server, rank) if server else self._spawn(rank)
             except OSError as exc:
                 self._fail(f"cannot start a standby for rank {rank}: {exc}")
+
+    def start_server(self) -> None:
+        """Start the fork server, if standbys are forked (main thread: its parent-death signal is tied to it)."""
+        if not self.failed:
+            self._ready_server()
+
+    def await_server(self) -> None:
+        """Wait, from any thread, until the fork server has said whether it is ready, or died, or it has imported
+        for SERVER_WAIT_S (then the launch starts cold). Reads nothing: `take` hears what it said."""
+        server = self._server
+        if server is None or server.ready or server.refused:
+            return
+        with contextlib.suppress(OSError, ValueError):  # closed meanwhile: the run is ending
+            select.select([server.sock], [], [], max(0.0, server.started + SERVER_WAIT_S - time.monotonic()))
 
     def take(self, rank: int) -> Standby | None:
         """The rank's standby while it lives (it leaves the pool), or one forked now. One still importing is taken

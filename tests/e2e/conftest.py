@@ -75,8 +75,6 @@ def write_config(path: Path, steps: int = DEMO_STEPS, **overrides: Any) -> Path:
     config["restart"]["backoff_initial_s"] = 0.2
     # A rank blocked in a gloo collective with a live peer (a hang) only dies by SIGKILL: do not wait 5 s for it.
     config["stop"]["kill_grace_s"] = 1.0
-    # Standbys cost two torch imports a run (CPU the suite is short of); test_warm_standby.py turns them on.
-    config["standby"] = {"enabled": False}
     # The memory tier (on by default: `auto`) has its own tests; the others keep the saves and collectives, and so
     # the timing, they were written for (a rank's own disk saves and faults inside them; which rank meets a desync).
     config["worker"]["snapshot_steps"] = 0
@@ -206,8 +204,9 @@ def assert_same_training_state(run_dir: Path, reference: Path) -> None:
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of the demo job: the state every interrupted run must end in."""
-    run_dir = shared_run(tmp_path_factory, "reference", worker=REFERENCE_WORKER)
+    """An uninterrupted run of the demo job, its ranks started cold: the state every interrupted run (its ranks
+    forked from the fork server, by default) must end in."""
+    run_dir = shared_run(tmp_path_factory, "reference", worker=REFERENCE_WORKER, standby={"enabled": False})
     assert trainwarden_status(run_dir)["restarts"] == 0
     return run_dir
 
@@ -215,7 +214,7 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def rollback_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run through SPIKE_STREAK, its ranks started cold."""
-    return shared_run(tmp_path_factory, "rollback", **SPIKE_STREAK)
+    return shared_run(tmp_path_factory, "rollback", **SPIKE_STREAK, standby={"enabled": False})
 
 
 def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides: Any) -> Path:

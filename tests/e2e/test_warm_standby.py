@@ -21,15 +21,17 @@ from tests.e2e.conftest import (
     SPIKE_STREAK,
     assert_same_training_state,
     finish,
+    heartbeat,
     journal,
+    run_supervisor,
     start_supervisor,
     write_config,
 )
-from worker.standby import FORK_SERVER_FLAG
+from worker.standby import FORK_SERVER_FLAG, FORK_SERVER_NAME, STANDBY_NAME
 
 pytestmark = pytest.mark.timeout(300)
 
-WARM, COLD = {"enabled": True}, {"enabled": False}  # write_config turns them off unless told
+WARM, COLD = {"enabled": True}, {"enabled": False}  # on by default, and in write_config
 # After a stop, each once: rank 1 killed after step 29, rank 0 frozen (SIGSTOP: a hang) after 32, and SPIKE_STREAK's
 # spike streak at 45. Slower steps (a sleep: the numbers stay the same) give the standbys time to import in between.
 WARM_STREAM = {
@@ -46,8 +48,8 @@ WARM_STREAM = {
 
 
 def standbys(supervisor: subprocess.Popen | int, *, server: bool = False) -> dict[int, psutil.Process]:
-    """The supervisor's waiting standby processes (forked ones are named so; spawned ones keep their command line
-    until they run the script), or with `server` its fork server, by pid."""
+    """The supervisor's waiting standby processes (forked ones are named so, and keep the fork server's command line
+    when they run the script; spawned ones have theirs until then), or with `server` its fork server, by pid."""
     pid = supervisor if isinstance(supervisor, int) else supervisor.pid
     found = {}
     try:
@@ -59,7 +61,8 @@ def standbys(supervisor: subprocess.Popen | int, *, server: bool = False) -> dic
             cmdline, name = child.cmdline(), child.name()
             if child.status() == psutil.STATUS_ZOMBIE or "worker.standby" not in cmdline:
                 continue
-            if server == (FORK_SERVER_FLAG in cmdline and name != "tw-standby"):
+            forked = FORK_SERVER_FLAG in cmdline
+            if (name == FORK_SERVER_NAME.decode()) if server else (name == STANDBY_NAME.decode() or not forked):
                 found[child.pid] = child
         except psutil.Error:
             continue
@@ -91,6 +94,17 @@ def wait_for_standbys(proc: subprocess.Popen, run_dir: Path) -> set[int]:
     return set(standbys(proc))
 
 
+def kept_standbys(proc: subprocess.Popen, run_dir: Path, *, launches: int = 1) -> set[int]:
+    """The standbys waiting once the run dir's journal has `launches` launches (the ranks forked for the last,
+    briefly standbys themselves, left out)."""
+    try:
+        launched = [e for e in journal(run_dir) if e["event"] == "ranks_launched"]
+    except (OSError, ValueError):  # not written yet, or a line being written
+        return set()
+    ranks = {pid for e in launched for pid in e["pids"]}
+    return set(standbys(proc)) - ranks if len(launched) == launches else set()
+
+
 def spawned_standbys(proc: subprocess.Popen) -> set[int]:
     """Both standbys spawned (perhaps still importing); their pids."""
     return set(wait(proc, lambda: len(found := standbys(proc)) == 2 and found, "both standbys to be spawned"))
@@ -115,10 +129,9 @@ def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "job.yaml", **WARM_STREAM, standby=WARM)
     proc = start_supervisor(config, run_dir)
-    # The fork server started (perhaps still importing): the stop comes well before step 20, so that the next run's
-    # server has the steps up to the kill to import in.
     waiting = set(wait(proc, lambda: standbys(proc, server=True), "the fork server to be started"))
-    proc.send_signal(signal.SIGTERM)
+    wait(proc, lambda: (beat := heartbeat(run_dir, 0)) and beat["step"] >= 2, "rank 0 to train")
+    proc.send_signal(signal.SIGTERM)  # at step 2 or so (a step takes 0.2 s or more): before step 20
     stopped = finish(proc, run_dir)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert stopped.status()["state"] == "stopped"
@@ -127,7 +140,7 @@ def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise
     assert stop_step < 20, "stopped before the checkpoint the first fault resumes from"
 
     proc = start_supervisor(config, run_dir)
-    first = spawned_standbys(proc)  # perhaps still importing: taken all the same, and ahead of a cold start
+    first = set(wait(proc, lambda: len(kept := kept_standbys(proc, run_dir, launches=2)) == 2 and kept, "standbys"))
     done = finish(proc, run_dir)
 
     assert done.returncode == 0, done.stderr[-3000:]
@@ -149,7 +162,7 @@ def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise
         "process stopped (SIGSTOP)",
     )
     assert sorted(e["rank"] for e in journal(run_dir) if e["event"] == "rank_stopped" and e["attempt"] == 1) == [0, 1]
-    assert warm_launches(run_dir) == [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])]
+    assert warm_launches(run_dir) == [(0, [0, 1]), (0, [0, 1]), (1, [0, 1]), (2, [0, 1]), (3, [0, 1])]
     assert launched_pids(run_dir, 1) == first
     assert warm_launches(rollback_run) == []
     assert rollbacks(run_dir) == rollbacks(rollback_run) == [(35, 52)]
@@ -209,8 +222,9 @@ def facts(run_dir: Path, attempt: int, rank: int) -> dict[str, Any]:
 
 
 def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log_files(tmp_path: Path) -> None:
-    """The standbys are forked from the fork server and adopted by the supervisor; once used, nothing tells them
-    from a freshly started `python -u facts.py` (but the prewarmed module), not even their name or random seed."""
+    """The first launch's ranks and the standbys kept while they train are forked from the fork server and adopted
+    by the supervisor; once used, nothing tells them from a freshly started `python -u facts.py` (a cold run's: but
+    the prewarmed module), not even their name or random seed."""
     config, run_dir, crash = facts_job(tmp_path)
     proc = start_supervisor(config, run_dir)
     waiting = wait_for_standbys(proc, run_dir)
@@ -218,27 +232,37 @@ def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log
     assert {psutil.Process(pid).name() for pid in waiting} == {"tw-standby"}
     crash.touch()
     done = finish(proc, run_dir)
+    cold_run = tmp_path / "cold"  # the same job without standbys: its first attempt fails at once, its second ends
+    assert run_supervisor(facts_job(tmp_path, COLD)[0], cold_run).returncode == 0
 
     assert done.returncode == 0, done.stderr[-3000:]
-    assert warm_launches(run_dir) == [(1, [0, 1])]
+    assert warm_launches(run_dir) == [(0, [0, 1]), (1, [0, 1])]
     assert not [e for e in journal(run_dir) if e["event"] in ("fork_server_off", "standbys_off")]
-    cold, warm = facts(run_dir, 0, 0), facts(run_dir, 1, 0)
-    assert warm["pid"] in waiting and not cold["prewarmed"] and warm["prewarmed"]
-    for key in ("name", "file", "argv", "path0", "stdin", "standby_env", "tag", "comm"):
-        assert warm[key] == cold[key], key  # as `python -u facts.py` has them
-    assert warm["random"] != facts(run_dir, 1, 1)["random"]  # each fork seeded afresh
-    assert warm["forked"] and not cold["forked"]
-    assert (warm["name"], warm["path0"], warm["standby_env"]) == ("__main__", str(tmp_path), [])
-    assert (cold["restart_count"], warm["restart_count"]) == ("0", "1") and warm["port"] != cold["port"]
+    cold, first, warm = facts(cold_run, 1, 0), facts(run_dir, 0, 0), facts(run_dir, 1, 0)
+    assert (cold["name"], cold["path0"], cold["standby_env"], cold["prewarmed"], cold["forked"]) == (
+        "__main__",
+        str(tmp_path),
+        [],
+        False,
+        False,
+    )
+    for forked in (first, warm):
+        assert forked["prewarmed"] and forked["forked"]
+        for key in ("name", "file", "argv", "path0", "stdin", "standby_env", "tag", "comm"):
+            assert forked[key] == cold[key], key  # as `python -u facts.py` has them
+    assert warm["pid"] in waiting and first["pid"] not in waiting
+    assert warm["random"] != facts(run_dir, 1, 1)["random"] != first["random"]  # each fork seeded afresh
+    assert (first["restart_count"], warm["restart_count"]) == ("0", "1") and warm["port"] != first["port"]
     assert (run_dir / "logs" / "attempt_1" / "rank_1.err").read_text() == "stderr of attempt 1\n"
     assert facts(run_dir, 1, 1)["pid"] in waiting
 
 
 def test_standbys_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
+    """The fork server, the standbys and the ranks forked from it (adopted by the supervisor)."""
     config, run_dir, _ = facts_job(tmp_path)
     proc = start_supervisor(config, run_dir)
-    waiting = wait_for_standbys(proc, run_dir) | set(standbys(proc, server=True))
-    assert len(waiting) == 3
+    waiting = wait_for_standbys(proc, run_dir) | set(standbys(proc, server=True)) | launched_pids(run_dir, 0)
+    assert len(waiting) == 5
     proc.kill()
     proc.communicate(timeout=30)
     _, alive = psutil.wait_procs([psutil.Process(pid) for pid in waiting if psutil.pid_exists(pid)], timeout=10)
