@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import setproctitle
+
 __all__ = [
     "ENV_PREWARM",
     "ENV_SCRIPT",
@@ -165,21 +167,16 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _name_as_python() -> None:
-    """A forked standby's process name back to what a freshly started `python script.py` has."""
-    if _comm() == STANDBY_NAME.decode():
-        _set_name(Path(sys.executable).name.encode())
+def _look_like_a_rank(argv: list[str]) -> None:
+    """The command line and name `ps` shows, as a rank started cold has them (`python -u script ARGS`, `python`),
+    not the standby's (or its fork server's)."""
+    setproctitle.setproctitle(" ".join([sys.executable, "-u", *argv]))
+    _set_name(Path(sys.executable).name.encode())  # setproctitle named it after the title
 
 
 def _set_name(name: bytes) -> None:
     """This process's name, as `ps -o comm` shows it (the kernel keeps 15 bytes)."""
     ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
-
-
-def _comm() -> str:
-    with contextlib.suppress(OSError), open("/proc/self/comm") as file:
-        return file.read().strip()
-    return ""
 
 
 def _become_rank(order: dict[str, Any], fds: list[int]) -> list[str]:
@@ -288,6 +285,7 @@ def _imported(script: Path) -> None:
 
 
 def main() -> None:
+    setproctitle.getproctitle()  # first: it claims the environment's memory for a longer title while it is untouched
     sock = socket.socket(fileno=int(os.environ.pop(ENV_STANDBY_FD)))
     script = Path(os.environ.pop(ENV_SCRIPT))
     if FORK_SERVER_FLAG in sys.argv:
@@ -313,7 +311,7 @@ def main() -> None:
         return  # retired before use
     argv = _become_rank(*received)
     sock.close()
-    _name_as_python()
+    _look_like_a_rank(argv)
     runpy.run_path(argv[0], run_name="__main__")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -190,7 +191,7 @@ print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv, "path0":
                   "port": os.environ["MASTER_PORT"], "stdin": sys.stdin.read(), "pid": os.getpid(),
                   "standby_env": sorted(k for k in os.environ if "STANDBY" in k or "PREWARM" in k),
                   "tag": os.environ.get("FROM_CONFIG"), "comm": Path("/proc/self/comm").read_text(),
-                  "random": random.random(), "forked": "--fork-server" in Path("/proc/self/cmdline").read_text()}),
+                  "random": random.random(), "cmdline": Path("/proc/self/cmdline").read_text().split("\\0")}),
       flush=True)
 print("stderr of attempt", attempt, file=sys.stderr, flush=True)
 Heartbeat(run / "ranks" / f"rank_{rank}" / "heartbeat.json", root=run, rank=rank, attempt=attempt,
@@ -239,17 +240,18 @@ def test_a_standby_runs_the_script_as_main_with_the_attempts_environment_and_log
     assert warm_launches(run_dir) == [(0, [0, 1]), (1, [0, 1])]
     assert not [e for e in journal(run_dir) if e["event"] in ("fork_server_off", "standbys_off")]
     cold, first, warm = facts(cold_run, 1, 0), facts(run_dir, 0, 0), facts(run_dir, 1, 0)
-    assert (cold["name"], cold["path0"], cold["standby_env"], cold["prewarmed"], cold["forked"]) == (
+    assert (cold["name"], cold["path0"], cold["standby_env"], cold["prewarmed"]) == (
         "__main__",
         str(tmp_path),
         [],
         False,
-        False,
     )
-    for forked in (first, warm):
-        assert forked["prewarmed"] and forked["forked"]
+    assert " ".join(cold["cmdline"]).strip() == f"{sys.executable} -u {tmp_path / 'facts.py'} {tmp_path / 'crash_now'}"
+    for forked in (first, warm):  # both forked: no fork_server_off, and only the fork server gives a first launch's
+        assert forked["prewarmed"]
         for key in ("name", "file", "argv", "path0", "stdin", "standby_env", "tag", "comm"):
             assert forked[key] == cold[key], key  # as `python -u facts.py` has them
+        assert " ".join(forked["cmdline"]).strip() == " ".join(cold["cmdline"]).strip()  # `ps -o args` alike
     assert warm["pid"] in waiting and first["pid"] not in waiting
     assert warm["random"] != facts(run_dir, 1, 1)["random"] != first["random"]  # each fork seeded afresh
     assert (first["restart_count"], warm["restart_count"]) == ("0", "1") and warm["port"] != first["port"]
