@@ -3,7 +3,9 @@
 Each trial runs the demo job (2 ranks, gloo, CPU) under each launcher in turn: trainwarden (warm standby ranks, the
 default), `tw cold` (trainwarden with `--set standby.enabled=false`), `torchrun` (`--max-restarts 3`, its default
 rendezvous) and `torchrun ns` (the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a new store for every round, the
-variant whose restarts work). Once rank 1's heartbeat reports step K, rank 1 is SIGKILLed and we measure:
+variant whose restarts work). We measure start→first step: from the launcher's start until the first attempt's
+earliest `step` event (trainwarden forks its first ranks from the fork server's one import, by default; `tw cold`
+and torchrun start each rank's own Python). Once rank 1's heartbeat reports step K, rank 1 is SIGKILLed and:
 
 - crash→relaunch: from the kill until the new attempt's ranks start: for torchrun the earliest psutil
   `create_time()` of a new descendant running demo_train.py (polled every 10 ms); for trainwarden its journal's
@@ -78,6 +80,7 @@ class Trial:
     """What one trial of one launcher measured; None where it never happened."""
 
     launcher: str
+    start_s: float | None
     relaunch_s: float | None
     first_step_s: float | None
     resumed_attempt: int | None
@@ -156,10 +159,15 @@ def run_trial(name: str, job: Job, work: Path) -> Trial:
     """Launch, kill rank 1 at the kill step, measure; never leaves a process of the run behind."""
     work.mkdir(parents=True)
     launch = LAUNCH[name](job, work)
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     with launched(launch, work) as launcher:
         measured = measure(launcher, RunLayout(launch.run_dir), job, deadline=started + job.timeout_s)
-    return Trial(name, *measured, wall_s=time.monotonic() - started)
+    first = min((event_time(e) for e in rank_events(RunLayout(launch.run_dir)) if is_step(e, attempt=0)), default=None)
+    return Trial(name, None if first is None else first - started_wall, *measured, wall_s=time.monotonic() - started)
+
+
+def is_step(event: dict[str, Any], attempt: int) -> bool:
+    return event.get("event") == "step" and event.get("attempt", 0) == attempt
 
 
 def measure(
@@ -218,7 +226,8 @@ def verdict(returncode: int | None, events: list[dict[str, Any]], layout: RunLay
 def trial_line(index: int, trials: int, t: Trial) -> str:
     resumed = f" (attempt {t.resumed_attempt})" if t.resumed_attempt else ""
     return (
-        f"trial {index}/{trials}  {t.launcher:<11}  crash→relaunch {fmt(t.relaunch_s):>5} s  "
+        f"trial {index}/{trials}  {t.launcher:<11}  start→first step {fmt(t.start_s):>5} s  "
+        f"crash→relaunch {fmt(t.relaunch_s):>5} s  "
         f"crash→first step {fmt(t.first_step_s):>5} s{resumed}  {'worked' if t.worked else 'FAILED'} "
         f"({t.note}), trial took {t.wall_s:.1f} s"
     )
@@ -226,16 +235,27 @@ def trial_line(index: int, trials: int, t: Trial) -> str:
 
 def summary(results: list[Trial]) -> str:
     rows = [
-        f"{'launcher':<12} {'crash→relaunch s, median [min–max]':<36} "
+        f"{'launcher':<12} {'start→first step s, median [min–max]':<38} {'crash→relaunch s, median [min–max]':<36} "
         f"{'crash→first step s, median [min–max]':<38} worked first time"
     ]
     medians: dict[str, tuple[float | None, float | None]] = {}
+    starts: dict[str, float | None] = {}
     for name in LAUNCH:
         mine = [t for t in results if t.launcher == name]
+        starts[name], start_text = spread([t.start_s for t in mine])
         relaunch, relaunch_text = spread([t.relaunch_s for t in mine])
         first, first_text = spread([t.first_step_s for t in mine])
         medians[name] = (relaunch, first)
-        rows.append(f"{name:<12} {relaunch_text:<36} {first_text:<38} {sum(t.worked for t in mine)}/{len(mine)}")
+        rows.append(
+            f"{name:<12} {start_text:<38} {relaunch_text:<36} {first_text:<38} "
+            f"{sum(t.worked for t in mine)}/{len(mine)}"
+        )
+    rows.append(
+        "start→first step, trainwarden / baseline of medians: "
+        + ", ".join(
+            f"/ {name} {ratio(starts['trainwarden'], starts[name])}" for name in LAUNCH if name != "trainwarden"
+        )
+    )
     rows.append(
         "crash→first step, trainwarden (warm) / baseline of medians (≤ 0.5 is the target): "
         + ", ".join(
