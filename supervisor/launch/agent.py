@@ -43,6 +43,7 @@ from supervisor.launch.trees import descendants, die_with_parent, sigkill
 from supervisor.rundir.journal import append_event
 from supervisor.rundir.watch import HeartbeatFiles, HeartbeatUnreadable
 from worker.contract import ENV_MEMORY_DIR, ENV_RUN_DIR, RunLayout, StopOrder
+from worker.files import ensure_dir, open_append
 from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
 
 __all__ = ["ENV_TOKEN", "main"]
@@ -384,6 +385,28 @@ class _StderrLog:
         print(f"trainwarden agent: {event} {fields}", file=sys.stderr)
 
 
+def agent_log(layout: RunLayout, host: str) -> Path:
+    return layout.root / "logs" / f"agent_{''.join(c if c.isalnum() or c in '.-' else '_' for c in host)}.log"
+
+
+def log_to_own_file(layout: RunLayout) -> None:
+    """Standard output and error to this node's own log in the run dir, not srun's pipes to the batch host: once
+    that host is gone, nothing drains them, and a write (this agent's fencing, or the successor supervisor it may
+    become, which inherits them) blocks for good when they are full. Kept on srun's if the file cannot be made."""
+    path = agent_log(layout, socket.gethostname())
+    try:
+        ensure_dir(layout.root, path.parent)
+        fd = open_append(path, root=layout.root)
+    except OSError as exc:
+        print(f"trainwarden agent: cannot open {path}, writing to srun's output: {exc}", file=sys.stderr)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target in (1, 2):
+        os.dup2(fd, target)  # inheritable: an exec'd successor keeps writing here
+    os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     from supervisor.launch.wire import Peer
 
@@ -395,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-prefix")
     args = parser.parse_args(argv)
     die_with_parent()  # srun's step daemon going away takes us along
+    layout = RunLayout(Path(args.run_dir))
+    log_to_own_file(layout)
     host, _, port = args.connect.rpartition(":")
     token = os.environ.pop(ENV_TOKEN, "")
     try:
@@ -402,7 +427,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"trainwarden agent: cannot reach the supervisor at {args.connect}: {exc}", file=sys.stderr)
         return 1
-    layout = RunLayout(Path(args.run_dir))
     os.environ[ENV_RUN_DIR] = str(layout.root)
     agent = Agent(Peer(sock), layout, args.attempt, args.fence_s, token, args.memory_prefix)
     try:

@@ -266,7 +266,10 @@ def test_a_crashed_node_s_ranks_resume_on_the_spare_from_their_partner_s_copy_in
 
 
 def test_a_node_whose_ranks_keep_dying_is_excluded_and_replaced_by_the_spare(slurm, tmp_path):
-    job, run_dir = submit(slurm, tmp_path)
+    # Steps of 0.1 s at least: at full speed an attempt could end before it was seen at step 13 (or the first kill
+    # came at step 25, and the resumed attempt trained its last 15 steps between two looks at the status).
+    slower = ",".join(f"{rank}:slow@1:0.1" for rank in range(4))
+    job, run_dir = submit(slurm, tmp_path, env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": slower})
     for attempt in (0, 1):
         wait_for_step(slurm, run_dir, 5 + 8 * attempt, attempt=attempt)
         os.kill(rank_pids(slurm, "twnode2", attempt)[3], signal.SIGSEGV)
