@@ -21,6 +21,8 @@ and what a relaunched rank resumes from gathered before it starts.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import math
 import os
 import queue
 import signal
@@ -53,6 +55,9 @@ POLL_S = 0.2  # heartbeat files are looked at this often (an lstat each, a read 
 BEAT_S = 1.0  # one message this often carries the node's new beats (each with its age), or says it is alive
 MAX_STACK_CHARS = 64 * 1024  # per rank, in a stacks message
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+# An agent stuck this long past its own deadlines writes every thread's stack to its log (and again each period):
+# nothing else would say where, once the batch host and its srun are gone.
+STALL_S = 30.0
 
 
 class Agent:
@@ -111,10 +116,12 @@ class Agent:
             self._peer.close()
             self._close_memory(remove=ended)
         if fenced is None:
+            faulthandler.cancel_dump_traceback_later()
             return 0
         print(f"trainwarden agent: {fenced}: fencing", file=sys.stderr)
         self.journal("agent_fenced", "warning", why=fenced, ranks_killed=killed)
         self._succeed()
+        faulthandler.cancel_dump_traceback_later()
         return 1
 
     def _succeed(self) -> None:
@@ -123,6 +130,7 @@ class Agent:
         if succession is None:
             return
         deadline = time.monotonic() + succession.wait_s()
+        faulthandler.dump_traceback_later(succession.wait_s() + STALL_S, repeat=True)
         lease, why = stand_for_successor(
             self._layout,
             succession,
@@ -155,7 +163,11 @@ class Agent:
 
     def _loop(self) -> tuple[str | None, bool]:
         """Until the supervisor says exit (None, and whether the run ended), or why the agent must fence."""
+        armed = -math.inf
         while True:
+            if time.monotonic() - armed >= BEAT_S:  # re-armed (a thread started) once a second, not every poll
+                faulthandler.dump_traceback_later(self._fence_s + STALL_S, repeat=True)
+                armed = time.monotonic()
             try:
                 kind, payload = self._inbox.get(timeout=POLL_S)
             except queue.Empty:
