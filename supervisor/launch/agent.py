@@ -402,9 +402,9 @@ def agent_log(layout: RunLayout, host: str) -> Path:
 
 
 def log_to_own_file(layout: RunLayout) -> None:
-    """Standard output and error to this node's own log in the run dir, not srun's pipes to the batch host: once
-    that host is gone, nothing drains them, and a write (this agent's fencing, or the successor supervisor it may
-    become, which inherits them) blocks for good when they are full. Kept on srun's if the file cannot be made."""
+    """Standard output and error to this node's own log in the run dir, not srun's pipes to the batch host: what
+    the agent says after that host died (its fencing, its stall dumps) stays readable, and no write of it depends on
+    forwarding to an srun that is gone. Kept on srun's if the file cannot be made."""
     path = agent_log(layout, socket.gethostname())
     try:
         ensure_dir(layout.root, path.parent)

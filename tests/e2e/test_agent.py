@@ -172,7 +172,7 @@ def test_a_silent_supervisor_is_fenced_off_ranks_killed_agent_gone(tmp_path):
         assert not any(
             psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids.values()
         )
-        # Said in this node's own log in the run dir: srun's pipes to a dead batch host may never be drained.
+        # Said in this node's own log in the run dir, which outlives the batch host and its srun.
         assert fake.agent.stderr.read() == ""
         fenced = agent_log(RunLayout(fake.run_dir), socket.gethostname()).read_text()
         assert fenced.startswith("trainwarden agent: nothing from the supervisor for 2 s: fencing")
