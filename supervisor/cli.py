@@ -298,7 +298,7 @@ def _say(line: str) -> None:
 
 
 def _multi_node(config: JobConfig) -> bool:
-    return config.nodes > 1 or config.spare_nodes > 0
+    return config.multi_node
 
 
 def _slurm_problem(config: JobConfig) -> str | None:

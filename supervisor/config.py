@@ -74,6 +74,9 @@ class RestartConfig:
     backoff_initial_s: float = 1.0
     backoff_factor: float = 2.0
     backoff_max_s: float = 60.0
+    # A failed rank's survivors stay and run the training function again (worker.run); the failed rank is replaced.
+    in_place: bool = True
+    in_place_timeout_s: float = 30.0  # survivors not unwound by then: every rank is relaunched
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,20 @@ class JobConfig:
         path = self.stop.stop_file_path
         return layout.default_stop_file if path is None else Path(path).resolve()
 
+    @property
+    def multi_node(self) -> bool:
+        """Ranks on more than one node (or spares to move to): a Slurm run of node agents."""
+        return self.nodes > 1 or self.spare_nodes > 0
+
+    @property
+    def in_place(self) -> str | None:
+        """Why a failed rank's survivors cannot recover in place; None when they can (worker.run decides the rest)."""
+        if not self.restart.in_place:
+            return "restart.in_place is false"
+        if self.multi_node:
+            return "recovery in place runs on one machine so far; across nodes every rank is relaunched"
+        return None
+
     def policy(self) -> Policy:
         return Policy(
             nproc=self.world_size,
@@ -205,6 +222,9 @@ class JobConfig:
             hang=self.hang,
             anomaly=self.anomaly,
             crash_loop_attempts=self.restart.crash_loop_attempts,
+            in_place=self.in_place is None,
+            in_place_off=self.in_place or "",
+            in_place_timeout_s=self.restart.in_place_timeout_s,
         )
 
 
@@ -234,6 +254,7 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "restart.backoff_initial_s": (lambda v: v >= 0, "0 or more"),
     "restart.backoff_factor": (lambda v: v >= 1, "at least 1"),
     "restart.backoff_max_s": (lambda v: v >= 0, "0 or more"),
+    "restart.in_place_timeout_s": (lambda v: v > 0, "more than 0"),
     "stop.kill_grace_s": (lambda v: v >= 0, "0 or more"),
     "stop.sigkill_wait_s": (lambda v: v > 0, "more than 0"),
     "stop.timeout_s": (lambda v: v > 0, "more than 0"),

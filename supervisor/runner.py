@@ -33,6 +33,7 @@ from supervisor.core import (
     LaunchRanks,
     Phase,
     PublishStopOrder,
+    PublishUnwind,
     RanksLaunched,
     Record,
     SignalRanks,
@@ -571,10 +572,13 @@ class Supervisor:
                 action.attempt, action.ranks, action.faulthandler_ranks, collective_failed=action.collective_failed
             )
         elif isinstance(action, KillLeftovers):
-            survivors = [r for r in self.state.ranks if r.running and r.pid is not None]
+            kept = set(action.keep)
+            survivors = [r for r in self.state.ranks if r.running and r.pid is not None and r.rank not in kept]
             self._launcher.kill_leftovers(action.attempt, survivors)
         elif isinstance(action, PublishStopOrder):
             self._launcher.publish(action.order)
+        elif isinstance(action, PublishUnwind):
+            self._launcher.unwind(action.attempt)
         else:
             raise TypeError(f"unknown action {action!r}")
         return []
@@ -663,6 +667,7 @@ class Supervisor:
                 None if store is None else store.root,
                 action.skip_to_batch,
                 failures=(self.state.restarts, self._goodput.totals()["wall_s"]),  # `snapshot_steps: auto`'s rate
+                keep=action.keep,
             )
         )
         return spawned if spawned is None or isinstance(spawned, LaunchFailed) else self._ranks_launched(spawned)

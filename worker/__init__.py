@@ -4,6 +4,7 @@ Import cost stays small: torch is imported only when a checkpoint is saved or lo
 """
 
 from worker.contract import WorkerConfig
+from worker.recovery import run
 from worker.warden import Warden
 
-__all__ = ["Warden", "WorkerConfig"]
+__all__ = ["Warden", "WorkerConfig", "run"]

@@ -28,6 +28,7 @@ __all__ = [
     "CHECKPOINT_WRITER_GROUP",
     "ENV_ATTEMPT",
     "ENV_FAILURES",
+    "ENV_IN_PLACE",
     "ENV_MEMORY_DIR",
     "ENV_RESUME_DIR",
     "ENV_RESUME_STEP",
@@ -55,6 +56,7 @@ __all__ = [
     "parse_checkpoint_name",
     "parse_failures",
     "parse_sharded_name",
+    "RECOVERING_PHASE",
 ]
 
 # Set by the supervisor for every rank (besides torchrun's RANK, WORLD_SIZE, MASTER_ADDR, ...).
@@ -74,6 +76,11 @@ ENV_MEMORY_DIR = "TRAINWARDEN_MEMORY_DIR"
 # "N/SECONDS": the run's failures so far and the wall time they happened over, for `snapshot_steps: auto`
 # (worker.cadence); unset or empty: none known (a plain torchrun).
 ENV_FAILURES = "TRAINWARDEN_FAILURES"
+# "1": a rank that runs its training function through `worker.run` recovers in place (worker.recovery): when a peer
+# fails, it stays, and runs the function again for the next attempt; unset: it ends with its attempt, as under torchrun.
+ENV_IN_PLACE = "TRAINWARDEN_IN_PLACE"
+# The heartbeat phase of a rank that unwound from a failed attempt and waits for the next one (worker.recovery).
+RECOVERING_PHASE = "recovering"
 
 # The supervisor asks a rank leader for its Python stacks with this signal (faulthandler dumps them).
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -210,6 +217,12 @@ class RunLayout:
     def stop_order(self) -> Path:
         """The supervisor's order to every rank: save at a step, then exit or continue (ranks poll it)."""
         return self.root / "supervisor" / "stop_order.json"
+
+    @property
+    def recovery(self) -> Path:
+        """The supervisor's word to ranks that recover in place (worker.recovery): which attempt unwinds, and the
+        next attempt's number and environment (ranks poll it)."""
+        return self.root / "supervisor" / "recovery.json"
 
     @property
     def default_stop_file(self) -> Path:

@@ -16,6 +16,10 @@ Kinds:
 - `slow_async_write`: the background write of step STEP takes ARG seconds longer (default 5), at its first write
   into the shard: saves then come faster than they are written, and the next one waits for it.
 - `sigkill_after_save`: the rank SIGKILLs itself right after its checkpoint of step STEP is complete.
+- `sigkill_in_forward`, `sigkill_in_backward`, `sigkill_in_guard`, `sigkill_in_optimizer`: the rank SIGKILLs itself
+  at that point of step STEP: as its model's forward begins; in the backward, as its first parameter's gradient is
+  computed (the last, for the input layer: most of DDP's gradient all-reduces are under way); just before the step
+  guard's all-reduce (its peers wait inside it); right after its optimizer's step (its peers apply the step too).
 - `hang`: after step STEP the rank sleeps forever, so its peers block in the next step's all-reduce.
 - `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
 - `sigstop`: the rank freezes itself with SIGSTOP after step STEP (as `kill -STOP` from outside would).
@@ -75,6 +79,10 @@ KINDS = (
     "stall_in_collective",
     "extra_collective",
     "collective_sizes",
+    "sigkill_in_forward",
+    "sigkill_in_backward",
+    "sigkill_in_guard",
+    "sigkill_in_optimizer",
 )
 GRADIENT_KINDS = ("spike", "nan")
 SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
@@ -197,6 +205,8 @@ class FaultPlan:
 
         if step in self._peer_stalls:
             time.sleep(STALL_LEAD_S)
+        if self._due and self.due("sigkill_in_guard", step):
+            os.kill(os.getpid(), signal.SIGKILL)
         if not self._due:
             dist.all_reduce(tensor, op=op)
         elif self.due("extra_collective", step):
@@ -208,6 +218,23 @@ class FaultPlan:
             _stalled_all_reduce(tensor, op)
         else:
             dist.all_reduce(tensor, op=op)
+
+    def hook_step(self, model: Any, optimizer: Any, step: Callable[[], int]) -> list[Any]:
+        """Hooks that fire the armed `sigkill_in_*` faults inside step `step()`; their handles (to remove)."""
+        handles = []
+        if self.armed("sigkill_in_forward"):
+            handles.append(model.register_forward_pre_hook(lambda *_: self._kill_at("sigkill_in_forward", step())))
+        if self.armed("sigkill_in_backward"):
+            first = next(iter(model.parameters()))
+            handles.append(first.register_hook(lambda _grad: self._kill_at("sigkill_in_backward", step())))
+        if self.armed("sigkill_in_optimizer"):
+            hook = lambda *_: self._kill_at("sigkill_in_optimizer", step())  # noqa: E731
+            handles.append(optimizer.register_step_post_hook(hook))
+        return handles
+
+    def _kill_at(self, point: str, step: int) -> None:
+        if self.strike_once(point, step):
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def in_compute(self, step: int) -> None:
         """Fire the faults that strike inside each step's compute, before the step guard's all-reduce."""

@@ -22,11 +22,20 @@ class Heartbeat:
     is not exact (`inexact`) once it knows, `slow_saves` once its background writes outlast its save interval, and
     with the memory tier on, the bytes of its snapshots there (`memory_bytes`) and the newest one's `memory_step`."""
 
-    def __init__(self, path: Path, *, root: Path, rank: int, attempt: int, interval_s: float) -> None:
+    def __init__(
+        self, path: Path, *, root: Path, rank: int, attempt: int, interval_s: float, in_place: bool = False
+    ) -> None:
         self.path = path
         self._root = root  # the run dir: no symlink below it is followed
         self.interval_s = interval_s
-        self._static = {"rank": rank, "attempt": attempt, "pid": os.getpid()}
+        # in_place: the rank runs its training function through worker.run, so it can recover in place.
+        self._static = {
+            "rank": rank,
+            "attempt": attempt,
+            "pid": os.getpid(),
+            **({"in_place": True} if in_place else {}),
+        }
+        self.last_step = 0  # the step of the newest beat
         self._seq = 0
         self._last_write = float("-inf")
         self._phase = ""
@@ -60,6 +69,7 @@ class Heartbeat:
         in a given time (it picks the step a stop order names from it); so is `compute_s`, the part of it up to
         `guard_step`, before any wait for peers there (a rank slower than its peers shows a larger one). `loss` is kept
         until the next one (a non-finite one is written as null)."""
+        self.last_step = step
         if step_time_s is not None:
             self._step_time_s = _smoothed(self._step_time_s, step_time_s)
         if compute_s is not None:

@@ -70,6 +70,7 @@ from worker.memory_tier import (
     unpin_sharded,
 )
 from worker.orders import StopOrders
+from worker.recovery import attach, in_place
 from worker.sharded import derived_rng
 from worker.verify import Trajectory, unregistered_scalers
 
@@ -141,6 +142,7 @@ class Warden:
             rank=self.rank,
             attempt=self.attempt,
             interval_s=self.config.heartbeat_interval_s,
+            in_place=in_place(),
         )
         self.log, self._log_stream = open_event_log(
             self.layout.rank_events(self.rank), root=self.layout.root, rank=self.rank, attempt=self.attempt
@@ -178,6 +180,7 @@ class Warden:
             on_leave=self._leaving,
         )
         self._features = self._feature_value_check()
+        self._fault_hooks = self._faults.hook_step(model, optimizer, lambda: self.step + 1)
         self._heartbeat.anomalies = self._guard.anomalies  # one dict: the guard counts, the heartbeat reports
         self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
         self._phase = "startup"
@@ -211,10 +214,8 @@ class Warden:
         self._memory_room_checked = False
         self._memory_bytes: dict[int, int] = {}
         self._pinned: int | None = None
-        # Python's last collections at exit walk torch's whole object graph (0.8 s of CPU per rank, measured): a rank
-        # that leaves, on a stop or an abort, would hold its relaunch up for it. Runs after the handler below.
-        atexit.register(gc.freeze)
-        atexit.register(_release_process_group)  # a script that never destroys its group must not die of SIGABRT
+        _at_exit_once()
+        self._detach = attach(self._unwind)  # worker.run: how this attempt's Warden unwinds after a peer failed
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the number of steps already done.
@@ -1210,7 +1211,21 @@ class Warden:
         """About to exit on an abort: the heartbeat says so, so a slow interpreter teardown is not taken for a hang."""
         self._heartbeat.beat(self.step, "done", force=True)
 
+    def _unwind(self, error: str) -> Heartbeat:
+        """A peer failed and this process recovers in place (worker.recovery): say so, let a save in flight end
+        (its collective fails fast, the peer gone), close; the heartbeat says `recovering` once the group is gone."""
+        self.log.warning("peer_failed", step=self.step, error=error)
+        if self._flight is not None:  # as a rank dying of the failed collective would: the evidence of its culprit
+            self._flight.dump(empty_too=False)
+        if self._sharded is not None and self._sharded.in_flight is not None:
+            self._sharded.wait_quietly()
+        self._close()
+        return self._heartbeat
+
     def _close(self) -> None:
+        self._detach()
+        for handle in self._fault_hooks:
+            handle.remove()
         self._features.close()
         self._log_stream.close()
         if self._previous_term is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
@@ -1391,6 +1406,20 @@ def _tensor_bytes(state: Any) -> int:
         local = getattr(state, "_local_tensor", state)
         return int(local.numel() * local.element_size())
     return 0
+
+
+def _at_exit_once() -> None:
+    """Registered once per process, however many Wardens it makes (one per attempt, recovering in place)."""
+    if _release_process_group in _AT_EXIT:
+        return
+    # Python's last collections at exit walk torch's whole object graph (0.8 s of CPU per rank, measured): a rank
+    # that leaves, on a stop or an abort, would hold its relaunch up for it. Runs after the handler below.
+    atexit.register(gc.freeze)
+    atexit.register(_release_process_group)  # a script that never destroys its group must not die of SIGABRT
+    _AT_EXIT.append(_release_process_group)
+
+
+_AT_EXIT: list[Callable[[], None]] = []
 
 
 def _release_process_group() -> None:

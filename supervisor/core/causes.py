@@ -36,6 +36,7 @@ __all__ = [
     "LIBRARY_DIRS",
     "MAX_CAUSE_CHARS",
     "Cause",
+    "poisons_context",
     "CauseKind",
     "explain",
     "explain_exit",
@@ -161,6 +162,15 @@ def explain(
     if chain:
         return _traceback_cause(chain, library_dirs)
     return _exit_cause(returncode, lines, CauseKind.EXIT)
+
+
+# A CUDA error can leave the device's context unusable, and every rank's communicator with it (worker.recovery).
+_CUDA_WORDS = ("CUDA error", "cudaError", "AcceleratorError", "device-side assert", "CUDA-capable device")
+
+
+def poisons_context(cause: Cause) -> bool:
+    """The failure is a CUDA error: no process of the attempt restarts in place on its context."""
+    return any(word in cause.text for word in _CUDA_WORDS)
 
 
 def explain_exit(returncode: int) -> Cause:

@@ -55,7 +55,7 @@ from dataclasses import replace
 from typing import Any
 
 from supervisor.core.blame import Verdict
-from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_exit
+from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_exit, poisons_context
 from supervisor.core.hangs import SAVE_PHASE, TRAIN_PHASE, phase_timeout, with_gaps
 from supervisor.core.model import (
     FAILURES_KEPT,
@@ -73,6 +73,7 @@ from supervisor.core.model import (
     LaunchRanks,
     Phase,
     PublishStopOrder,
+    PublishUnwind,
     RanksLaunched,
     RankState,
     Record,
@@ -102,6 +103,7 @@ from worker.contract import (
     EXIT_FAILED,
     EXIT_REQUEUE,
     EXIT_SAVE_LOST,
+    RECOVERING_PHASE,
     StopOrder,
 )
 
@@ -136,8 +138,11 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
     if event.attempt != state.attempt or state.phase is not Phase.STARTING:
         return state, []
     ranks = tuple(RankState(rank, pid=pid) for rank, pid in enumerate(event.pids))
+    path = _recovery_path(state, event)
     state = replace(
         state,
+        keep=(),
+        full_relaunch=None,
         phase=Phase.RUNNING,
         ranks=ranks,
         resume_step=event.resume_step,
@@ -154,7 +159,26 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
         resume_step=event.resume_step,
         resume_source=event.resume_source,
     )
-    return state, [record]
+    return state, [*path, record]
+
+
+def _recovery_path(state: State, event: RanksLaunched) -> list[Action]:
+    """After a failed attempt: whether its survivors went on in place, or every rank was relaunched, and why."""
+    if state.keep:
+        return [
+            _record(
+                "recovered_in_place",
+                attempt=event.attempt,
+                kept=list(state.keep),
+                replaced=[r for r in range(len(event.pids)) if r not in state.keep],
+                pids=list(event.pids),
+                resume_step=event.resume_step,
+                after=state.cause,
+            )
+        ]
+    if state.full_relaunch is None:
+        return []
+    return [_record("relaunched", attempt=event.attempt, reason=state.full_relaunch, after=state.cause)]
 
 
 def _on_launch_failed(state: State, event: LaunchFailed, now: float) -> tuple[State, list[Action]]:
@@ -280,12 +304,76 @@ def _on_crash(state: State, event: ChildExited, now: float) -> tuple[State, list
     then, verdict = Then.STOP, []  # a stop on request is carried out; the failure changes nothing
     if not stopping_on_request(state):
         state, then, verdict = _after_failure(state)
+    if then is Then.RELAUNCH:
+        refusal = _in_place_refusal(state, cause)
+        if refusal is None:
+            state, unwind = _begin_unwind(state, now)
+            return state, actions + verdict + unwind
+        state = replace(state, full_relaunch=refusal)
     others = [r.rank for r in state.ranks if r.rank not in event.lost_with]  # they wait in a collective for them
     blocked = ("blocked in a collective with a lost node", others) if cause.kind is CauseKind.NODE_LOST else None
     # A failed collective's culprit is rarely the first rank to go: the flight recorders of all name it.
     evidence = cause.kind is CauseKind.COLLECTIVE
     state, stop_actions = _begin_stop(state, then, now, blocked=blocked, stacks_first=evidence)
     return state, actions + verdict + stop_actions
+
+
+def _in_place_refusal(state: State, cause: Cause) -> str | None:
+    """Why the failed rank's survivors cannot recover in place (None: they can)."""
+    if not state.policy.in_place:
+        return state.policy.in_place_off
+    if poisons_context(cause):
+        return "a CUDA error: a poisoned context never restarts in place"
+    if cause.kind is CauseKind.COLLECTIVE:  # a desync, a collective timeout: the evidence of all ranks is taken
+        return "a failed collective: the ranks' flight recorders name its culprit first"
+    survivors = [r for r in state.ranks if r.running]
+    if not survivors:
+        return "no rank survived the failure"
+    if not all(r.in_place for r in survivors):
+        without = [r.rank for r in survivors if not r.in_place][:8]
+        return (
+            f"ranks {without} cannot recover in place: the script does not run its training function through worker.run"
+        )
+    return None
+
+
+def _begin_unwind(state: State, now: float) -> tuple[State, list[Action]]:
+    """Recover in place: the survivors unwind from the failed attempt and say so; none is signalled."""
+    survivors = [r.rank for r in state.ranks if r.running]
+    state = replace(
+        state,
+        phase=Phase.STOPPING,
+        then=Then.RELAUNCH,
+        stop_stage=StopStage.UNWIND,
+        deadline=now + state.policy.in_place_timeout_s,
+    )
+    actions: list[Action] = [
+        _record("unwinding", attempt=state.attempt, ranks=survivors, timeout_s=state.policy.in_place_timeout_s),
+        PublishUnwind(state.attempt),
+    ]
+    state, more = _unwound_yet(state, now)
+    return state, actions + more
+
+
+def _unwound_yet(state: State, now: float) -> tuple[State, list[Action]]:
+    """Once every surviving rank waits for the next attempt, it is scheduled; they are kept into it."""
+    alive = [r for r in state.ranks if r.running]
+    if not alive:
+        return _all_down(replace(state, full_relaunch="no rank survived the failure"), now)
+    if not all(r.heartbeat_phase == RECOVERING_PHASE for r in alive):
+        return state, []
+    keep = tuple(r.rank for r in alive)
+    state = replace(state, stop_stage=None, keep=keep, saves_lost=())
+    return _schedule_relaunch(state, now, [KillLeftovers(state.attempt, keep=keep)])
+
+
+def _unwind_timed_out(state: State, now: float) -> tuple[State, list[Action]]:
+    """Survivors that did not unwind in time (a collective that never raises): every rank is relaunched."""
+    late = [r.rank for r in state.ranks if r.running and r.heartbeat_phase != RECOVERING_PHASE]
+    timeout = state.policy.in_place_timeout_s
+    reason = f"ranks {late[:8]} did not unwind within restart.in_place_timeout_s ({timeout:g} s)"
+    state, term = _terminate(replace(state, full_relaunch=reason), now)
+    return state, [_record("unwind_timed_out", level="warning", ranks=late, timeout_s=timeout), *term]
 
 
 def _on_anomaly_abort(state: State, event: ChildExited, abort: AbortInfo, now: float) -> tuple[State, list[Action]]:
@@ -461,10 +549,17 @@ def _request_stop(
         why = "no rank reports its steps" if state.phase is Phase.RUNNING else f"no ranks running ({state.phase.value})"
         return state, [_record("stop_request_dropped", level="warning", source=source, step=request.step, reason=why)]
     if state.phase is Phase.STOPPING:  # cancels a pending relaunch; a run already failing still fails
-        state = _stop_instead(state, source, newest)
-        return state, [_record("stop_requested", source=source, how="ranks already stopping")]
+        state, term = _end_unwinding(_stop_instead(state, source, newest), now)
+        return state, [_record("stop_requested", source=source, how="ranks already stopping"), *term]
     leftovers: list[Action] = [KillLeftovers(state.attempt)] if state.phase is Phase.STARTING else []
     return _stopped_without_ranks(state, source, newest, leftovers)
+
+
+def _end_unwinding(state: State, now: float) -> tuple[State, list[Action]]:
+    """Survivors waiting to recover in place are ended (SIGTERM, then SIGKILL) when no relaunch follows."""
+    if state.stop_stage is not StopStage.UNWIND or state.then is Then.RELAUNCH:
+        return state, []
+    return _terminate(state, now)
 
 
 def _stop_instead(state: State, source: str, newest: int | None) -> State:
@@ -555,7 +650,22 @@ def _note_failure(state: State, rank: int, cause: Cause, step: int | None = None
         None if reached is None and not reports_steps else (reached is not None and reached > (state.resume_step or 0))
     )
     failure = Failure(state.attempt, rank, step, state.resume_step, cause, progressed, node)
-    return replace(state, failures=(*state.failures, failure)[-FAILURES_KEPT:])
+    full = (
+        _FULL_RELAUNCH.get(cause.kind, f"recovery in place does not cover a failure of kind {cause.kind.value}")
+        if state.policy.in_place
+        else state.policy.in_place_off
+    )
+    return replace(state, failures=(*state.failures, failure)[-FAILURES_KEPT:], full_relaunch=full)
+
+
+# Why a relaunch after a failure of this kind ends every rank (a crash may still recover in place: `_on_crash`).
+_FULL_RELAUNCH = {
+    CauseKind.HANG: "a hang: the ranks blocked behind it go down with it",
+    CauseKind.ANOMALY: "an anomaly abort: every rank rolls back past the bad data",
+    CauseKind.CHECKPOINT_REFUSED: "a refused checkpoint: every rank resumes from an older one",
+    CauseKind.LAUNCH: "the launch failed",
+    CauseKind.NODE_LOST: "a node was lost",
+}
 
 
 def crash_loop(state: State) -> str | None:
@@ -659,6 +769,9 @@ def _after_rank_down(state: State, event: ChildExited, now: float) -> tuple[Stat
     actions: list[Action] = [
         _record("rank_stopped", rank=event.rank, attempt=event.attempt, description=describe_exit(event.returncode))
     ]
+    if state.stop_stage is StopStage.UNWIND:  # one fewer survivor: replaced with the rank that failed
+        state, more = _unwound_yet(state, now)
+        return state, actions + more
     if any(r.running for r in state.ranks) or state.stop_stage is StopStage.STACKS:  # the evidence comes first
         return state, actions
     state, more = _all_down(state, now)
@@ -676,9 +789,13 @@ def _all_down(state: State, now: float) -> tuple[State, list[Action]]:
     if state.then is Then.FAIL:
         exhausted = f"{state.last_failure}; restarts exhausted ({state.restarts}/{state.policy.max_restarts})"
         return _fail(state, state.give_up or exhausted), actions
-    delay = state.policy.backoff_s(state.restarts)
     # A save lost to a crash is the relaunch's to make good (it resumes from an older checkpoint), not a stop's.
-    state = replace(state, phase=Phase.BACKOFF, deadline=now + delay, saves_lost=())
+    return _schedule_relaunch(replace(state, saves_lost=()), now, actions)
+
+
+def _schedule_relaunch(state: State, now: float, actions: list[Action]) -> tuple[State, list[Action]]:
+    delay = state.policy.backoff_s(state.restarts)
+    state = replace(state, phase=Phase.BACKOFF, deadline=now + delay)
     actions.append(_record("relaunch_scheduled", attempt=state.attempt + 1, backoff_s=delay))
     if delay <= 0:
         state, launch = _relaunch(state)
@@ -723,7 +840,7 @@ def _relaunch(state: State) -> tuple[State, list[Action]]:
     rollback = state.rollback
     resume_at_most = rollback.resume_at_most if rollback is not None and was_rollback else None
     skip_to = rollback.skip_to_batch if rollback else None
-    return state, [LaunchRanks(attempt, resume_at_most, skip_to, state.refused_steps)]
+    return state, [LaunchRanks(attempt, resume_at_most, skip_to, state.refused_steps, keep=state.keep)]
 
 
 def _fail(state: State, reason: str) -> State:
@@ -752,6 +869,7 @@ def _on_heartbeats(state: State, event: Heartbeats, now: float) -> tuple[State, 
             heartbeat_monotonic=written,
             heartbeat_phase=beat.phase,
             step_time_s=beat.step_time_s or before.step_time_s,
+            in_place=beat.in_place,
         )
         changed, saving = True, saving or beat.phase == SAVE_PHASE
     if not changed:
@@ -760,6 +878,8 @@ def _on_heartbeats(state: State, event: Heartbeats, now: float) -> tuple[State, 
     state = replace(state, ranks=tuple(ranks), step_gaps=with_gaps(state.step_gaps, gaps, window), heartbeats_seen=True)
     if state.stop_stage is StopStage.TERM and saving and state.deadline is not None:
         state = replace(state, deadline=max(state.deadline, saves_end(state, now)))  # a save seen late
+    if state.stop_stage is StopStage.UNWIND:
+        return _unwound_yet(state, now)
     return _continue_order_done(state)
 
 
@@ -907,6 +1027,8 @@ def _on_signal(state: State, event: SignalReceived, now: float) -> tuple[State, 
     if state.phase is Phase.STOPPING:
         # A stop request cancels a pending relaunch, but a run already failing still fails.
         state = _stop_instead(state, signal_name(event.signum), event.newest_step)
+        state, term = _end_unwinding(state, now)
+        actions += term
         if interrupts >= 2:  # a second Ctrl-C means now
             state, kill = _at_once(state, now)
             actions += kill
@@ -996,6 +1118,8 @@ def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]
     if state.phase is not Phase.STOPPING:
         return state, []
     alive = [r.rank for r in state.ranks if r.running]
+    if state.stop_stage is StopStage.UNWIND:
+        return _unwind_timed_out(state, now)
     if state.stop_stage is StopStage.STACKS:
         verdict = [_hang_record(state.hang)] if state.hang is not None and _hang_of_this_attempt(state) else []
         state, actions = _terminate(state, now) if alive else _all_down(state, now)

@@ -44,6 +44,7 @@ __all__ = [
     "Phase",
     "Policy",
     "PublishStopOrder",
+    "PublishUnwind",
     "rank_deadline",
     "RanksLaunched",
     "RankState",
@@ -88,8 +89,10 @@ class Then(Enum):
 
 
 class StopStage(Enum):
-    """How far stopping has gone: collect stacks (after a hang), then SIGTERM, then SIGKILL."""
+    """How far stopping has gone: collect stacks (after a hang), then SIGTERM, then SIGKILL; or, recovering in
+    place, the survivors unwind from the failed attempt and wait for the next (none is signalled)."""
 
+    UNWIND = "unwind"
     STACKS = "stacks"
     TERM = "term"
     KILL = "kill"
@@ -185,6 +188,7 @@ class HeartbeatSeen:
     age_s: float = 0.0  # how long before the supervisor got it the rank wrote it (a node agent batches its beats)
     inexact: str | None = None  # why the rank's resume is not exact (worker.verify), once it knows
     slow_saves: SlowSaves | None = None  # once its background writes outlast its save interval
+    in_place: bool = False  # it runs its training function through worker.run: it can recover in place
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,14 @@ class LaunchRanks:
     resume_at_most: int | None = None
     skip_to_batch: int | None = None
     refused: tuple[tuple[int, str], ...] = ()
+    keep: tuple[int, ...] = ()  # ranks whose processes recover in place: they go on into this attempt
+
+
+@dataclass(frozen=True)
+class PublishUnwind:
+    """Tell the ranks of `attempt` that it unwinds (with NCCL, each aborts its communicators: worker.recovery)."""
+
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -306,9 +318,11 @@ class PublishStopOrder:
 
 @dataclass(frozen=True)
 class KillLeftovers:
-    """SIGKILL whatever is left of `attempt`'s process trees (grandchildren outliving their rank)."""
+    """SIGKILL whatever is left of `attempt`'s process trees (grandchildren outliving their rank); the ranks in
+    `keep` recover in place: they live on."""
 
     attempt: int
+    keep: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -320,7 +334,7 @@ class Record:
     fields: tuple[tuple[str, object], ...] = ()
 
 
-Action = LaunchRanks | SignalRanks | DumpStacks | KillLeftovers | PublishStopOrder | Record
+Action = LaunchRanks | SignalRanks | DumpStacks | KillLeftovers | PublishStopOrder | PublishUnwind | Record
 
 # ---- state ---------------------------------------------------------------------------------
 
@@ -340,6 +354,9 @@ class Policy:
     hang: HangPolicy = field(default_factory=HangPolicy)
     anomaly: AnomalyPolicy = field(default_factory=AnomalyPolicy)
     crash_loop_attempts: int = 3  # this many failed attempts in a row, the same way or without progress: stop (0: off)
+    in_place: bool = False  # a failed rank's survivors recover in place (restart.in_place)
+    in_place_off: str = "restart.in_place is false"  # why not, when not
+    in_place_timeout_s: float = 30.0  # survivors not unwound by then: a full relaunch
 
     def backoff_s(self, restarts_done: int) -> float:
         """Delay before the next relaunch: none for the first, then exponential up to the cap."""
@@ -364,6 +381,7 @@ class RankState:
     heartbeat_monotonic: float | None = None  # when the supervisor last saw a new beat
     heartbeat_phase: str | None = None
     step_time_s: float | None = None
+    in_place: bool = False  # its heartbeat says it can recover in place (worker.run)
 
     @property
     def running(self) -> bool:
@@ -450,6 +468,8 @@ class State:
     stopped_code: int = 0  # the exit code of a clean stop: EXIT_REQUEUE when Slurm's time-limit warning asked
     time_limit: TimeLimitRead | None = None  # the job's end time, as last read
     time_limit_near: bool = False  # the run is ending for it: saving at an agreed step, then EXIT_REQUEUE
+    keep: tuple[int, ...] = ()  # the ranks recovering in place into the next attempt, until it is launched
+    full_relaunch: str | None = None  # why the next attempt relaunches every rank, until it is launched
     reason: str | None = None
 
     @property

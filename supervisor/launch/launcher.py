@@ -26,7 +26,7 @@ from supervisor.core import ChildExited, Event, Heartbeats, HeartbeatSeen, Launc
 from supervisor.core.causes import oom_kill_count
 from supervisor.launch.gpu_health import gpu_problems, preflight
 from supervisor.launch.node_memory import MemoryChoice
-from supervisor.launch.ranks import Attempt, Ranks, launch_ranks, rank_envs
+from supervisor.launch.ranks import Attempt, Ranks, launch_ranks, publish_unwind, rank_envs
 from supervisor.launch.stacks import start_stack_collection
 from supervisor.launch.standby import FILL_AFTER_S, Standby, Standbys
 from supervisor.launch.trees import descendants, reap_orphans, record_pids, sigkill
@@ -41,6 +41,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # executable) fails the run at once.
 PASSING_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 TRACK_INTERVAL_S = 5.0  # the run's processes are recorded (for a successor) and orphans reaped this often
+# While an attempt unwinds, its survivors' heartbeats are looked at this often: the watcher's batching (a quarter
+# second) would otherwise be most of a recovery in place.
+UNWIND_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class Launcher(Protocol):
 
     def publish(self, order: StopOrder | None) -> None:
         """Make the stop order visible to every rank (None: withdraw it)."""
+
+    def unwind(self, attempt: int) -> None:
+        """Tell the ranks of `attempt` that it unwinds: its survivors recover in place (worker.recovery)."""
 
     def translate(self, item: object) -> Sequence[Event | Spawned | Isolated] | None:
         """Core events (or Spawned, or Isolated) for one of this launcher's own inbox items; None when `item` is not
@@ -167,6 +173,7 @@ class LocalLauncher:
         self._standbys = _standbys(config, layout, log)
         self._launched_at = 0.0
         self._training: set[int] = set()  # ranks of the current attempt that reported a training step
+        self._unwinding = False  # the attempt's survivors unwind to recover in place: their beats are looked for
 
     def start(self) -> None:
         self._watcher.start()
@@ -212,9 +219,11 @@ class LocalLauncher:
                 retryable=False,
                 exit_code=EXIT_REQUEUE,
             )
-        warm = self._take_standbys()
+        self._unwinding = False
+        kept = self._kept(attempt.keep)
+        warm = self._take_standbys(skip=kept.procs if kept else {})
         try:
-            self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit, warm)
+            self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit, warm, kept)
         except OSError as exc:
             for standby in warm.values():  # those not handed a rank yet (the others were killed with the ranks)
                 standby.retire()
@@ -288,6 +297,10 @@ class LocalLauncher:
     def publish(self, order: StopOrder | None) -> None:
         publish_order(self._layout, order, self._log)
 
+    def unwind(self, attempt: int) -> None:
+        publish_unwind(self._layout, attempt)
+        self._unwinding = True
+
     def translate(self, item: object) -> list[Event] | None:
         if isinstance(item, HeartbeatsChanged):
             return self._read_heartbeats(sorted(self._watcher.take()))
@@ -308,7 +321,7 @@ class LocalLauncher:
         return events
 
     def next_deadline(self) -> float:
-        return math.inf  # heartbeat deadlines are the core's
+        return time.monotonic() + UNWIND_POLL_S if self._unwinding else math.inf  # heartbeat deadlines: the core's
 
     def oom_killed(self) -> bool:
         before, now = self._oom_kills_at_launch, _oom_kills()
@@ -324,10 +337,21 @@ class LocalLauncher:
     ) -> MemoryChoice | None:
         return None  # one machine: the supervisor's resume stores include the memory tier
 
-    def _take_standbys(self) -> dict[int, Standby]:
+    def _kept(self, keep: tuple[int, ...]) -> Ranks | None:
+        """The failed attempt's ranks to go on in place: those of `keep` still alive (one that died since is
+        started anew with the others)."""
+        if not keep or self._ranks is None:
+            return None
+        procs = {rank: self._ranks.procs[rank] for rank in keep if self._ranks.procs[rank].poll() is None}
+        if not procs:
+            return None
+        self._ranks.procs = procs
+        return self._ranks
+
+    def _take_standbys(self, skip: Collection[int]) -> dict[int, Standby]:
         if self._standbys is None:
             return {}
-        taken = {rank: self._standbys.take(rank) for rank in range(self._config.nproc_per_node)}
+        taken = {rank: self._standbys.take(rank) for rank in range(self._config.nproc_per_node) if rank not in skip}
         return {rank: standby for rank, standby in taken.items() if standby is not None}
 
     def _refill_standbys(self) -> None:

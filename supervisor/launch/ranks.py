@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.config import JobConfig
-from supervisor.launch.standby import Process, Standby
+from supervisor.launch.standby import PER_ATTEMPT, Process, Standby
 from supervisor.launch.trees import die_with_parent
 from worker.contract import (
     ENV_ATTEMPT,
     ENV_FAILURES,
+    ENV_IN_PLACE,
     ENV_MEMORY_DIR,
     ENV_RESUME_DIR,
     ENV_RESUME_STEP,
@@ -29,7 +30,7 @@ from worker.contract import (
     RunLayout,
     failures_env,
 )
-from worker.files import open_append
+from worker.files import atomic_write_json, open_append, unlink_quietly
 
 __all__ = [
     "Attempt",
@@ -39,6 +40,7 @@ __all__ = [
     "free_port",
     "launch_ranks",
     "local_env",
+    "publish_unwind",
     "rank_argv",
     "rank_envs",
     "signal_group",
@@ -58,6 +60,7 @@ class Attempt:
     resume_dir: Path | None = None
     skip_to_batch: int | None = None
     failures: tuple[int, float] | None = None  # the run's failures so far and its wall time (worker.cadence)
+    keep: tuple[int, ...] = ()  # ranks whose processes recover in place into this attempt (worker.recovery)
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,7 @@ def contract_env(
         ENV_FAILURES: "" if attempt.failures is None else failures_env(*attempt.failures),
         # Empty without a memory tier here (a node's agent sets its own): nothing inherited passes for ours.
         ENV_MEMORY_DIR: "" if layout.memory is None else str(layout.memory),
+        ENV_IN_PLACE: "1" if config.in_place is None else "",  # worker.run recovers in place
     }
 
 
@@ -153,7 +157,9 @@ def collective_env(config: JobConfig, layout: RunLayout, rank: int, attempt: int
     longest = max([*hang.phase_timeouts_s.values(), hang.default_timeout_s, hang.first_heartbeat_s])
     settings = {
         "TORCH_FR_BUFFER_SIZE": str(hang.flight_recorder),  # what the culprit is named from
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective ends the process, no cleanup
+        # A failed or timed-out collective ends the process, no cleanup; recovering in place, it aborts the
+        # communicator and raises, so the process can unwind (worker.recovery).
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2" if config.in_place is None else "3",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1" if hang.flight_recorder else "0",  # NCCL's own dump at its timeout
         "TORCH_NCCL_ENABLE_TIMING": "1" if hang.flight_recorder else "0",  # start states: a stuck device's rank
         "TORCH_FR_DUMP_TEMP_FILE": str(layout.rank_dir(rank) / f"nccl_trace_attempt_{attempt}_rank_"),
@@ -187,12 +193,30 @@ def launch_ranks(
     attempt: Attempt,
     on_exit: Callable[[int, int, int], None],
     standbys: Mapping[int, Standby] | None = None,
+    kept: Ranks | None = None,
 ) -> Ranks:
     """Start every rank on this machine in its own session (in `standbys`' processes where given); a waiter thread
     per rank reports `on_exit(attempt, rank, code)`. If any rank fails to start, the ones started are killed and the
-    error raised."""
+    error raised. `kept`: the failed attempt's ranks whose processes recover in place (those alive of
+    `attempt.keep`) are told the new attempt's variables instead, and go on in it."""
     envs = rank_envs(config, layout, attempt, free_port(config.master_addr))
-    return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit, standbys)
+    if kept is None:
+        unlink_quietly(layout.recovery)
+    else:
+        _publish_next(layout, kept.attempt, attempt.number, envs[min(kept.procs)])
+        envs = {rank: env for rank, env in envs.items() if rank not in kept.procs}
+    return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit, standbys, kept)
+
+
+def publish_unwind(layout: RunLayout, attempt: int) -> None:
+    """Tell the ranks that `attempt` unwinds (worker.recovery: with NCCL, each aborts its communicators)."""
+    atomic_write_json(layout.recovery, {"unwind": attempt}, root=layout.root, durable=False)
+
+
+def _publish_next(layout: RunLayout, unwound: int, attempt: int, env: Mapping[str, str]) -> None:
+    """The next attempt's number and its variables, for the ranks that recover in place."""
+    order = {"unwind": unwound, "next": attempt, "env": {key: env[key] for key in PER_ATTEMPT if key in env}}
+    atomic_write_json(layout.recovery, order, root=layout.root, durable=False)
 
 
 def spawn_ranks(
@@ -202,20 +226,25 @@ def spawn_ranks(
     attempt: int,
     on_exit: Callable[[int, int, int], None],
     standbys: Mapping[int, Standby] | None = None,
+    kept: Ranks | None = None,
 ) -> Ranks:
-    """Start one process per rank (`envs`: global rank -> its environment), then a waiter thread for each."""
-    ranks = Ranks(attempt, {})
+    """Start one process per rank (`envs`: global rank -> its environment), then a waiter thread for each; the
+    `kept` ranks' processes go on into `attempt` beside them (their waiters report its number from now on)."""
+    ranks = Ranks(attempt, {}) if kept is None else kept
+    ranks.attempt = attempt
+    started: list[int] = []
     try:
         for rank, env in envs.items():
             ranks.procs[rank] = _spawn(argv, env, layout, attempt, rank, (standbys or {}).get(rank))
+            started.append(rank)
     except BaseException:
         ranks.signal(signal.SIGKILL, only=lambda _: True)
         for proc in ranks.procs.values():
             proc.wait(timeout=10)
         raise
-    for rank, proc in ranks.procs.items():
+    for rank in started:
         threading.Thread(
-            target=_wait, args=(proc, attempt, rank, on_exit), daemon=True, name=f"wait-a{attempt}-r{rank}"
+            target=_wait, args=(ranks, rank, on_exit), daemon=True, name=f"wait-a{attempt}-r{rank}"
         ).start()
     return ranks
 
@@ -245,5 +274,8 @@ def _spawn(
         )
 
 
-def _wait(proc: Process, attempt: int, rank: int, on_exit: Callable[[int, int, int], None]) -> None:
-    on_exit(attempt, rank, proc.wait())
+def _wait(ranks: Ranks, rank: int, on_exit: Callable[[int, int, int], None]) -> None:
+    """Report the rank's exit, in the attempt it is in when it exits (recovering in place, a later one)."""
+    proc, started_in = ranks.procs[rank], ranks.attempt
+    code = proc.wait()
+    on_exit(ranks.attempt if ranks.procs.get(rank) is proc else started_in, rank, code)

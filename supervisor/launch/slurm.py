@@ -1029,6 +1029,9 @@ class SlurmLauncher:
     def kill_leftovers(self, attempt: int, survivors: Iterable[RankState]) -> None:
         """Each agent kills its ranks' grandchildren itself before it reports done."""
 
+    def unwind(self, attempt: int) -> None:
+        """Never asked: across nodes every rank is relaunched (JobConfig.in_place)."""
+
     def publish(self, order: StopOrder | None) -> None:
         publish_order(self._layout, order, self._log)  # for `status` and any rank on this machine
         payload = None if order is None else asdict(order)

@@ -224,6 +224,7 @@ def read_heartbeat(path: Path, rank: int) -> HeartbeatSeen | None:
             step=_count(record, "step"),
             phase=_phase(record.get("phase")),
             step_time_s=_positive_or_none(record.get("step_time_s")),
+            in_place=record.get("in_place") is True,
             **progress_fields(record),
         )
     except (KeyError, TypeError, ValueError) as exc:

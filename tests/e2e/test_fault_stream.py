@@ -38,7 +38,8 @@ FAULT_STREAM = {
         "1:sigkill_in_save@30,1:hang_in_save@40",
     },
     "hang": FAST_HANG,
-    "restart": {"max_restarts": 10, "backoff_factor": 1.0},
+    # Every rank relaunched, as for a script without worker.run (recovery in place: test_in_place.py).
+    "restart": {"max_restarts": 10, "backoff_factor": 1.0, "in_place": False},
     "standby": {"enabled": True},  # four relaunches: fork-served standbys cost one import, cold ranks eight
 }
 RESUMES = [None, 10, 20, 20, 30]  # each attempt's resume step
@@ -157,6 +158,9 @@ def test_every_fault_is_relaunched_from_the_newest_intact_checkpoint_and_the_run
         (3, 1, "hang"),
     ]
     assert [e["resume_step"] for e in events(stream, "ranks_launched")] == RESUMES
+    assert [(e["attempt"], e["reason"]) for e in events(stream, "relaunched")] == [
+        (attempt, "restart.in_place is false") for attempt in (1, 2, 3, 4)
+    ]
     crashes = events(stream, "rank_crashed")
     assert [(e["attempt"], e["rank"], e["returncode"], e["step"]) for e in crashes] == [
         (1, 1, -signal.SIGKILL, 20),

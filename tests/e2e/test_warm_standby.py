@@ -44,7 +44,7 @@ WARM_STREAM = {
         ),
     },
     "hang": FAST_HANG,
-    "restart": {"max_restarts": 5},
+    "restart": {"max_restarts": 5, "in_place": False},  # every rank relaunched, from standbys (in place: test_in_place)
 }
 
 

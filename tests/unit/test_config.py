@@ -117,6 +117,7 @@ def test_policy_carries_restart_and_stop_knobs():
                 "backoff_factor": 3,
                 "backoff_max_s": 9,
                 "crash_loop_attempts": 5,
+                "in_place_timeout_s": 4,
             },
             "stop": {"kill_grace_s": 2, "sigkill_wait_s": 1.5},
         }
@@ -130,7 +131,20 @@ def test_policy_carries_restart_and_stop_knobs():
         kill_grace_s=2.0,
         sigkill_wait_s=1.5,
         crash_loop_attempts=5,
+        in_place=True,
+        in_place_off="",
+        in_place_timeout_s=4.0,
     )
+
+
+def test_recovery_in_place_is_on_by_default_off_by_setting_and_across_nodes():
+    """The core is told whether survivors may recover in place, and if not, why (its journal says it)."""
+    job = {"script": "t.py", "nproc_per_node": 2}
+    assert parse_config(job).policy().in_place
+    off = parse_config({**job, "restart": {"in_place": False}}).policy()
+    assert (off.in_place, off.in_place_off) == (False, "restart.in_place is false")
+    nodes = parse_config({**job, "nodes": 2}).policy()
+    assert not nodes.in_place and "one machine" in nodes.in_place_off
 
 
 def test_ints_accepted_for_float_fields(tmp_path):

@@ -384,7 +384,8 @@ def test_relaunched_attempt_runs_from_resume_step():
     state, actions = decide(state, RanksLaunched(1, (200, 201), 25), NOW)
     assert state.phase is Phase.RUNNING
     assert (state.attempt, state.restarts, state.resume_step) == (1, 1, 25)
-    assert shape(actions) == ["ranks_launched"]
+    assert shape(actions) == ["relaunched", "ranks_launched"]
+    assert dict(actions[0].fields)["reason"] == "restart.in_place is false"  # which path, and why
 
 
 def test_backoff_grows_exponentially_to_cap():

@@ -43,7 +43,7 @@ def test_taking_back_a_run_it_handed_over_is_journaled_as_supervisor_resumed(tmp
     back = Lease(2, here, os.getpid(), time.time(), 10.0, HELD, "7", True)
     monkeypatch.setattr(cli, "Supervisor", Handing)
     monkeypatch.setattr(cli, "wait_after_handover", lambda *_a, **_k: back)
-    config = SimpleNamespace(nodes=2, spare_nodes=0)
+    config = SimpleNamespace(nodes=2, spare_nodes=0, multi_node=True)
     args = SimpleNamespace(argv=["run", "job.yaml"], config="job.yaml", ignore_stop_file=False)
     journal = open_journal(layout.journal, root=layout.root, echo=None)
     dispositions = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # _supervise ignores them

@@ -1,0 +1,83 @@
+"""Recovery in place on the real demo: a rank SIGKILLed at each point of a step is replaced, its peer stays (same
+pid), every rank resumes from the same step, and the run ends bitwise equal to an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import assert_same_training_state, journal, run_supervisor, write_config
+
+pytestmark = pytest.mark.timeout(240)
+
+# One kill at each point of a step, alternating ranks; each fires once (TRAINWARDEN_FAULTS_ONCE). Snapshots every
+# step to memory: the step a kill leaves half-applied (the killed rank's optimizer stepped, or its peer's did) is in
+# no snapshot complete on every rank.
+KILLS = {
+    8: (1, "sigkill_in_forward"),
+    16: (0, "sigkill_in_backward"),
+    24: (1, "sigkill_in_guard"),
+    32: (0, "sigkill_in_optimizer"),
+    40: (1, "sigkill"),  # after its step, before its snapshot
+}
+IN_PLACE_STREAM = {
+    "env": {
+        "TRAINWARDEN_FAULTS_ONCE": "1",
+        "TRAINWARDEN_FAULTS": ",".join(f"{rank}:{kind}@{step}" for step, (rank, kind) in KILLS.items()),
+    },
+    "restart": {"max_restarts": 10, "backoff_factor": 1.0},
+    "worker": {"snapshot_steps": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("in_place")
+    done = run_supervisor(write_config(tmp / "job.yaml", **IN_PLACE_STREAM), tmp / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "run"
+
+
+def rank_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    lines = (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_each_kill_is_recovered_in_place_with_the_survivor_kept(stream: Path) -> None:
+    records = journal(stream)
+    launches = [e for e in records if e["event"] == "ranks_launched"]
+    recoveries = [e for e in records if e["event"] == "recovered_in_place"]
+    assert [e["attempt"] for e in recoveries] == [1, 2, 3, 4, 5]
+    assert not [e for e in records if e["event"] == "relaunched"]
+    for recovery, (step, (killed, _kind)) in zip(recoveries, KILLS.items(), strict=True):
+        survivor = 1 - killed
+        before = launches[recovery["attempt"] - 1]["pids"]
+        assert (recovery["kept"], recovery["replaced"]) == ([survivor], [killed])
+        assert recovery["pids"][survivor] == before[survivor], "the survivor's process goes on"
+        assert recovery["pids"][killed] != before[killed]
+        assert step - 2 <= recovery["resume_step"] < step, recovery  # the newest step both ranks snapshotted
+
+
+def test_every_rank_resumes_each_attempt_from_the_same_step(stream: Path) -> None:
+    """No half-applied step survives: both ranks load the step the supervisor chose and train on from it."""
+    chosen = {e["attempt"]: e["resume_step"] for e in journal(stream) if e["event"] == "ranks_launched"}
+    for rank in (0, 1):
+        events = rank_events(stream, rank)
+        resumed = {e["attempt"]: e["step"] for e in events if e["event"] == "resumed"}
+        assert resumed == {a: s for a, s in chosen.items() if a}, f"rank {rank}"
+        for attempt, step in resumed.items():
+            first = next(e for e in events if e["event"] == "step" and e["attempt"] == attempt)
+            assert first["step"] == step + 1
+
+
+def test_the_survivor_said_why_it_unwound(stream: Path) -> None:
+    failed = [e for e in rank_events(stream, 0) if e["event"] == "peer_failed"]
+    assert [e["attempt"] for e in failed] == [0, 2, 4]  # the attempts in which rank 1 was killed
+    assert all("Connection" in e["error"] or "gloo" in e["error"] for e in failed), failed
+
+
+def test_the_run_ends_bitwise_equal_to_an_uninterrupted_one(stream: Path, reference_run: Path) -> None:
+    assert_same_training_state(stream, reference_run)

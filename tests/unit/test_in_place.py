@@ -1,0 +1,185 @@
+"""Recovery in place in the decision core: one test per edge of the UNWIND stage, with a fake clock."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+from supervisor.core import (
+    ChildExited,
+    Heartbeats,
+    HeartbeatSeen,
+    KillLeftovers,
+    LaunchRanks,
+    Phase,
+    PublishUnwind,
+    RanksLaunched,
+    SignalRanks,
+    SignalReceived,
+    State,
+    StopStage,
+    Then,
+    Tick,
+    decide,
+)
+from supervisor.core.causes import Cause, CauseKind
+from tests.unit.test_core import NOW, POLICY, record, running, shape
+from worker.contract import RECOVERING_PHASE
+
+IN_PLACE = replace(POLICY, nproc=3, in_place=True, in_place_timeout_s=30.0)
+PIDS = (100, 101, 102)
+
+
+def beat(rank: int, phase: str = "train", *, seq: int = 1, attempt: int = 0, in_place: bool = True) -> HeartbeatSeen:
+    return HeartbeatSeen(attempt, rank, seq, step=7, phase=phase, in_place=in_place)
+
+
+def training(policy=IN_PLACE, *, in_place: bool = True, restarts: int = 0) -> State:
+    """Three ranks training; each has said whether it runs through worker.run."""
+    state = running(policy, restarts=restarts)
+    beats = tuple(beat(r, attempt=restarts, in_place=in_place) for r in range(3))
+    state, _ = decide(state, Heartbeats(beats), NOW)
+    return state
+
+
+def unwinding(**kwargs) -> State:
+    """Rank 1 was SIGKILLed; ranks 0 and 2 unwind."""
+    state, _ = decide(training(**kwargs), ChildExited(0, 1, -9), NOW)
+    assert state.stop_stage is StopStage.UNWIND
+    return state
+
+
+def recovering(*ranks: int, seq: int = 2, attempt: int = 0) -> Heartbeats:
+    return Heartbeats(tuple(beat(r, RECOVERING_PHASE, seq=seq, attempt=attempt) for r in ranks))
+
+
+def test_a_crash_whose_survivors_run_through_worker_run_unwinds_them_and_signals_none():
+    state, actions = decide(training(), ChildExited(0, 1, -9), NOW)
+    assert (state.phase, state.stop_stage, state.then) == (Phase.STOPPING, StopStage.UNWIND, Then.RELAUNCH)
+    assert state.deadline == NOW + 30.0
+    assert not any(isinstance(a, SignalRanks) for a in actions)
+    assert PublishUnwind(0) in actions
+    assert dict(record(actions, "unwinding").fields)["ranks"] == [0, 2]
+    assert state.failures[-1].rank == 1  # a failed attempt like any other: the crash-loop breaker counts it
+
+
+def test_once_every_survivor_recovers_the_next_attempt_keeps_them():
+    state, _ = decide(unwinding(), recovering(0), NOW)
+    assert state.stop_stage is StopStage.UNWIND  # rank 2 has not unwound yet
+    state, actions = decide(state, recovering(2), NOW + 0.1)
+    assert state.phase is Phase.STARTING and state.attempt == 1  # the first restart has no backoff
+    assert KillLeftovers(0, keep=(0, 2)) in actions  # the dead rank's children go; the survivors stay
+    assert LaunchRanks(1, keep=(0, 2)) in actions
+    assert not any(isinstance(a, SignalRanks) for a in actions)
+
+
+def test_survivors_that_unwound_before_the_crash_was_seen_are_kept_at_once():
+    """gloo raises in the survivors within tens of milliseconds: their beats may come before the exit."""
+    state, _ = decide(training(), recovering(0, 2), NOW)
+    assert state.phase is Phase.RUNNING
+    state, actions = decide(state, ChildExited(0, 1, -9), NOW)
+    assert LaunchRanks(1, keep=(0, 2)) in actions
+
+
+def test_the_launch_of_a_recovery_in_place_is_journalled_with_who_stayed():
+    state, actions = decide(unwinding(), recovering(0, 2), NOW)
+    state, actions = decide(state, RanksLaunched(1, (100, 301, 102), 7), NOW)
+    assert shape(actions) == ["recovered_in_place", "ranks_launched"]
+    fields = dict(actions[0].fields)
+    assert (fields["kept"], fields["replaced"], fields["resume_step"]) == ([0, 2], [1], 7)
+    assert "SIGKILL" in fields["after"]
+    assert state.keep == () and state.phase is Phase.RUNNING
+
+
+def test_survivors_not_unwound_in_time_fall_back_to_a_full_relaunch():
+    state, _ = decide(unwinding(), recovering(0), NOW)
+    state, actions = decide(state, Tick(), NOW + 30.0)
+    assert state.stop_stage is StopStage.TERM and state.then is Then.RELAUNCH
+    assert SignalRanks(0, signal.SIGTERM, None) in actions
+    assert dict(record(actions, "unwind_timed_out").fields)["ranks"] == [2]
+    state, _ = decide(state, ChildExited(0, 0, -15), NOW + 31)
+    state, actions = decide(state, ChildExited(0, 2, -15), NOW + 31)
+    assert LaunchRanks(1) in actions  # nobody kept
+    state, actions = decide(state, RanksLaunched(1, (300, 301, 302), 7), NOW + 32)
+    assert (
+        "did not unwind within restart.in_place_timeout_s (30 s)"
+        in dict(record(actions, "relaunched").fields)["reason"]
+    )
+
+
+def test_a_survivor_that_dies_while_unwinding_is_replaced_too():
+    state, _ = decide(unwinding(), recovering(0), NOW)
+    state, actions = decide(state, ChildExited(0, 2, 1), NOW + 0.2)
+    assert LaunchRanks(1, keep=(0,)) in actions
+
+
+def test_no_survivor_left_while_unwinding_is_a_full_relaunch():
+    state, _ = decide(unwinding(), ChildExited(0, 0, 1), NOW)
+    state, actions = decide(state, ChildExited(0, 2, 1), NOW)
+    assert LaunchRanks(1) in actions
+    state, actions = decide(state, RanksLaunched(1, (300, 301, 302), 7), NOW)
+    assert dict(record(actions, "relaunched").fields)["reason"] == "no rank survived the failure"
+
+
+def test_a_script_without_worker_run_is_relaunched_and_the_journal_says_why():
+    state, actions = decide(training(in_place=False), ChildExited(0, 1, -9), NOW)
+    assert state.stop_stage is StopStage.TERM
+    state, _ = decide(state, ChildExited(0, 0, -15), NOW)
+    state, _ = decide(state, ChildExited(0, 2, -15), NOW)
+    state, actions = decide(state, RanksLaunched(1, (300, 301, 302), 7), NOW)
+    assert (
+        "does not run its training function through worker.run" in dict(record(actions, "relaunched").fields)["reason"]
+    )
+
+
+def test_in_place_off_is_a_full_relaunch():
+    state, _ = decide(
+        training(replace(IN_PLACE, in_place=False, in_place_off="restart.in_place is false")),
+        ChildExited(0, 1, -9),
+        NOW,
+    )
+    assert state.stop_stage is StopStage.TERM
+    assert state.full_relaunch == "restart.in_place is false"
+
+
+def test_a_cuda_error_never_restarts_in_place():
+    cuda = Cause(CauseKind.EXCEPTION, "torch.AcceleratorError: CUDA error: an illegal memory access was encountered")
+    state, _ = decide(training(), ChildExited(0, 1, 1, cause=cuda), NOW)
+    assert state.stop_stage is StopStage.TERM
+    assert state.full_relaunch == "a CUDA error: a poisoned context never restarts in place"
+
+
+def test_a_hang_is_a_full_relaunch_with_its_reason():
+    state = training()
+    state, actions = decide(state, Tick(), NOW + 10_000)
+    assert state.stop_stage is StopStage.STACKS
+    assert state.full_relaunch == "a hang: the ranks blocked behind it go down with it"
+
+
+def test_a_stop_while_unwinding_ends_the_survivors_instead():
+    state, actions = decide(unwinding(), SignalReceived(signal.SIGTERM), NOW)
+    assert state.then is Then.STOP and state.stop_stage is StopStage.TERM
+    assert SignalRanks(0, signal.SIGTERM, None) in actions
+    state, _ = decide(state, ChildExited(0, 0, -15), NOW)
+    state, _ = decide(state, ChildExited(0, 2, -15), NOW)
+    assert state.phase is Phase.STOPPED
+
+
+def test_exhausted_restarts_fail_without_unwinding():
+    state, actions = decide(training(replace(IN_PLACE, max_restarts=0)), ChildExited(0, 1, -9), NOW)
+    assert state.then is Then.FAIL and state.stop_stage is StopStage.TERM
+
+
+def test_beats_of_the_failed_attempt_after_the_relaunch_are_ignored():
+    state, _ = decide(unwinding(), recovering(0, 2), NOW)
+    state, _ = decide(state, RanksLaunched(1, (100, 301, 102), 7), NOW)
+    state, actions = decide(state, recovering(0, seq=9), NOW)
+    assert state.phase is Phase.RUNNING and actions == []
+
+
+def test_a_second_recovery_backs_off_as_relaunches_do():
+    state, _ = decide(training(restarts=1), ChildExited(1, 1, -9), NOW)
+    state, actions = decide(state, recovering(0, 2, attempt=1), NOW)
+    assert state.phase is Phase.BACKOFF and state.keep == (0, 2)
+    state, actions = decide(state, Tick(), NOW + POLICY.backoff_s(1))
+    assert LaunchRanks(2, keep=(0, 2)) in actions

@@ -1,0 +1,256 @@
+"""Recovery in place: when a peer rank fails, this process stays and runs the training function again.
+
+A script hands its training function over once, at the bottom:
+
+    if __name__ == "__main__":
+        worker.run(main)
+
+Under a supervisor with `restart.in_place` on (the default), a rank whose collective fails because a peer went
+(gloo raises; with NCCL this module's watchdog aborts the communicator when the supervisor says the attempt
+unwinds) leaves `main` by that exception, and then, in this process:
+
+1. its Warden says `peer_failed` and closes (a background save in flight is let finish or fail first);
+2. the process group is released (destroyed; for NCCL aborted, as destroying after a failure can hang) and what
+   `main` held is collected (a DataLoader's worker processes end with their iterator);
+3. a CUDA context that no longer synchronizes ends the process here: a poisoned context never restarts in place;
+4. its heartbeat says `recovering`, and it waits for the supervisor's next attempt (`RunLayout.recovery`): the
+   attempt's number and variables (a new MASTER_PORT, so rank 0 hosts a new store; the resume point);
+5. its output goes to the new attempt's log files, and `main()` runs again, resuming as a new process would.
+
+A failed peer is replaced by a warm standby; every rank, survivors included, loads the resume point the supervisor
+chose (the newest snapshot every rank completed), so no rank goes on with a step only some ranks applied.
+
+Any other exception (the rank's own error, a CUDA error) ends the process as it always did; so does a plain
+torchrun, where `run(main)` is just `main()`. What this asks of `main`, since it may run more than once in a
+process: build everything it trains with inside it (process group, model, optimizer, data loaders, Warden); keep
+nothing of an attempt in globals; leave things it registers once per process (signal handlers, atexit hooks,
+`torch.compile` caches) safe to meet twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from worker.contract import ENV_ATTEMPT, ENV_IN_PLACE, ENV_RUN_DIR, RECOVERING_PHASE, RunLayout
+from worker.files import open_append, read_json
+from worker.heartbeat import Heartbeat
+
+__all__ = ["ORDER_WAIT_S", "attach", "in_place", "peer_failure", "run", "watch_for_unwind"]
+
+T = TypeVar("T")
+
+ORDER_WAIT_S = 600.0  # a survivor waits this long for its next attempt; the supervisor decides far sooner
+_ORDER_POLL_S = 0.002  # a stat of one file: the survivors' wait adds at most this to a recovery
+_WATCH_POLL_S = 0.05  # the NCCL watchdog's look at the supervisor's word
+_CUDA_CHECK_S = 30.0  # a synchronize that takes longer means a wedged device
+MAX_ERROR_CHARS = 300
+# What gloo and NCCL say when a peer went or the communicator was aborted (PyTorch raises plain RuntimeErrors); a
+# desync ("Received data size doesn't match") or a timeout is not a peer gone: the rank fails as it always did.
+_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+    "ProcessGroupNCCL is aborted",
+)
+_CUDA_ERRORS = ("CUDA error", "cudaError", "AcceleratorError", "device-side assert")
+
+_unwind: list[Callable[[str], Heartbeat | None]] = []  # the live Warden's unwinding, newest last
+_active = False
+
+
+def in_place() -> bool:
+    """This process runs its training function through `run` under a supervisor that recovers in place."""
+    return _active
+
+
+def attach(unwind: Callable[[str], Heartbeat | None]) -> Callable[[], None]:
+    """A Warden registers how it unwinds (say why, close, hand back its heartbeat); returns its detach."""
+    _unwind.append(unwind)
+
+    def detach() -> None:
+        with contextlib.suppress(ValueError):
+            _unwind.remove(unwind)
+
+    return detach
+
+
+def run(main: Callable[[], T]) -> T:
+    """Run the training function; under a supervisor that recovers in place, run it again after a peer failed."""
+    global _active
+    if os.environ.get(ENV_IN_PLACE) != "1":
+        return main()
+    _active = True
+    gc.freeze()  # what imports made lives on: a recovery's collection walks only what an attempt made (ms, not 0.2 s)
+    watch_for_unwind()
+    while True:
+        try:
+            return main()
+        except BaseException as exc:  # noqa: BLE001 - only a peer's failure is kept; anything else goes on up
+            error = peer_failure(exc)
+            if error is None:
+                raise
+        _recover(error)
+
+
+def peer_failure(exc: BaseException) -> str | None:
+    """The exception's line when it is a collective failing for a peer (or an abort), else None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if _distributed_error(current) and not any(marker in text for marker in _CUDA_ERRORS):
+            return f"{type(current).__name__}: {text}".splitlines()[0][:MAX_ERROR_CHARS]
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _distributed_error(exc: BaseException) -> bool:
+    """A peer's connection or the store went away, or the communicator was aborted."""
+    dist = sys.modules.get("torch.distributed")
+    gone = tuple(t for t in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistStoreError", None)) if t)
+    if gone and isinstance(exc, gone):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _PEER_GONE)
+
+
+def _recover(error: str) -> None:
+    """Unwind from the failed attempt, wait for the next one, and take over its environment and logs."""
+    env = os.environ
+    layout = RunLayout(Path(env.get(ENV_RUN_DIR, "runs/local")))
+    rank, attempt = int(env.get("RANK", "0")), int(env.get(ENV_ATTEMPT) or 0)
+    heartbeat = _unwind[-1](error) if _unwind else None
+    _release_process_group()
+    gc.collect()  # what the attempt held: tensors, and a DataLoader's worker processes with their iterator
+    _check_cuda()
+    if heartbeat is None:  # it failed before its Warden was made
+        heartbeat = Heartbeat(layout.heartbeat(rank), root=layout.root, rank=rank, attempt=attempt, interval_s=1.0)
+        print(f"trainwarden: recovering in place after: {error}", file=sys.stderr, flush=True)
+    heartbeat.beat(heartbeat.last_step, RECOVERING_PHASE, force=True)
+    number, variables = _await_next(layout, attempt)
+    env.update(variables)
+    env[ENV_ATTEMPT] = str(number)
+    _reopen_output(layout, number, rank)
+
+
+def _release_process_group() -> None:
+    """Destroy the process group (for NCCL abort it: a destroy flushes, and hangs after a failure)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
+def _check_cuda() -> None:
+    """A CUDA context that cannot synchronize is poisoned: end the process (the supervisor relaunches)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    failed: list[BaseException] = []
+
+    def synchronize() -> None:
+        try:
+            torch.cuda.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the main thread
+            failed.append(exc)
+
+    checker = threading.Thread(target=synchronize, daemon=True, name="tw-cuda-check")
+    checker.start()
+    checker.join(_CUDA_CHECK_S)
+    if checker.is_alive() or failed:
+        why = f"did not synchronize in {_CUDA_CHECK_S:g} s" if checker.is_alive() else repr(failed[0])
+        print(f"trainwarden: CUDA context unusable after the failure ({why}); not recovering in place", file=sys.stderr)
+        os._exit(1)
+
+
+def _await_next(layout: RunLayout, attempt: int) -> tuple[int, dict[str, str]]:
+    """The next attempt's number and variables, once the supervisor names one after `attempt`."""
+    deadline = time.monotonic() + ORDER_WAIT_S
+    while time.monotonic() < deadline:
+        order = _read_order(layout.recovery)
+        if order is not None and order[0] > attempt:
+            return order
+        time.sleep(_ORDER_POLL_S)
+    print(f"trainwarden: no next attempt in {ORDER_WAIT_S:g} s; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _read_order(path: Path) -> tuple[int, dict[str, str]] | None:
+    try:
+        order = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(order, dict):
+        return None
+    number, variables = order.get("next"), order.get("env")
+    if type(number) is not int or not isinstance(variables, dict):
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) and "\0" not in k + v for k, v in variables.items()):
+        return None
+    return number, variables
+
+
+def _reopen_output(layout: RunLayout, attempt: int, rank: int) -> None:
+    """stdout and stderr to the new attempt's log files, where the supervisor reads a rank's output."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, stream in ((1, "out"), (2, "err")):
+        fd = open_append(layout.attempt_log(attempt, rank, stream), root=layout.root)
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def unwinding_attempt(path: Path) -> int | None:
+    """The attempt the supervisor says is unwinding, from its recovery file, or None."""
+    try:
+        order = read_json(path)
+    except (OSError, ValueError):
+        return None
+    number = order.get("unwind") if isinstance(order, dict) else None
+    return number if type(number) is int else None
+
+
+def watch_for_unwind(abort: Callable[[], Any] | None = None) -> threading.Thread:
+    """The NCCL watchdog: once the supervisor says this process's attempt unwinds, abort its NCCL communicators,
+    so a collective blocked on the failed peer raises now (gloo raises on its own). `abort`: for tests."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(_WATCH_POLL_S)
+            if abort is None and not _nccl_in_use():  # gloo needs no watchdog: nothing read
+                continue
+            attempt = int(os.environ.get(ENV_ATTEMPT) or 0)  # the current one: it moves on with each recovery
+            root = os.environ.get(ENV_RUN_DIR)
+            if root is None or unwinding_attempt(RunLayout(Path(root)).recovery) != attempt:
+                continue
+            (abort or _abort_nccl)()
+            while int(os.environ.get(ENV_ATTEMPT) or 0) == attempt:  # once per attempt
+                time.sleep(_WATCH_POLL_S)
+
+    watcher = threading.Thread(target=watch, daemon=True, name="tw-unwind-watch")
+    watcher.start()
+    return watcher
+
+
+def _nccl_in_use() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
+def _abort_nccl() -> None:
+    dist = sys.modules["torch.distributed"]
+    with contextlib.suppress(Exception):  # the main thread's collective raises; a failed abort leaves NCCL's timeout
+        dist.distributed_c10d._abort_process_group()
