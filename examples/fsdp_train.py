@@ -27,7 +27,7 @@ import torch.distributed as dist
 from gpt_train import GPT, GPTConfig, configure_optimizer, load_text, seed_of, warmup_cosine
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from worker import Warden
+from worker import Warden, run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -136,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # recovery in place: after a peer rank fails, main runs again in this process (worker/recovery.py)

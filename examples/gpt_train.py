@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from worker import Warden
+from worker import Warden, run
 from worker.exact import average_gradients_in_rank_order
 
 TEXT = Path(__file__).parent / "data" / "sonnets.txt"
@@ -378,4 +378,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # recovery in place: after a peer rank fails, main runs again in this process (worker/recovery.py)

@@ -13,6 +13,12 @@ DistributedDataParallel imports when first built), and the script's own top-leve
 the project's own modules, whose import may act on the attempt's environment). A module that fails to import
 is reported in the standby's log and left to the script, which then imports it itself.
 
+In a job on GPUs (`TRAINWARDEN_STANDBY_DEVICE=cuda`), a standby for local rank r then creates its CUDA context on GPU
+r and initializes cuBLAS and cuBLASLt with a few small matrix products, once it said it is ready: a replacement
+rank's script start-up, checkpoint load and first step are what remain of a relaunch (a standby activated while it
+warms runs the script once warm). The fork server never touches
+CUDA (a forked process could not use it); each standby forked from it does, for the local rank it is forked for.
+
 A fork server (`python -u -m worker.standby --fork-server`) imports once and then forks a standby per request, so
 refilling the pool after a relaunch costs a fork instead of every standby's own `import torch` (seconds of CPU
 beside the training ranks). It forks only what is safe to fork: no Python thread started and no CUDA context made
@@ -44,6 +50,7 @@ from typing import Any
 import setproctitle
 
 __all__ = [
+    "ENV_DEVICE",
     "ENV_PREWARM",
     "ENV_SCRIPT",
     "ENV_STANDBY_FD",
@@ -55,11 +62,13 @@ __all__ = [
     "activate_message",
     "main",
     "script_imports",
+    "warm_device",
 ]
 
 ENV_STANDBY_FD = "TRAINWARDEN_STANDBY_FD"
 ENV_PREWARM = "TRAINWARDEN_PREWARM"
 ENV_SCRIPT = "TRAINWARDEN_STANDBY_SCRIPT"
+ENV_DEVICE = "TRAINWARDEN_STANDBY_DEVICE"  # the job's `device`: cuda warms each standby's GPU
 READY = b"R"
 _ORDER = b"A"  # sent with the two log descriptors
 FORK = b"F"  # to the fork server, with the new standby's socket and log descriptors
@@ -207,19 +216,21 @@ def _unforkable() -> str | None:
     return None
 
 
-def _serve_forks(server: socket.socket) -> socket.socket | None:
-    """Fork a standby per request until the supervisor closes the socket (None); in a forked standby, its socket."""
+def _serve_forks(server: socket.socket) -> tuple[socket.socket, int] | None:
+    """Fork a standby per request until the supervisor closes the socket (None); in a forked standby, its socket and
+    the local rank it stands by for."""
     supervisor = os.getppid()
     while True:
         try:
             fds = _receive_fds(server, FORK)
+            rank = _read_exactly(server, _PID.size) if fds is not None else None
         except OSError:
-            fds = None
-        if fds is None:
+            fds = rank = None
+        if fds is None or rank is None:
             return None
         standby = _fork_standby(server, supervisor, fds)
         if standby is not None:
-            return standby
+            return standby, _PID.unpack(rank)[0]
 
 
 def _fork_standby(server: socket.socket, supervisor: int, fds: list[int]) -> socket.socket | None:
@@ -271,6 +282,25 @@ def _settle(middle: int, supervisor: int, fds: list[int]) -> socket.socket:
     return sock
 
 
+def warm_device(device: str | None, local_rank: int) -> str | None:
+    """On a GPU job, the CUDA context on this local rank's GPU, and cuBLAS and cuBLASLt initialized (they start
+    lazily, at the first product); what was done, in one line. None where the job runs on CPUs."""
+    if device != "cuda":
+        return None
+    torch = importlib.import_module("torch")
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible: nothing warmed"
+    started = time.perf_counter()
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        a = torch.ones(64, 64, device=f"cuda:{index}", dtype=dtype)
+        torch.mm(a, a)  # cuBLAS
+        torch.nn.functional.linear(a, a, a[0])  # a 1-D bias: cuBLASLt's epilogue
+    torch.cuda.synchronize()
+    return f"CUDA context on cuda:{index}, cuBLAS and cuBLASLt warmed in {time.perf_counter() - started:.2f} s"
+
+
 def _imported(script: Path) -> None:
     sys.path[0] = str(script.resolve().parent)  # find modules as the script will (`-m` put the cwd there)
     nvml_check = os.environ.get(_NVML_CHECK)
@@ -300,9 +330,14 @@ def main() -> None:
         forked = _serve_forks(sock)
         if forked is None:
             return
-        sock = forked  # in a forked standby from here on
+        sock, local_rank = forked  # in a forked standby from here on
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK") or 0)
     with contextlib.suppress(OSError):  # taken while still importing: the order is already in the socket
         sock.sendall(READY)
+    # After READY (a fork's caller waits for it): an order that comes meanwhile waits in the socket until warm.
+    if said := warm_device(os.environ.get(ENV_DEVICE), local_rank):
+        print(f"trainwarden standby: {said}", file=sys.stderr, flush=True)
     try:
         received = _receive(sock)
     except OSError:

@@ -36,6 +36,7 @@ from supervisor.launch.trees import die_with_parent, is_subreaper
 from worker.contract import ENV_ATTEMPT, ENV_FAILURES, ENV_RESUME_DIR, ENV_RESUME_STEP, ENV_SKIP_TO_BATCH, RunLayout
 from worker.files import open_append
 from worker.standby import (
+    ENV_DEVICE,
     ENV_PREWARM,
     ENV_SCRIPT,
     ENV_STANDBY_FD,
@@ -180,12 +181,14 @@ class ForkServer:
         self.refused = said[1:].decode(errors="replace") if said[:1] == REFUSED else "it exited while importing"
         return False
 
-    def fork(self, log: int) -> tuple[Adopted, socket.socket]:
-        """A standby forked, adopted and ready, with the supervisor's end of its socket; OSError if not."""
+    def fork(self, log: int, local_rank: int) -> tuple[Adopted, socket.socket]:
+        """A standby for `local_rank` forked, adopted and ready, with the supervisor's end of its socket; OSError if
+        not."""
         ours, theirs = socket.socketpair()
         try:
             self.sock.settimeout(FORK_TIMEOUT_S)
             socket.send_fds(self.sock, [FORK], [theirs.fileno(), log])
+            self.sock.sendall(_PID.pack(local_rank))
             answer = self.sock.recv(_PID.size, socket.MSG_WAITALL)
         except BaseException:
             ours.close()
@@ -232,6 +235,7 @@ class Standbys:
         self._layout = layout
         self._log = log
         self._prewarm = "auto" if config.standby.prewarm_imports is None else ",".join(config.standby.prewarm_imports)
+        self._device = config.device  # cuda: each standby warms its GPU
         self._envs = {rank: {k: v for k, v in env.items() if k not in PER_ATTEMPT} for rank, env in envs.items()}
         self._pool: dict[int, Standby] = {}
         self._forking = config.standby.fork_server and config.standby.keep_warm  # where it pays: a pool kept warm
@@ -328,7 +332,7 @@ class Standbys:
     def _fork(self, server: ForkServer, rank: int) -> Standby:
         log = self._open_log(f"rank_{rank}")
         try:
-            proc, sock = server.fork(log)
+            proc, sock = server.fork(log, rank % len(self._envs))
         except OSError:
             if server.refused:
                 self._fork_server_off(server.refused)
@@ -350,7 +354,13 @@ class Standbys:
     def _popen(self, name: str, env: dict[str, str], flags: list[str]) -> tuple[subprocess.Popen, socket.socket]:
         ours, theirs = socket.socketpair()
         log = self._open_log(name)
-        env = {**env, ENV_STANDBY_FD: str(theirs.fileno()), ENV_SCRIPT: self._argv[0], ENV_PREWARM: self._prewarm}
+        env = {
+            **env,
+            ENV_STANDBY_FD: str(theirs.fileno()),
+            ENV_SCRIPT: self._argv[0],
+            ENV_PREWARM: self._prewarm,
+            ENV_DEVICE: self._device,
+        }
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-u", "-m", "worker.standby", *flags],

@@ -139,8 +139,15 @@ def test_a_kill_in_a_background_write_a_hang_and_a_stop_end_bitwise_equal_to_an_
     events = journal(tmp / "run")
     assert [e["returncode"] for e in events if e["event"] == "rank_crashed"][:1] == [-9]
     assert any(e["event"] == "hang_detected" for e in events)
-    resumes = [e["resume_step"] for e in events if e["event"] == "ranks_launched"]
+    launches = [e for e in events if e["event"] == "ranks_launched"]
+    resumes = [e["resume_step"] for e in launches]
     assert resumes[:3] == [None, 5, 15], resumes  # 10 was being written when rank 1 died: never a checkpoint
+    # The kill is recovered in place (rank 0's process goes on, rank 1 is replaced); the hang relaunches both.
+    (recovered,) = [e for e in events if e["event"] == "recovered_in_place"]
+    assert (recovered["attempt"], recovered["kept"], recovered["replaced"]) == (1, [0], [1])
+    assert launches[1]["pids"][0] == launches[0]["pids"][0] != launches[2]["pids"][0]
+    (relaunched,) = [e for e in events if e["event"] == "relaunched"]
+    assert (relaunched["attempt"], relaunched["reason"]) == (2, "a hang: the ranks blocked behind it go down with it")
 
     (tmp / "run" / "stop").unlink()  # the stop file stays until someone removes it: a rerun would not start
     done = run_supervisor(fsdp_job(tmp, steps=stop_step + STEPS_AFTER_STOP), tmp / "run", timeout=120)
