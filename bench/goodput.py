@@ -6,8 +6,10 @@ time its step is reached in any attempt, so the relaunched ranks pass it):
 
 - reference: trainwarden with the spike alone (a skipped batch is part of the result, not an outage) and no warm
   standbys (nothing beside training on the cores): the final state the others must end in, and the productive time;
-- trainwarden warm: the faulty job, warm standby ranks on (the default);
-- trainwarden cold: the same with `standby: {enabled: false}`;
+- trainwarden in place: the faulty job as trainwarden runs it by default: a killed rank's peer recovers in place
+  (the same process runs the demo's training function again), the killed rank is replaced by a warm standby;
+- trainwarden warm: the same with `restart: {in_place: false}`: every rank relaunched, from warm standby ranks;
+- trainwarden cold: also with `standby: {enabled: false}`;
 - torchrun: `torchrun --nproc-per-node 2 --max-restarts 50`, its default rendezvous;
 - torchrun no-share: the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store at each restart).
 
@@ -42,8 +44,8 @@ trainwarden's config is configs/demo.yaml that never gives up (`restart: {max_re
 0, backoff_initial_s: 0}`) and declares a hang after 10 s of training silence (no calibration). torchrun has no hang
 detection: the demo's 60 s gloo timeout is what ends the hang there. A run is limited to `--timeout-s` (default:
 3 x the reference's wall time + 180 s); past it every process of the run is SIGKILLed and it counts as not finished.
-`--quick` runs the reference and the two trainwarden variants only, of a shorter job (600 steps, 2 kills): about
-3 minutes on 2 cores. Run from the repository root:
+`--quick` runs the reference and the three trainwarden variants only, of a shorter job (600 steps, 2 kills): about
+4 minutes on 2 cores. Run from the repository root:
     .venv/bin/python bench/goodput.py [--quick] [--steps N] [--save-every N] [--kills N] [--seed N] [--timeout-s S]
                                       [--keep]
 """
@@ -161,8 +163,9 @@ class Run:
     run_dir: Path
 
 
-def warden(job: Job, work: Path, env: dict[str, str], *, standby: bool) -> Launch:
-    extra = {**TRAINWARDEN_POLICY, "standby": {"enabled": standby}}
+def warden(job: Job, work: Path, env: dict[str, str], *, standby: bool, in_place: bool = False) -> Launch:
+    restart = {**TRAINWARDEN_POLICY["restart"], "in_place": in_place}
+    extra = {**TRAINWARDEN_POLICY, "restart": restart, "standby": {"enabled": standby}}
     return trainwarden_launch(work, job.steps, job.save_every, env=env, extra_config=extra)
 
 
@@ -176,12 +179,13 @@ def torchrun(job: Job, work: Path, env: dict[str, str], *, share: bool) -> Launc
 
 REFERENCE = Variant("reference", lambda job, work, env: warden(job, work, env, standby=False), True, ("spike",))
 FAULTY = (
+    Variant("trainwarden in place", lambda job, work, env: warden(job, work, env, standby=True, in_place=True), True),
     Variant("trainwarden warm", lambda job, work, env: warden(job, work, env, standby=True), True),
     Variant("trainwarden cold", lambda job, work, env: warden(job, work, env, standby=False), True),
     Variant("torchrun", lambda job, work, env: torchrun(job, work, env, share=True), False),
     Variant("torchrun no-share", lambda job, work, env: torchrun(job, work, env, share=False), False),
 )
-QUICK = FAULTY[:2]
+QUICK = FAULTY[:3]
 
 
 # ---- the fault schedule ----------------------------------------------------------------------

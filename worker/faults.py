@@ -20,6 +20,9 @@ Kinds:
   at that point of step STEP: as its model's forward begins; in the backward, as its first parameter's gradient is
   computed (the last, for the input layer: most of DDP's gradient all-reduces are under way); just before the step
   guard's all-reduce (its peers wait inside it); right after its optimizer's step (its peers apply the step too).
+- `peer_gone`: after step STEP the rank's collective fails as if its connection to a peer were lost (it raises
+  torch.distributed.DistNetworkError, every rank alive): a rank running through `worker.run` recovers in place,
+  and its peers, whose next collective meets a closed connection, with it.
 - `hang`: after step STEP the rank sleeps forever, so its peers block in the next step's all-reduce.
 - `hang_in_save`: the rank sleeps forever inside its checkpoint save of step STEP.
 - `sigstop`: the rank freezes itself with SIGSTOP after step STEP (as `kill -STOP` from outside would).
@@ -83,6 +86,7 @@ KINDS = (
     "sigkill_in_backward",
     "sigkill_in_guard",
     "sigkill_in_optimizer",
+    "peer_gone",
 )
 GRADIENT_KINDS = ("spike", "nan")
 SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
@@ -197,6 +201,10 @@ class FaultPlan:
             hang_forever()
         if self.due("dataloader_hang", step):
             _wait_for_a_stuck_dataloader()
+        if self.due("peer_gone", step):
+            import torch.distributed as dist
+
+            raise dist.DistNetworkError(f"peer_gone fault after step {step}: the connection to a peer was lost")
 
     def all_reduce(self, tensor: Any, op: Any, step: int) -> None:
         """The step guard's all-reduce of `step`, with this rank's collective fault of that step, if any."""

@@ -90,6 +90,7 @@ from supervisor.core.model import (
     describe_exit,
     hang_deadline,
     rank_deadline,
+    recovering_deadline,
     saving,
     signal_name,
     time_limit_deadline,
@@ -1136,7 +1137,11 @@ def _on_tick(state: State, event: Tick, now: float) -> tuple[State, list[Action]
 
 
 def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:
-    """Declare a hang once every rank is overdue, naming the rank that went silent first (the likely culprit)."""
+    """Declare a hang once every rank is overdue, naming the rank that went silent first (the likely culprit); or a
+    collective that failed with every rank alive, once a rank unwound from it and no exit followed."""
+    unwound = recovering_deadline(state)
+    if unwound is not None and now >= unwound:
+        return _failed_with_every_rank_alive(state, now)
     deadline = hang_deadline(state)
     if deadline is None or now < deadline:
         return state, []
@@ -1158,6 +1163,26 @@ def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:
         timeout_s=hang.timeout_s,
     )
     state, stop = _begin_stop(state, then, now, stacks_first=True)
+    return state, [record, *verdict, *stop]
+
+
+def _failed_with_every_rank_alive(state: State, now: float) -> tuple[State, list[Action]]:
+    """A rank left a failed collective (a connection lost) and no rank exited: the attempt failed in the network. Its
+    ranks recover in place, none replaced; or, where they cannot, all are relaunched."""
+    first = min(
+        (r for r in state.ranks if r.running and r.heartbeat_phase == RECOVERING_PHASE),
+        key=lambda r: r.heartbeat_monotonic or 0.0,
+    )
+    text = f"rank {first.rank} lost a collective's connection with every rank alive (the network?)"
+    state = _note_failure(
+        replace(state, last_failure=f"{text} in attempt {state.attempt}"), first.rank, Cause(CauseKind.COLLECTIVE, text)
+    )
+    record = _record("collective_lost", level="error", rank=first.rank, attempt=state.attempt, step=first.step)
+    state, then, verdict = _after_failure(state)
+    if then is Then.RELAUNCH and state.policy.in_place and all(r.in_place for r in state.ranks if r.running):
+        state, unwind = _begin_unwind(state, now)
+        return state, [record, *verdict, *unwind]
+    state, stop = _begin_stop(state, then, now)
     return state, [record, *verdict, *stop]
 
 

@@ -16,6 +16,7 @@ from supervisor.core.stop_requests import StopRequest
 from worker.contract import (
     EXIT_FAILED,
     EXIT_SAVE_LOST,
+    RECOVERING_PHASE,
     StopOrder,
 )
 
@@ -46,6 +47,8 @@ __all__ = [
     "PublishStopOrder",
     "PublishUnwind",
     "rank_deadline",
+    "RECOVERING_GRACE_S",
+    "recovering_deadline",
     "RanksLaunched",
     "RankState",
     "Record",
@@ -545,9 +548,28 @@ def hang_deadline(state: State) -> float | None:
     return max(deadlines) if deadlines else None
 
 
+# A rank that unwound to recover in place while no rank of its attempt exited waits this long for that exit (seen
+# within milliseconds) before its own failed collective is the attempt's failure (every rank alive: the network).
+RECOVERING_GRACE_S = 0.5
+
+
+def recovering_deadline(state: State) -> float | None:
+    """When a rank that unwound while every rank runs makes its failed collective the attempt's failure."""
+    if state.phase is not Phase.RUNNING:
+        return None
+    beats = [
+        r.heartbeat_monotonic
+        for r in state.ranks
+        if r.running and r.heartbeat_phase == RECOVERING_PHASE and r.heartbeat_monotonic is not None
+    ]
+    return min(beats) + RECOVERING_GRACE_S if beats else None
+
+
 def next_deadline(state: State) -> float | None:
-    """The earliest moment a Tick can change anything: the phase deadline, the hang deadline or the time limit's."""
-    present = [d for d in (state.deadline, hang_deadline(state), time_limit_deadline(state)) if d is not None]
+    """The earliest moment a Tick can change anything: the phase deadline, the hang deadline, a rank unwound on its
+    own, or the time limit's."""
+    deadlines = (state.deadline, hang_deadline(state), recovering_deadline(state), time_limit_deadline(state))
+    present = [d for d in deadlines if d is not None]
     return min(present) if present else None
 
 

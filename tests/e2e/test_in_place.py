@@ -23,10 +23,13 @@ KILLS = {
     32: (0, "sigkill_in_optimizer"),
     40: (1, "sigkill"),  # after its step, before its snapshot
 }
+LOST_AT = 48  # rank 0's collective fails after step 48 with both ranks alive: both recover in place, none replaced
 IN_PLACE_STREAM = {
     "env": {
         "TRAINWARDEN_FAULTS_ONCE": "1",
-        "TRAINWARDEN_FAULTS": ",".join(f"{rank}:{kind}@{step}" for step, (rank, kind) in KILLS.items()),
+        "TRAINWARDEN_FAULTS": ",".join(
+            [*(f"{rank}:{kind}@{step}" for step, (rank, kind) in KILLS.items()), f"0:peer_gone@{LOST_AT}"]
+        ),
     },
     "restart": {"max_restarts": 10, "backoff_factor": 1.0},
     "worker": {"snapshot_steps": 1},
@@ -50,15 +53,20 @@ def test_each_kill_is_recovered_in_place_with_the_survivor_kept(stream: Path) ->
     records = journal(stream)
     launches = [e for e in records if e["event"] == "ranks_launched"]
     recoveries = [e for e in records if e["event"] == "recovered_in_place"]
-    assert [e["attempt"] for e in recoveries] == [1, 2, 3, 4, 5]
+    assert [e["attempt"] for e in recoveries] == [1, 2, 3, 4, 5, 6]
     assert not [e for e in records if e["event"] == "relaunched"]
-    for recovery, (step, (killed, _kind)) in zip(recoveries, KILLS.items(), strict=True):
+    *kills, lost = recoveries
+    for recovery, (step, (killed, _kind)) in zip(kills, KILLS.items(), strict=True):
         survivor = 1 - killed
         before = launches[recovery["attempt"] - 1]["pids"]
         assert (recovery["kept"], recovery["replaced"]) == ([survivor], [killed])
         assert recovery["pids"][survivor] == before[survivor], "the survivor's process goes on"
         assert recovery["pids"][killed] != before[killed]
         assert step - 2 <= recovery["resume_step"] < step, recovery  # the newest step both ranks snapshotted
+    assert (lost["kept"], lost["replaced"], lost["pids"]) == ([0, 1], [], launches[5]["pids"])
+    assert lost["resume_step"] == LOST_AT - 1  # the fault strikes before step 48's snapshot
+    (collective,) = [e for e in records if e["event"] == "collective_lost"]
+    assert (collective["attempt"], collective["rank"]) == (5, 0)
 
 
 def test_every_rank_resumes_each_attempt_from_the_same_step(stream: Path) -> None:
@@ -75,8 +83,9 @@ def test_every_rank_resumes_each_attempt_from_the_same_step(stream: Path) -> Non
 
 def test_the_survivor_said_why_it_unwound(stream: Path) -> None:
     failed = [e for e in rank_events(stream, 0) if e["event"] == "peer_failed"]
-    assert [e["attempt"] for e in failed] == [0, 2, 4]  # the attempts in which rank 1 was killed
-    assert all("Connection" in e["error"] or "gloo" in e["error"] for e in failed), failed
+    assert [e["attempt"] for e in failed] == [0, 2, 4, 5]  # rank 1 killed; then rank 0's own lost connection
+    assert all("Connection" in e["error"] for e in failed[:3]), failed
+    assert failed[3]["error"].startswith("DistNetworkError: peer_gone fault after step 48")
 
 
 def test_the_run_ends_bitwise_equal_to_an_uninterrupted_one(stream: Path, reference_run: Path) -> None:

@@ -34,13 +34,14 @@ pytestmark = pytest.mark.timeout(300)
 
 WARM, COLD = {"enabled": True}, {"enabled": False}  # on by default, and in write_config
 # After a stop, each once: rank 1 killed after step 29, rank 0 frozen (SIGSTOP: a hang) after 32, and SPIKE_STREAK's
-# spike streak at 45. Slower steps (a sleep: the numbers stay the same) give the standbys time to import in between.
+# spike streak at 45. Slower steps (a sleep: the numbers stay the same) give the pool time to be refilled (a fork
+# from the fork server) in between, and the stop below time to come before step 20.
 WARM_STREAM = {
     **SPIKE_STREAK,
     "env": {
         "TRAINWARDEN_FAULTS_ONCE": "1",
         "TRAINWARDEN_FAULTS": ",".join(
-            ["1:sigkill@29", "0:sigstop@32", SPIKE_STREAK["env"]["TRAINWARDEN_FAULTS"], "0:slow@1:0.2", "1:slow@1:0.2"]
+            ["1:sigkill@29", "0:sigstop@32", SPIKE_STREAK["env"]["TRAINWARDEN_FAULTS"], "0:slow@1:0.1", "1:slow@1:0.1"]
         ),
     },
     "hang": FAST_HANG,
@@ -132,7 +133,7 @@ def test_a_stopped_run_resumes_warm_through_a_kill_a_hang_and_a_rollback_bitwise
     proc = start_supervisor(config, run_dir)
     waiting = set(wait(proc, lambda: standbys(proc, server=True), "the fork server to be started"))
     wait(proc, lambda: (beat := heartbeat(run_dir, 0)) and beat["step"] >= 2, "rank 0 to train")
-    proc.send_signal(signal.SIGTERM)  # at step 2 or so (a step takes 0.2 s or more): before step 20
+    proc.send_signal(signal.SIGTERM)  # at step 2 or so (a step takes 0.1 s or more): before step 20
     stopped = finish(proc, run_dir)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert stopped.status()["state"] == "stopped"

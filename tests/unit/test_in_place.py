@@ -6,6 +6,7 @@ import signal
 from dataclasses import replace
 
 from supervisor.core import (
+    RECOVERING_GRACE_S,
     ChildExited,
     Heartbeats,
     HeartbeatSeen,
@@ -21,6 +22,7 @@ from supervisor.core import (
     Then,
     Tick,
     decide,
+    recovering_deadline,
 )
 from supervisor.core.causes import Cause, CauseKind
 from tests.unit.test_core import NOW, POLICY, record, running, shape
@@ -183,3 +185,24 @@ def test_a_second_recovery_backs_off_as_relaunches_do():
     assert state.phase is Phase.BACKOFF and state.keep == (0, 2)
     state, actions = decide(state, Tick(), NOW + POLICY.backoff_s(1))
     assert LaunchRanks(2, keep=(0, 2)) in actions
+
+
+def test_a_rank_unwound_with_every_rank_alive_fails_the_attempt_after_a_grace_and_keeps_every_rank():
+    """A lost connection (the network) with no rank dead: after RECOVERING_GRACE_S without an exit, its collective is
+    the attempt's failure; every rank recovers in place, none is replaced."""
+    state, _ = decide(training(), recovering(1), NOW)
+    assert recovering_deadline(state) == NOW + RECOVERING_GRACE_S
+    state, actions = decide(state, Tick(), NOW + RECOVERING_GRACE_S / 2)
+    assert state.phase is Phase.RUNNING and actions == []
+    state, actions = decide(state, Tick(), NOW + RECOVERING_GRACE_S)
+    assert dict(record(actions, "collective_lost").fields)["rank"] == 1
+    assert state.stop_stage is StopStage.UNWIND and state.failures[-1].cause.kind is CauseKind.COLLECTIVE
+    state, actions = decide(state, recovering(0, 2, seq=3), NOW + 1)
+    assert LaunchRanks(1, keep=(0, 1, 2)) in actions
+
+
+def test_a_rank_unwound_with_every_rank_alive_relaunches_all_where_in_place_is_off():
+    policy = replace(IN_PLACE, in_place=False, in_place_off="restart.in_place is false")
+    state, _ = decide(training(policy), recovering(1), NOW)
+    state, actions = decide(state, Tick(), NOW + RECOVERING_GRACE_S)
+    assert state.stop_stage is StopStage.TERM and SignalRanks(0, signal.SIGTERM, None) in actions
