@@ -81,7 +81,8 @@ def main() -> None:
     rank = dist.get_rank()
     text = TEXT.read_text(encoding="utf-8")
     vocab = sorted(set(text))
-    data = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
+    index = {c: i for i, c in enumerate(vocab)}
+    data = torch.tensor([index[c] for c in text], dtype=torch.long)
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = CharTransformer(len(vocab), d_model=64, n_head=4, n_layer=2, block=args.block)

@@ -45,6 +45,7 @@ __all__ = [
     "EXIT_REQUEUE",
     "EXIT_SAVE_LOST",
     "STACK_DUMP_SIGNAL",
+    "UNWIND_SIGNAL",
     "RunLayout",
     "StopOrder",
     "WorkerConfig",
@@ -84,6 +85,9 @@ RECOVERING_PHASE = "recovering"
 
 # The supervisor asks a rank leader for its Python stacks with this signal (faulthandler dumps them).
 STACK_DUMP_SIGNAL = signal.SIGUSR2
+# The supervisor tells a rank that recovers in place that its attempt failed (worker.recovery): it leaves its
+# training function now rather than at its next collective. A real-time signal: no library claims it.
+UNWIND_SIGNAL = signal.SIGRTMIN + 6
 # The description (`group_desc`) of the sharded checkpointer's own process group: the flight recorder names each
 # entry's group with it, so the hang analyzer judges a background save's collectives apart from training's.
 CHECKPOINT_WRITER_GROUP = "trainwarden_checkpoint_writer"

@@ -5,9 +5,11 @@ A script hands its training function over once, at the bottom:
     if __name__ == "__main__":
         worker.run(main)
 
-Under a supervisor with `restart.in_place` on (the default), a rank whose collective fails because a peer went
-(gloo raises; with NCCL this module's watchdog aborts the communicator when the supervisor says the attempt
-unwinds) leaves `main` by that exception, and then, in this process:
+Under a supervisor with `restart.in_place` on (the default), a rank leaves `main` by an exception once a peer
+failed: PeerFailed, raised by UNWIND_SIGNAL's handler as soon as the supervisor says the attempt unwinds (between
+two Python bytecodes, as KeyboardInterrupt is; never inside a checkpoint save, which finishes first), or the one
+its next collective raises (gloo: the peer's connection closed; with NCCL this module's watchdog aborts the
+communicator on the supervisor's word). Then, in this process:
 
 1. its Warden says `peer_failed` and closes (a background save in flight is let finish or fail first);
 2. the process group is released (destroyed; for NCCL aborted, as destroying after a failure can hang) and what
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import sys
 import threading
 import time
@@ -39,11 +42,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from worker.contract import ENV_ATTEMPT, ENV_IN_PLACE, ENV_RUN_DIR, RECOVERING_PHASE, RunLayout
+from worker.contract import ENV_ATTEMPT, ENV_IN_PLACE, ENV_RUN_DIR, RECOVERING_PHASE, UNWIND_SIGNAL, RunLayout
 from worker.files import open_append, read_json
 from worker.heartbeat import Heartbeat
 
-__all__ = ["ORDER_WAIT_S", "attach", "in_place", "peer_failure", "run", "watch_for_unwind"]
+__all__ = ["ORDER_WAIT_S", "PeerFailed", "attach", "in_place", "peer_failure", "run", "watch_for_unwind"]
 
 T = TypeVar("T")
 
@@ -64,8 +67,13 @@ _PEER_GONE = (
 )
 _CUDA_ERRORS = ("CUDA error", "cudaError", "AcceleratorError", "device-side assert")
 
-_unwind: list[Callable[[str], Heartbeat | None]] = []  # the live Warden's unwinding, newest last
+_unwind: list[tuple[Callable[[str], Heartbeat | None], Callable[[], bool]]] = []  # the live Warden's, newest last
 _active = False
+_in_main = False  # the training function runs: UNWIND_SIGNAL may end it
+
+
+class PeerFailed(RuntimeError):
+    """The supervisor said this rank's attempt unwinds (a peer failed): raised in the training function."""
 
 
 def in_place() -> bool:
@@ -73,33 +81,51 @@ def in_place() -> bool:
     return _active
 
 
-def attach(unwind: Callable[[str], Heartbeat | None]) -> Callable[[], None]:
-    """A Warden registers how it unwinds (say why, close, hand back its heartbeat); returns its detach."""
-    _unwind.append(unwind)
+def attach(unwind: Callable[[str], Heartbeat | None], saving: Callable[[], bool]) -> Callable[[], None]:
+    """A Warden registers how it unwinds (say why, close, hand back its heartbeat) and whether it is inside a
+    checkpoint save (UNWIND_SIGNAL waits for it); returns its detach."""
+    entry = (unwind, saving)
+    _unwind.append(entry)
 
     def detach() -> None:
         with contextlib.suppress(ValueError):
-            _unwind.remove(unwind)
+            _unwind.remove(entry)
 
     return detach
 
 
 def run(main: Callable[[], T]) -> T:
     """Run the training function; under a supervisor that recovers in place, run it again after a peer failed."""
-    global _active
+    global _active, _in_main
     if os.environ.get(ENV_IN_PLACE) != "1":
         return main()
     _active = True
     gc.freeze()  # what imports made lives on: a recovery's collection walks only what an attempt made (ms, not 0.2 s)
+    with contextlib.suppress(ValueError):  # not the main thread: the next collective's exception is the word
+        signal.signal(UNWIND_SIGNAL, _on_unwind_signal)
     watch_for_unwind()
     while True:
         try:
+            _in_main = True
             return main()
         except BaseException as exc:  # noqa: BLE001 - only a peer's failure is kept; anything else goes on up
+            _in_main = False
             error = peer_failure(exc)
             if error is None:
                 raise
+        finally:
+            _in_main = False
         _recover(error)
+
+
+def _on_unwind_signal(signum: int, frame: Any) -> None:
+    """The supervisor's word that this attempt unwinds: leave the training function now (not inside a save)."""
+    if not _in_main or any(saving() for _, saving in _unwind):
+        return
+    attempt = int(os.environ.get(ENV_ATTEMPT) or 0)
+    root = os.environ.get(ENV_RUN_DIR)
+    if root is not None and unwinding_attempt(RunLayout(Path(root)).recovery) == attempt:  # not a late word
+        raise PeerFailed(f"attempt {attempt} unwinds: a peer rank failed (the supervisor's word)")
 
 
 def peer_failure(exc: BaseException) -> str | None:
@@ -109,6 +135,8 @@ def peer_failure(exc: BaseException) -> str | None:
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         text = str(current)
+        if isinstance(current, PeerFailed):
+            return f"PeerFailed: {text}"[:MAX_ERROR_CHARS]
         if _distributed_error(current) and not any(marker in text for marker in _CUDA_ERRORS):
             return f"{type(current).__name__}: {text}".splitlines()[0][:MAX_ERROR_CHARS]
         current = current.__cause__ or current.__context__
@@ -129,7 +157,7 @@ def _recover(error: str) -> None:
     env = os.environ
     layout = RunLayout(Path(env.get(ENV_RUN_DIR, "runs/local")))
     rank, attempt = int(env.get("RANK", "0")), int(env.get(ENV_ATTEMPT) or 0)
-    heartbeat = _unwind[-1](error) if _unwind else None
+    heartbeat = _unwind[-1][0](error) if _unwind else None
     _release_process_group()
     gc.collect()  # what the attempt held: tensors, and a DataLoader's worker processes with their iterator
     _check_cuda()

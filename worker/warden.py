@@ -215,7 +215,8 @@ class Warden:
         self._memory_bytes: dict[int, int] = {}
         self._pinned: int | None = None
         _at_exit_once()
-        self._detach = attach(self._unwind)  # worker.run: how this attempt's Warden unwinds after a peer failed
+        # worker.run: how this attempt's Warden unwinds after a peer failed, and when it must not be interrupted.
+        self._detach = attach(self._unwind, lambda: self._phase == SAVE_PHASE)
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the number of steps already done.

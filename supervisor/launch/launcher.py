@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import os
 import signal
 import threading
 import time
@@ -31,7 +32,7 @@ from supervisor.launch.stacks import start_stack_collection
 from supervisor.launch.standby import FILL_AFTER_S, Standby, Standbys
 from supervisor.launch.trees import descendants, reap_orphans, record_pids, sigkill
 from supervisor.rundir.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
-from worker.contract import EXIT_FAILED, EXIT_REQUEUE, RunLayout, StopOrder
+from worker.contract import EXIT_FAILED, EXIT_REQUEUE, UNWIND_SIGNAL, RunLayout, StopOrder
 from worker.files import atomic_write_json, read_bytes, unlink_quietly
 
 __all__ = ["Isolated", "Launcher", "LocalLauncher", "Spawned", "publish_order"]
@@ -298,8 +299,16 @@ class LocalLauncher:
         publish_order(self._layout, order, self._log)
 
     def unwind(self, attempt: int) -> None:
+        """The word in the run dir, then UNWIND_SIGNAL to each survivor's leader (not its group: a DataLoader's
+        workers are not the training function)."""
         publish_unwind(self._layout, attempt)
         self._unwinding = True
+        if self._ranks is None or self._ranks.attempt != attempt:
+            return
+        for proc in self._ranks.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, UNWIND_SIGNAL)
 
     def translate(self, item: object) -> list[Event] | None:
         if isinstance(item, HeartbeatsChanged):

@@ -3,8 +3,11 @@ reads (hostile files included), the NCCL watchdog's trigger, and a standby's GPU
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests.conftest import wait_until
+from tests.e2e.conftest import REPO
 from tests.hostile import KINDS, bounded, plant
-from worker.contract import ENV_ATTEMPT, ENV_RUN_DIR, RunLayout
+from worker.contract import ENV_ATTEMPT, ENV_RUN_DIR, RECOVERING_PHASE, UNWIND_SIGNAL, RunLayout
 from worker.recovery import _read_order, peer_failure, watch_for_unwind
 from worker.standby import warm_device
 
@@ -102,3 +107,59 @@ def test_a_standby_warms_a_gpu_only_for_a_gpu_job() -> None:
     assert warm_device("cpu", 0) is None
     assert warm_device(None, 0) is None
     assert warm_device("cuda", 1) == "no CUDA device is visible: nothing warmed"  # this CPU-only machine
+
+
+SCRIPT = """
+import os, sys, time
+from worker import run
+
+calls = []
+
+def main():
+    calls.append(os.environ["TRAINWARDEN_ATTEMPT"])
+    print("main", os.environ["TRAINWARDEN_ATTEMPT"], os.environ.get("MASTER_PORT"), flush=True)
+    if len(calls) == 1:
+        open(os.environ["READY"], "w").close()
+        while True:  # training, until the supervisor's word
+            time.sleep(0.01)
+    print("done", calls, flush=True)
+
+run(main)
+"""
+
+
+def test_a_rank_told_to_unwind_runs_its_training_function_again_in_the_next_attempt(tmp_path: Path) -> None:
+    """The supervisor's word (its file, then UNWIND_SIGNAL) ends the training function; the process says
+    `recovering`, waits for the next attempt, takes its variables and log files, and runs the function again. A
+    word for another attempt is ignored."""
+    layout = RunLayout(tmp_path / "run")
+    layout.recovery.parent.mkdir(parents=True)
+    ready = tmp_path / "ready"
+    env = {**os.environ, "TRAINWARDEN_IN_PLACE": "1", ENV_RUN_DIR: str(layout.root), ENV_ATTEMPT: "0", "RANK": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], env={**env, "READY": str(ready)}, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        wait_until(ready.exists, timeout=30, what="the training function to run")
+        layout.recovery.write_text(json.dumps({"unwind": 7}))  # a word for another attempt
+        os.kill(proc.pid, UNWIND_SIGNAL)
+        time.sleep(0.3)
+        assert proc.poll() is None and not layout.heartbeat(0).exists()
+        layout.recovery.write_text(json.dumps({"unwind": 0}))
+        os.kill(proc.pid, UNWIND_SIGNAL)
+        wait_until(lambda: _phase(layout) == RECOVERING_PHASE, timeout=10, what="the rank to say it recovers")
+        order = {"unwind": 0, "next": 1, "env": {ENV_ATTEMPT: "1", "MASTER_PORT": "29777"}}
+        layout.recovery.write_text(json.dumps(order))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err
+    assert out == "main 0 None\n"  # attempt 1's output goes to its own log file, as a relaunched rank's does
+    assert "PeerFailed: attempt 0 unwinds" in err
+    assert layout.attempt_log(1, 0, "out").read_text() == "main 1 29777\ndone ['0', '1']\n"
+
+
+def _phase(layout: RunLayout) -> str | None:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(layout.heartbeat(0).read_text())["phase"]
+    return None
