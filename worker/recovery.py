@@ -67,7 +67,8 @@ _PEER_GONE = (
 )
 _CUDA_ERRORS = ("CUDA error", "cudaError", "AcceleratorError", "device-side assert")
 
-_unwind: list[tuple[Callable[[str], Heartbeat | None], Callable[[], bool]]] = []  # the live Warden's, newest last
+# The live Warden's unwinding (its error line; whether to leave evidence) and its "inside a save", newest last.
+_unwind: list[tuple[Callable[[str, bool], Heartbeat | None], Callable[[], bool]]] = []
 _active = False
 _in_main = False  # the training function runs: UNWIND_SIGNAL may end it
 
@@ -81,9 +82,10 @@ def in_place() -> bool:
     return _active
 
 
-def attach(unwind: Callable[[str], Heartbeat | None], saving: Callable[[], bool]) -> Callable[[], None]:
-    """A Warden registers how it unwinds (say why, close, hand back its heartbeat) and whether it is inside a
-    checkpoint save (UNWIND_SIGNAL waits for it); returns its detach."""
+def attach(unwind: Callable[[str, bool], Heartbeat | None], saving: Callable[[], bool]) -> Callable[[], None]:
+    """A Warden registers how it unwinds (say why, leave the evidence of a failed collective if asked, close, hand
+    back its heartbeat) and whether it is inside a checkpoint save (UNWIND_SIGNAL waits for it); returns its
+    detach."""
     entry = (unwind, saving)
     _unwind.append(entry)
 
@@ -113,9 +115,11 @@ def run(main: Callable[[], T]) -> T:
             error = peer_failure(exc)
             if error is None:
                 raise
+            # Told by the supervisor, it recovers in place: no culprit to name from this rank's flight recorder.
+            told = isinstance(exc, PeerFailed)
         finally:
             _in_main = False
-        _recover(error)
+        _recover(error, evidence=not told)
 
 
 def _on_unwind_signal(signum: int, frame: Any) -> None:
@@ -152,12 +156,13 @@ def _distributed_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _PEER_GONE)
 
 
-def _recover(error: str) -> None:
-    """Unwind from the failed attempt, wait for the next one, and take over its environment and logs."""
+def _recover(error: str, *, evidence: bool) -> None:
+    """Unwind from the failed attempt (leaving its flight recorder if `evidence`), wait for the next one, and take
+    over its environment and logs."""
     env = os.environ
     layout = RunLayout(Path(env.get(ENV_RUN_DIR, "runs/local")))
     rank, attempt = int(env.get("RANK", "0")), int(env.get(ENV_ATTEMPT) or 0)
-    heartbeat = _unwind[-1][0](error) if _unwind else None
+    heartbeat = _unwind[-1][0](error, evidence) if _unwind else None
     _release_process_group()
     gc.collect()  # what the attempt held: tensors, and a DataLoader's worker processes with their iterator
     _check_cuda()

@@ -1212,11 +1212,13 @@ class Warden:
         """About to exit on an abort: the heartbeat says so, so a slow interpreter teardown is not taken for a hang."""
         self._heartbeat.beat(self.step, "done", force=True)
 
-    def _unwind(self, error: str) -> Heartbeat:
-        """A peer failed and this process recovers in place (worker.recovery): say so, let a save in flight end
-        (its collective fails fast, the peer gone), close; the heartbeat says `recovering` once the group is gone."""
+    def _unwind(self, error: str, evidence: bool) -> Heartbeat:
+        """A peer failed and this process recovers in place (worker.recovery): say so, leave the flight recorder if
+        the supervisor may seek the culprit (`evidence`: its collective failed before the supervisor's word), let a
+        save in flight end (its collective fails fast, the peer gone), close; the heartbeat says `recovering` once
+        the group is gone."""
         self.log.warning("peer_failed", step=self.step, error=error)
-        if self._flight is not None:  # as a rank dying of the failed collective would: the evidence of its culprit
+        if evidence and self._flight is not None:  # as a rank dying of the failed collective would (20 ms)
             self._flight.dump(empty_too=False)
         if self._sharded is not None and self._sharded.in_flight is not None:
             self._sharded.wait_quietly()
