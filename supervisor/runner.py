@@ -531,8 +531,11 @@ class Supervisor:
             found = [e for event in self._launcher.poll() for e in self._from_launcher(event)]
             return [*found, *self._read_stop_file(), *self._relayed_signal(), item]
         if isinstance(item, ChildExited):
-            beat = self._launcher.last_heartbeat(item.rank)  # the step it reached, fresh (an lstat when unchanged)
-            return [*beat, self._explained(item)]
+            # The step it reached, fresh (an lstat when unchanged); recovering in place, also whether each peer can
+            # (a crash right after the launch may come before the watcher's first look at their beats).
+            ranks = range(self.config.world_size) if self.config.in_place is None else (item.rank,)
+            beats = [beat for rank in ranks for beat in self._launcher.last_heartbeat(rank)]
+            return [*beats, self._explained(item)]
         if isinstance(item, LaunchPrepared):
             return self._launch_prepared(item)
         if isinstance(item, Spawned):

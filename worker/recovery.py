@@ -64,6 +64,7 @@ _PEER_GONE = (
     "NCCL communicator was aborted",
     "ncclRemoteError",
     "ProcessGroupNCCL is aborted",
+    "a peer rank failed (the supervisor's word)",  # PeerFailed's, wrapped (raised in a communication hook)
 )
 _CUDA_ERRORS = ("CUDA error", "cudaError", "AcceleratorError", "device-side assert")
 

@@ -915,12 +915,34 @@ def _on_stacks_collected(state: State, event: StacksCollected, now: float) -> tu
         hang = _refine_hang(state, state.hang, event)
         state = _revise_hang_failure(replace(state, hang=hang, last_failure=_hang_failure(hang)), hang)
         records.append(_hang_record(hang))
+        if _culprit_alone(state, hang):  # recovery in place: the culprit is killed, its peers unwind
+            state, unwind = _begin_unwind(state, now)
+            kill = SignalRanks(state.attempt, signal.SIGKILL, (hang.rank,))
+            return state, [
+                *records,
+                _record("hang_culprit_killed", rank=hang.rank, attempt=state.attempt),
+                kill,
+                *unwind,
+            ]
     elif event.verdict is not None and event.verdict.rank is not None:  # a collective failed: its culprit
         state, named = _blame_crash(state, event.verdict, event.node)
         records.append(named)
     blocked = (f"blocked in a collective waiting for rank {event.culprit}", event.blocked) if event.blocked else None
     state, actions = _terminate(state, now, blocked) if any(r.running for r in state.ranks) else _all_down(state, now)
     return state, [*records, *actions]
+
+
+def _culprit_alone(state: State, hang: Hang) -> bool:
+    """A hang whose culprit the evidence named, every other rank able to recover in place: only the culprit goes."""
+    others = [r for r in state.ranks if r.running and r.rank != hang.rank]
+    return (
+        state.then is Then.RELAUNCH
+        and state.policy.in_place
+        and hang.named_by != "heartbeat"
+        and state.ranks[hang.rank].running
+        and bool(others)
+        and all(r.in_place for r in others)
+    )
 
 
 def _hang_of_this_attempt(state: State) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import assert_same_training_state, journal, run_supervisor, write_config
+from tests.e2e.conftest import FAST_HANG, assert_same_training_state, journal, run_supervisor, write_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -17,22 +17,28 @@ pytestmark = pytest.mark.timeout(240)
 # step to memory: the step a kill leaves half-applied (the killed rank's optimizer stepped, or its peer's did) is in
 # no snapshot complete on every rank.
 KILLS = {
-    8: (1, "sigkill_in_forward"),
+    2: (1, "sigkill_in_forward"),  # so soon after the launch that the supervisor may not have read a beat yet
     16: (0, "sigkill_in_backward"),
     24: (1, "sigkill_in_guard"),
     32: (0, "sigkill_in_optimizer"),
     40: (1, "sigkill"),  # after its step, before its snapshot
 }
 LOST_AT = 48  # rank 0's collective fails after step 48 with both ranks alive: both recover in place, none replaced
+HUNG_AT = 52  # rank 0 hangs after step 52: it alone is killed, rank 1 recovers in place
 IN_PLACE_STREAM = {
     "env": {
         "TRAINWARDEN_FAULTS_ONCE": "1",
         "TRAINWARDEN_FAULTS": ",".join(
-            [*(f"{rank}:{kind}@{step}" for step, (rank, kind) in KILLS.items()), f"0:peer_gone@{LOST_AT}"]
+            [
+                *(f"{rank}:{kind}@{step}" for step, (rank, kind) in KILLS.items()),
+                f"0:peer_gone@{LOST_AT}",
+                f"0:hang@{HUNG_AT}",
+            ]
         ),
     },
     "restart": {"max_restarts": 10, "backoff_factor": 1.0},
     "worker": {"snapshot_steps": 1},
+    "hang": FAST_HANG,
 }
 
 
@@ -53,9 +59,9 @@ def test_each_kill_is_recovered_in_place_with_the_survivor_kept(stream: Path) ->
     records = journal(stream)
     launches = [e for e in records if e["event"] == "ranks_launched"]
     recoveries = [e for e in records if e["event"] == "recovered_in_place"]
-    assert [e["attempt"] for e in recoveries] == [1, 2, 3, 4, 5, 6]
+    assert [e["attempt"] for e in recoveries] == [1, 2, 3, 4, 5, 6, 7]
     assert not [e for e in records if e["event"] == "relaunched"]
-    *kills, lost = recoveries
+    *kills, lost, hung = recoveries
     for recovery, (step, (killed, _kind)) in zip(kills, KILLS.items(), strict=True):
         survivor = 1 - killed
         before = launches[recovery["attempt"] - 1]["pids"]
@@ -67,6 +73,13 @@ def test_each_kill_is_recovered_in_place_with_the_survivor_kept(stream: Path) ->
     assert lost["resume_step"] == LOST_AT - 1  # the fault strikes before step 48's snapshot
     (collective,) = [e for e in records if e["event"] == "collective_lost"]
     assert (collective["attempt"], collective["rank"]) == (5, 0)
+    # The hang: its culprit named by the flight recorders and killed alone; rank 1's process goes on.
+    (detected,) = [e for e in records if e["event"] == "hang_detected"]
+    assert (detected["attempt"], detected["rank"], detected["named_by"]) == (6, 0, "flight_recorder")
+    (killed,) = [e for e in records if e["event"] == "hang_culprit_killed"]
+    assert (killed["attempt"], killed["rank"]) == (6, 0)
+    assert (hung["kept"], hung["replaced"], hung["resume_step"]) == ([1], [0], HUNG_AT - 1)
+    assert hung["pids"][1] == launches[6]["pids"][1]
 
 
 def test_every_rank_resumes_each_attempt_from_the_same_step(stream: Path) -> None:

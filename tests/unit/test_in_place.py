@@ -17,6 +17,7 @@ from supervisor.core import (
     RanksLaunched,
     SignalRanks,
     SignalReceived,
+    StacksCollected,
     State,
     StopStage,
     Then,
@@ -24,6 +25,7 @@ from supervisor.core import (
     decide,
     recovering_deadline,
 )
+from supervisor.core.blame import Verdict
 from supervisor.core.causes import Cause, CauseKind
 from tests.unit.test_core import NOW, POLICY, record, running, shape
 from worker.contract import RECOVERING_PHASE
@@ -151,13 +153,6 @@ def test_a_cuda_error_never_restarts_in_place():
     assert state.full_relaunch == "a CUDA error: a poisoned context never restarts in place"
 
 
-def test_a_hang_is_a_full_relaunch_with_its_reason():
-    state = training()
-    state, actions = decide(state, Tick(), NOW + 10_000)
-    assert state.stop_stage is StopStage.STACKS
-    assert state.full_relaunch == "a hang: the ranks blocked behind it go down with it"
-
-
 def test_a_stop_while_unwinding_ends_the_survivors_instead():
     state, actions = decide(unwinding(), SignalReceived(signal.SIGTERM), NOW)
     assert state.then is Then.STOP and state.stop_stage is StopStage.TERM
@@ -206,3 +201,28 @@ def test_a_rank_unwound_with_every_rank_alive_relaunches_all_where_in_place_is_o
     state, _ = decide(training(policy), recovering(1), NOW)
     state, actions = decide(state, Tick(), NOW + RECOVERING_GRACE_S)
     assert state.stop_stage is StopStage.TERM and SignalRanks(0, signal.SIGTERM, None) in actions
+
+
+def hung() -> State:
+    """Every rank silent past its train timeout: the hang is suspected, stacks are being collected."""
+    state, _ = decide(training(), Tick(), NOW + 10_000)
+    assert state.stop_stage is StopStage.STACKS
+    return state
+
+
+def test_a_hang_whose_culprit_the_evidence_names_kills_it_alone_and_its_peers_recover_in_place():
+    named = Verdict(1, "host-side", "flight_recorder", "process group 0: rank 1 issued no more collectives")
+    state, actions = decide(hung(), StacksCollected(0, ("a",), culprit=1, verdict=named), NOW + 10_001)
+    assert SignalRanks(0, signal.SIGKILL, (1,)) in actions and PublishUnwind(0) in actions
+    assert not any(isinstance(a, SignalRanks) and a.signum == signal.SIGTERM for a in actions)
+    assert shape(actions)[:3] == ["stacks_collected", "hang_detected", "hang_culprit_killed"]
+    assert state.stop_stage is StopStage.UNWIND
+    state, _ = decide(state, recovering(0, 2, seq=5), NOW + 10_001.1)
+    state, actions = decide(state, ChildExited(0, 1, -9), NOW + 10_001.2)
+    assert LaunchRanks(1, keep=(0, 2)) in actions
+
+
+def test_a_hang_named_by_heartbeats_alone_relaunches_every_rank():
+    state, actions = decide(hung(), StacksCollected(0, ("a",)), NOW + 10_001)
+    assert state.stop_stage is StopStage.TERM
+    assert state.full_relaunch == "a hang: the ranks blocked behind it go down with it"
