@@ -13,7 +13,8 @@ communicator on the supervisor's word). Then, in this process:
 
 1. its Warden says `peer_failed` and closes (a background save in flight is let finish or fail first);
 2. the process group is released (destroyed; for NCCL aborted, as destroying after a failure can hang) and what
-   `main` held is collected (a DataLoader's worker processes end with their iterator);
+   `main` held is collected (a DataLoader's worker processes end with their iterator); a release that blocks past
+   RELEASE_TIMEOUT_S (a gloo collective still waiting on a live peer) ends the process, which is then replaced;
 3. a CUDA context that no longer synchronizes ends the process here: a poisoned context never restarts in place;
 4. its heartbeat says `recovering`, and it waits for the supervisor's next attempt (`RunLayout.recovery`): the
    attempt's number and variables (a new MASTER_PORT, so rank 0 hosts a new store; the resume point);
@@ -32,6 +33,7 @@ nothing of an attempt in globals; leave things it registers once per process (si
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import os
 import signal
@@ -54,6 +56,10 @@ ORDER_WAIT_S = 600.0  # a survivor waits this long for its next attempt; the sup
 _ORDER_POLL_S = 0.002  # a stat of one file: the survivors' wait adds at most this to a recovery
 _WATCH_POLL_S = 0.05  # the NCCL watchdog's look at the supervisor's word
 _CUDA_CHECK_S = 30.0  # a synchronize that takes longer means a wedged device
+# Releasing the attempt's process group and collecting what held it takes milliseconds; a gloo group whose collective
+# still waits on a live peer that left it blocks its destructor until its timeout. Past this, the rank exits (its
+# stacks in its log) and is replaced like the failed one.
+RELEASE_TIMEOUT_S = 5.0
 MAX_ERROR_CHARS = 300
 # What gloo and NCCL say when a peer went or the communicator was aborted (PyTorch raises plain RuntimeErrors); a
 # desync ("Received data size doesn't match") or a timeout is not a peer gone: the rank fails as it always did.
@@ -164,8 +170,10 @@ def _recover(error: str, *, evidence: bool) -> None:
     layout = RunLayout(Path(env.get(ENV_RUN_DIR, "runs/local")))
     rank, attempt = int(env.get("RANK", "0")), int(env.get(ENV_ATTEMPT) or 0)
     heartbeat = _unwind[-1][0](error, evidence) if _unwind else None
+    faulthandler.dump_traceback_later(RELEASE_TIMEOUT_S, exit=True)  # from C: a destructor may hold the GIL
     _release_process_group()
     gc.collect()  # what the attempt held: tensors, and a DataLoader's worker processes with their iterator
+    faulthandler.cancel_dump_traceback_later()
     _check_cuda()
     if heartbeat is None:  # it failed before its Warden was made
         heartbeat = Heartbeat(layout.heartbeat(rank), root=layout.root, rank=rank, attempt=attempt, interval_s=1.0)

@@ -163,3 +163,54 @@ def _phase(layout: RunLayout) -> str | None:
     with contextlib.suppress(OSError, ValueError):
         return json.loads(layout.heartbeat(0).read_text())["phase"]
     return None
+
+
+STUCK = """
+import os, time
+import worker.recovery as recovery
+from worker import run
+
+recovery.RELEASE_TIMEOUT_S = 0.5  # the test's own bound; 5 s by default
+
+class Stuck:
+    def __del__(self):  # a destructor that never returns, as a gloo group's may while a live peer left its collective
+        time.sleep(3600)
+
+def main():
+    stuck = Stuck()
+    stuck.cycle = stuck  # freed only by the collector, at the recovery's collection
+    del stuck
+    open(os.environ["READY"], "w").close()
+    while True:
+        time.sleep(0.01)
+
+run(main)
+"""
+
+
+def test_a_release_that_blocks_ends_the_rank_with_its_stacks(tmp_path: Path) -> None:
+    """Releasing the failed attempt's objects must not hold the rank forever: past RELEASE_TIMEOUT_S it exits 1 with
+    every thread's stack in its log, and the supervisor replaces it like the failed rank."""
+    layout = RunLayout(tmp_path / "run")
+    layout.recovery.parent.mkdir(parents=True)
+    layout.recovery.write_text(json.dumps({"unwind": 0}))
+    ready = tmp_path / "ready"
+    env = {
+        **os.environ,
+        "TRAINWARDEN_IN_PLACE": "1",
+        ENV_RUN_DIR: str(layout.root),
+        ENV_ATTEMPT: "0",
+        "READY": str(ready),
+    }
+    proc = subprocess.Popen([sys.executable, "-c", STUCK], env=env, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        wait_until(ready.exists, timeout=30, what="the training function to run")
+        os.kill(proc.pid, UNWIND_SIGNAL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1
+    assert "Timeout (0:00:00.500000)!" in err and "in __del__" in err and "in _recover" in err
+    assert not layout.heartbeat(0).exists() or _phase(layout) != RECOVERING_PHASE  # it never said it was ready
