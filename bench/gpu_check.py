@@ -11,8 +11,12 @@ On the FSDP2 example (examples/fsdp_train.py --device cuda: NCCL, bf16 parameter
    NCCL, the model), loading (to `resumed`) and the first step; torchrun's detecting and launching are one part
    (the kill to its new process's start, polled). A fourth row has the memory tier on (a snapshot every 5 steps in
    /dev/shm, the scheduled saves copied from there by the supervisor) and rank 0 SIGKILLed after step 47: it resumes
-   from the snapshot of step 45 in memory, and its "load" is the resume from memory. Every final model is compared
-   bit for bit with an uninterrupted run's.
+   from the snapshot of step 45 in memory, and its "load" is the resume from memory. A fifth row recovers in place:
+   the same memory tier, and after step 47 rank 0's collective fails as if a peer's connection were lost
+   (`peer_gone`: NCCL's communicator aborted, the process alive); the process runs the training function again
+   (no new Python, CUDA context or imports: "start the script" is NCCL's new communicator and the model), and its
+   "detect" includes the tenth of a second the supervisor waits for an exit that does not come. Every final model is
+   compared bit for bit with an uninterrupted run's.
 2. The stall per save, ~330M parameters (6 layers x 2048, ~3.6 GB a save), a save every 20 steps, synchronous and in
    the background: the first save, the steady ones, and a save due while the previous one is still being written
    (`slow_async_write@40:SECONDS` stretches the write of step 40 past the save interval): `stall_s`, its `waited_s`,
@@ -181,8 +185,9 @@ def crash_parts(job: Job, kind: str = "sigkill_in_async_write") -> tuple[float |
     marks: list[tuple[str, float | None]] = []
     if job.script_starts:  # torchrun: no journal; the new process's start, polled
         marks.append(("detect + launch", next((t for t in job.script_starts if t >= kill), None)))
-    else:
-        marks += [("detect", first(journal, "rank_crashed", kill)), ("launch", first(journal, "ranks_launched", kill))]
+    else:  # a crash is seen as its rank's exit; a recovery in place with every rank alive as the unwinding
+        seen = first(journal, "rank_crashed", kill) or first(journal, "unwinding", kill)
+        marks += [("detect", seen), ("launch", first(journal, "ranks_launched", kill))]
     marks += [
         ("start the script", first(ranks, "rank_started", kill)),
         ("load", first(ranks, "resumed", kill)),
@@ -232,15 +237,26 @@ def crash_table(work: Path, out: Path, sizes: Sizes) -> list[str]:
     jobs.append(
         supervised("memory", work, out, sizes, model, CRASH_STEPS, killed, f"worker.snapshot_steps={MEMORY_EVERY}")
     )
-    labels = ("trainwarden, warm standby", "trainwarden, cold", "torchrun", "trainwarden, warm, from memory")
+    lost = {"TRAINWARDEN_FAULTS_ONCE": "1", "TRAINWARDEN_FAULTS": f"0:peer_gone@{MEMORY_KILL_AT}"}
+    jobs.append(
+        supervised("in_place", work, out, sizes, model, CRASH_STEPS, lost, f"worker.snapshot_steps={MEMORY_EVERY}")
+    )
+    labels = (
+        "trainwarden, warm standby",
+        "trainwarden, cold",
+        "torchrun",
+        "trainwarden, warm, from memory",
+        "trainwarden, in place, from memory",
+    )
     rows = [
         "| launcher | crash -> first step | detect | launch | start the script | load | first step | "
         "ended | final model |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    kinds = {"memory": "sigkill", "in_place": "peer_gone"}
     for job, label in zip(jobs, labels, strict=True):
-        total, parts = crash_parts(job, "sigkill" if job.name == "memory" else "sigkill_in_async_write")
-        if job.name == "memory":
+        total, parts = crash_parts(job, kinds.get(job.name, "sigkill_in_async_write"))
+        if job.name in kinds:
             source = next((e for e in job.journal() if e.get("event") == "ranks_launched" and e.get("resume_step")), {})
             label = f"{label} (step {source.get('resume_step')}, {source.get('resume_source') or 'disk'})"
         spans = dict(parts)

@@ -550,7 +550,7 @@ def hang_deadline(state: State) -> float | None:
 
 # A rank that unwound to recover in place while no rank of its attempt exited waits this long for that exit (seen
 # within milliseconds) before its own failed collective is the attempt's failure (every rank alive: the network).
-RECOVERING_GRACE_S = 0.5
+RECOVERING_GRACE_S = 0.1
 
 
 def recovering_deadline(state: State) -> float | None:

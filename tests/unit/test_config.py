@@ -24,8 +24,9 @@ from supervisor.config import (
 )
 from supervisor.core import Policy
 from supervisor.core.rollback import AnomalyPolicy
+from supervisor.launch.ranks import Attempt, rank_envs
 from worker.anomaly import AdaptiveConfig
-from worker.contract import WorkerConfig
+from worker.contract import ENV_IN_PLACE, RunLayout, WorkerConfig
 from worker.feature_rule import FeatureValueConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -795,3 +796,18 @@ def test_min_nodes_is_a_node_count_the_run_has_and_needs_sharded_checkpoints(tmp
         )
     )
     assert load_config(config).min_nodes == 1
+
+
+def test_ranks_are_told_to_recover_in_place_and_nccl_to_let_them_live(tmp_path: Path) -> None:
+    """On by default: TRAINWARDEN_IN_PLACE=1 (worker.run acts on it) and NCCL's error handling aborts the
+    communicator without ending the process (2); off, or across nodes: neither (3 ends the process)."""
+    layout = RunLayout(tmp_path)
+    on = parse_config({"script": "t.py", "nproc_per_node": 2})
+    off = parse_config({"script": "t.py", "nproc_per_node": 2, "restart": {"in_place": False}})
+    told = {name: rank_envs(config, layout, Attempt(0), port=29500)[1] for name, config in (("on", on), ("off", off))}
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ:  # this machine's own setting wins
+        assert (told["on"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"], told["off"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == (
+            "2",
+            "3",
+        )
+    assert (told["on"][ENV_IN_PLACE], told["off"][ENV_IN_PLACE]) == ("1", "")
