@@ -617,7 +617,7 @@ class Supervisor:
         action, choice = prepared.action, prepared.choice
         if self.state.phase is not Phase.STARTING or self.state.attempt != action.attempt:
             return []  # stopped while the checkpoints were being verified
-        for step, reason in choice.passed_over:
+        for step, reason in dict.fromkeys(choice.passed_over):  # a step passed over in two stores alike: once
             self.log.warning(passed_over_event(reason), step=step, reason=reason, attempt=action.attempt)
         if choice.step is None and choice.passed_over:
             self.log.error(
