@@ -7,6 +7,14 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     RUNNING  --ChildExited(0), last rank--> FINISHED
     RUNNING  --ChildExited(!=0)--> STOPPING (then relaunch, or fail: on a crash loop with EXIT_CRASH_LOOP, when
              restarts are exhausted, at once with EXIT_CONFIG when its cause is not retryable)
+    RUNNING  --ChildExited(!=0), every survivor running through worker.run, a relaunch due--> STOPPING in UNWIND
+             (recovery in place: the survivors are told, PublishUnwind; none is stopped) --every survivor says
+             `recovering` (Heartbeats), or the rest exit--> BACKOFF, the survivors kept into the next attempt
+             (LaunchRanks.keep; `recovered_in_place` once launched) | --restart.in_place_timeout_s (Tick)--> TERM, a
+             full relaunch | --a stop--> TERM, then stopped; otherwise (not in place: `_in_place_refusal`) the
+             full relaunch below, journalled `relaunched` with the reason
+    RUNNING  --a rank says `recovering` and no rank exits within RECOVERING_GRACE_S (Tick)--> UNWIND (a collective
+             lost with every rank alive: every rank kept, none replaced)
     RUNNING  --ChildExited(EXIT_ANOMALY, or any failure; abort info of some rank)--> STOPPING (then roll back past
              the bad data, or fail); a peer may die of the abort (SIGABRT) before the aborting rank exits
     RUNNING  --ChildExited(EXIT_CONFIG)--> STOPPING (then fail with EXIT_CONFIG: a relaunch cannot help)
@@ -14,7 +22,8 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
              passing over the refused step, or fail when restarts are exhausted; fail with EXIT_CONFIG if
              worker.resume_training named it)
     RUNNING  --a heartbeat deadline passed (Tick)--> STOPPING, stacks stage first (a hang, `hang_suspected`; its
-             verdict, `hang_detected`, once the evidence is in; a crash loop fails)
+             verdict, `hang_detected`, once the evidence is in; a crash loop fails); the evidence naming the culprit and
+             every other rank running through worker.run: the culprit alone SIGKILLed, the others UNWIND
     RUNNING  --ChildExited(a collective failed: desync, peer gone)--> STOPPING, stacks stage first: the evidence of
              the ranks left names the culprit (`culprit_named`), and the failure is charged to it
     RUNNING  --SignalReceived or StopRequested--> RUNNING with a stop order: every rank saves at the agreed
@@ -339,7 +348,7 @@ def _in_place_refusal(state: State, cause: Cause) -> str | None:
 
 
 def _begin_unwind(state: State, now: float) -> tuple[State, list[Action]]:
-    """Recover in place: the survivors unwind from the failed attempt and say so; none is signalled."""
+    """Recover in place: the survivors are told to unwind from the failed attempt and say so; none is stopped."""
     survivors = [r.rank for r in state.ranks if r.running]
     state = replace(
         state,
