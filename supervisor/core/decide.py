@@ -151,6 +151,7 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
     path = _recovery_path(state, event)
     state = replace(
         state,
+        recovery=_recovery_words(state, len(event.pids)) if path else state.recovery,
         keep=(),
         full_relaunch=None,
         phase=Phase.RUNNING,
@@ -189,6 +190,14 @@ def _recovery_path(state: State, event: RanksLaunched) -> list[Action]:
     if state.full_relaunch is None:
         return []
     return [_record("relaunched", attempt=event.attempt, reason=state.full_relaunch, after=state.cause)]
+
+
+def _recovery_words(state: State, nproc: int) -> str:
+    """How this attempt followed the failed one, as `status` shows it."""
+    if state.keep:
+        replaced = [r for r in range(nproc) if r not in state.keep]
+        return f"in place: ranks {list(state.keep)[:8]} kept, {replaced[:8]} replaced"
+    return f"every rank relaunched: {state.full_relaunch}"
 
 
 def _on_launch_failed(state: State, event: LaunchFailed, now: float) -> tuple[State, list[Action]]:

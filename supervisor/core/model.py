@@ -473,6 +473,7 @@ class State:
     time_limit_near: bool = False  # the run is ending for it: saving at an agreed step, then EXIT_REQUEUE
     keep: tuple[int, ...] = ()  # the ranks recovering in place into the next attempt, until it is launched
     full_relaunch: str | None = None  # why the next attempt relaunches every rank, until it is launched
+    recovery: str | None = None  # how the current attempt came after a failed one, in words (`status`)
     reason: str | None = None
 
     @property

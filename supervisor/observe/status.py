@@ -106,6 +106,7 @@ def snapshot(state: State, *, now: float, extra: dict[str, Any]) -> dict[str, An
         },
         "last_failure": state.last_failure,
         "cause": state.cause,
+        "recovery": state.recovery,
         "history": {
             "attempt": state.attempt,
             "restarts": state.restarts,
@@ -340,6 +341,8 @@ def render(status: dict[str, Any]) -> str:
     if status.get("cause"):
         lines.append(f"  cause: {status['cause']}")
     lines += _failure_lines(status.get("failures") or [])
+    if isinstance(status.get("recovery"), str):
+        lines.append(f"  recovered: {status['recovery']}")
     if status.get("reason"):
         lines.append(f"  reason: {status['reason']}")
     return "\n".join(lines)

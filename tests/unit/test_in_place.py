@@ -93,6 +93,7 @@ def test_the_launch_of_a_recovery_in_place_is_journalled_with_who_stayed():
     assert (fields["kept"], fields["replaced"], fields["resume_step"]) == ([0, 2], [1], 7)
     assert "SIGKILL" in fields["after"]
     assert state.keep == () and state.phase is Phase.RUNNING
+    assert state.recovery == "in place: ranks [0, 2] kept, [1] replaced"  # what `status` shows
 
 
 def test_survivors_not_unwound_in_time_fall_back_to_a_full_relaunch():

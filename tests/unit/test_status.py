@@ -68,6 +68,7 @@ def test_snapshot_of_running_state_with_heartbeat():
         "heartbeat_mode": "auto",
         "resumed_from": {"step": 25},
         "passed_over": [],
+        "recovery": None,
         "hang": None,
         "rollback": None,
         "stop_order": None,
@@ -256,12 +257,13 @@ def test_render_lists_failed_attempts_after_the_cause():
         **snapshot(crash_looping(), now=NOW + 4, extra={"run_dir": "runs/x", "last_checkpoint": None}),
         "supervisor_alive": True,
     }
-    assert render(status).splitlines()[-5:] == [
+    assert render(status).splitlines()[-6:] == [
         "  last failure: rank 0 exited with code 1 in attempt 1",
         "  cause: ValueError: boom (train.py:12 in step)",
         "  failed attempts:",
         "    attempt 0: rank 0 at step 40 (resumed from 25): ValueError: boom (train.py:12 in step)",
         "    attempt 1: rank 0 at step 40 (resumed from 25): ValueError: boom (train.py:12 in step)",
+        "  recovered: every rank relaunched: restart.in_place is false",  # how attempt 1 followed attempt 0
     ]
 
 
