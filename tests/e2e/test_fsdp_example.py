@@ -142,12 +142,14 @@ def test_a_kill_in_a_background_write_a_hang_and_a_stop_end_bitwise_equal_to_an_
     launches = [e for e in events if e["event"] == "ranks_launched"]
     resumes = [e["resume_step"] for e in launches]
     assert resumes[:3] == [None, 5, 15], resumes  # 10 was being written when rank 1 died: never a checkpoint
-    # The kill is recovered in place (rank 0's process goes on, rank 1 is replaced); the hang relaunches both.
-    (recovered,) = [e for e in events if e["event"] == "recovered_in_place"]
-    assert (recovered["attempt"], recovered["kept"], recovered["replaced"]) == (1, [0], [1])
-    assert launches[1]["pids"][0] == launches[0]["pids"][0] != launches[2]["pids"][0]
-    (relaunched,) = [e for e in events if e["event"] == "relaunched"]
-    assert (relaunched["attempt"], relaunched["reason"]) == (2, "a hang: the ranks blocked behind it go down with it")
+    # Both recovered in place: the kill (rank 0's process goes on, rank 1 is replaced), then the hang (its culprit,
+    # rank 0, named by the flight recorders and killed alone; rank 1's process goes on).
+    kill, hang = [e for e in events if e["event"] == "recovered_in_place"][:2]
+    assert (kill["attempt"], kill["kept"], kill["replaced"]) == (1, [0], [1])
+    assert launches[1]["pids"][0] == launches[0]["pids"][0]
+    assert (hang["attempt"], hang["kept"], hang["replaced"]) == (2, [1], [0])
+    assert launches[2]["pids"][1] == launches[1]["pids"][1] != launches[0]["pids"][1]
+    assert [e["rank"] for e in events if e["event"] == "hang_culprit_killed"] == [0]
 
     (tmp / "run" / "stop").unlink()  # the stop file stays until someone removes it: a rerun would not start
     done = run_supervisor(fsdp_job(tmp, steps=stop_step + STEPS_AFTER_STOP), tmp / "run", timeout=120)
