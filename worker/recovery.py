@@ -53,7 +53,8 @@ __all__ = ["ORDER_WAIT_S", "PeerFailed", "attach", "in_place", "peer_failure", "
 T = TypeVar("T")
 
 ORDER_WAIT_S = 600.0  # a survivor waits this long for its next attempt; the supervisor decides far sooner
-_ORDER_POLL_S = 0.002  # a stat of one file: the survivors' wait adds at most this to a recovery
+_ORDER_POLL_S = 0.002  # a read of one small file: the survivors' wait adds at most this to a recovery
+_SLOW_POLL_AFTER_S, _SLOW_POLL_S = 1.0, 0.05  # past a second (a backoff), a look every 50 ms is soon enough
 _WATCH_POLL_S = 0.05  # the NCCL watchdog's look at the supervisor's word
 _CUDA_CHECK_S = 30.0  # a synchronize that takes longer means a wedged device
 # Releasing the attempt's process group and collecting what held it takes milliseconds; a gloo group whose collective
@@ -220,12 +221,12 @@ def _check_cuda() -> None:
 
 def _await_next(layout: RunLayout, attempt: int) -> tuple[int, dict[str, str]]:
     """The next attempt's number and variables, once the supervisor names one after `attempt`."""
-    deadline = time.monotonic() + ORDER_WAIT_S
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    while (waited := time.monotonic() - started) < ORDER_WAIT_S:
         order = _read_order(layout.recovery)
         if order is not None and order[0] > attempt:
             return order
-        time.sleep(_ORDER_POLL_S)
+        time.sleep(_ORDER_POLL_S if waited < _SLOW_POLL_AFTER_S else _SLOW_POLL_S)
     print(f"trainwarden: no next attempt in {ORDER_WAIT_S:g} s; exiting", file=sys.stderr, flush=True)
     os._exit(1)
 
