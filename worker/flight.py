@@ -20,14 +20,16 @@ from types import TracebackType
 from typing import Any
 
 from worker.files import atomic_write_bytes
+from worker.recovery import attempt_started_ns
 
-__all__ = ["FlightRecorderDumps", "flight_record"]
+__all__ = ["FlightRecorderDumps", "flight_record", "this_attempt"]
 
 POLL_S = 0.1  # how often the helper thread looks at the stack dump file's size: one fstat
 
 
 def flight_record() -> dict[str, Any] | None:
-    """This process's flight recorder (every backend's, merged), or None when it records nothing."""
+    """This process's flight recorder (every backend's, merged; of this attempt, in a process that recovered in
+    place), or None when it records nothing."""
     c10d = getattr(sys.modules.get("torch"), "_C", None)
     c10d = getattr(c10d, "_distributed_c10d", None)
     merged: dict[str, Any] = {"entries": [], "pg_status": {}, "pg_config": {}}
@@ -43,7 +45,36 @@ def flight_record() -> dict[str, Any] | None:
         merged["entries"] += part.get("entries") or []
         merged["pg_status"].update(part.get("pg_status") or {})
         merged["pg_config"].update({k: v for k, v in (part.get("pg_config") or {}).items() if k})
+    since = attempt_started_ns()
+    if since is not None:
+        merged = this_attempt(merged, since)
     return merged if merged["entries"] else None
+
+
+def this_attempt(record: dict[str, Any], since_ns: int) -> dict[str, Any]:
+    """The collectives of the attempt that began at `since_ns` (epoch), each group keyed by its name.
+
+    A process that recovered in place keeps the earlier attempts' collectives in its recorder, under process group
+    ids that count every group the process ever made: a peer started later gave those ids to other groups. Group
+    names start again from 0 with each attempt's groups, alike on every rank (as ids are in a process that never
+    recovered), so the hang analyzer compares the same group across ranks."""
+    fresh = [e for e in record["entries"] if isinstance(e, dict) and _created(e) >= since_ns]
+    names = {str(e.get("pg_id")): _group_name(e) for e in fresh}
+    return {
+        **record,
+        "entries": [{**e, "pg_id": names[str(e.get("pg_id"))]} for e in fresh],
+        "pg_status": {names[k]: v for k, v in record["pg_status"].items() if k in names},
+    }
+
+
+def _created(entry: dict[str, Any]) -> int:
+    created = entry.get("time_created_ns")
+    return created if type(created) is int else -1
+
+
+def _group_name(entry: dict[str, Any]) -> str:
+    group = entry.get("process_group")
+    return group[0] if isinstance(group, list) and group and isinstance(group[0], str) else str(entry.get("pg_id"))
 
 
 class FlightRecorderDumps:

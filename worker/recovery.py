@@ -48,7 +48,16 @@ from worker.contract import ENV_ATTEMPT, ENV_IN_PLACE, ENV_RUN_DIR, RECOVERING_P
 from worker.files import open_append, read_json
 from worker.heartbeat import Heartbeat
 
-__all__ = ["ORDER_WAIT_S", "PeerFailed", "attach", "in_place", "peer_failure", "run", "watch_for_unwind"]
+__all__ = [
+    "ORDER_WAIT_S",
+    "PeerFailed",
+    "attach",
+    "attempt_started_ns",
+    "in_place",
+    "peer_failure",
+    "run",
+    "watch_for_unwind",
+]
 
 T = TypeVar("T")
 
@@ -79,6 +88,7 @@ _CUDA_ERRORS = ("CUDA error", "cudaError", "AcceleratorError", "device-side asse
 _unwind: list[tuple[Callable[[str, bool], Heartbeat | None], Callable[[], bool]]] = []
 _active = False
 _in_main = False  # the training function runs: UNWIND_SIGNAL may end it
+_started_ns: int | None = None  # when the training function last began (epoch ns), under `run` with in place on
 
 
 class PeerFailed(RuntimeError):
@@ -88,6 +98,11 @@ class PeerFailed(RuntimeError):
 def in_place() -> bool:
     """This process runs its training function through `run` under a supervisor that recovers in place."""
     return _active
+
+
+def attempt_started_ns() -> int | None:
+    """When this attempt's training function began (time.time_ns), recovering in place; None otherwise."""
+    return _started_ns
 
 
 def attach(unwind: Callable[[str, bool], Heartbeat | None], saving: Callable[[], bool]) -> Callable[[], None]:
@@ -106,7 +121,7 @@ def attach(unwind: Callable[[str, bool], Heartbeat | None], saving: Callable[[],
 
 def run(main: Callable[[], T]) -> T:
     """Run the training function; under a supervisor that recovers in place, run it again after a peer failed."""
-    global _active, _in_main
+    global _active, _in_main, _started_ns
     if os.environ.get(ENV_IN_PLACE) != "1":
         return main()
     _active = True
@@ -116,7 +131,7 @@ def run(main: Callable[[], T]) -> T:
     watch_for_unwind()
     while True:
         try:
-            _in_main = True
+            _in_main, _started_ns = True, time.time_ns()
             return main()
         except BaseException as exc:  # noqa: BLE001 - only a peer's failure is kept; anything else goes on up
             _in_main = False

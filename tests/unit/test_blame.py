@@ -18,6 +18,7 @@ from supervisor.core.blame import (
     trim_flight,
 )
 from tests.unit.test_stacks import IN_ALL_REDUCE_PYSPY, IN_BACKWARD, SLEEPING
+from worker.flight import this_attempt
 
 RECORDS = Path(__file__).parent / "flight_records"
 
@@ -279,3 +280,33 @@ def test_a_record_is_cut_to_what_is_judged_and_long_fields_are_capped():
     record = parse_flight(trimmed)["0"]
     assert (record.enqueued, record.completed, len(record.recent)) == (100, 100, RECENT)
     assert len(record.at(100).op) == 200
+
+
+def test_a_process_that_recovered_in_place_shows_only_this_attempts_groups_by_name():
+    """Seen in CI: in attempt 6, rank 0's process (replaced in attempt 4) had made process groups 0, 1 and 2, rank
+    1's (replaced in attempt 5) groups 0 and 1; rank 0 hung after its step, rank 1 waited in the next all-reduce.
+    Compared by id, rank 1's live group met rank 0's group of attempt 5, and rank 1 was named. The worker's dump
+    keeps this attempt's collectives only, each group by its name: rank 0 is named, host-side."""
+    since = 10_000
+
+    def at(created: int, seq: int, *, pg: int, name: str, done: bool = True) -> dict[str, Any]:
+        return {**entry(seq, pg=pg, done=done), "process_group": [name, "default_pg"], "time_created_ns": created}
+
+    rank0 = {
+        "entries": [
+            *(at(5_000, s, pg=1, name="0") for s in range(20, 25)),  # attempt 5's default group, reached #24
+            *(at(since + s, s, pg=2, name="0") for s in range(1, 17)),  # this attempt: completed #16, then slept
+        ],
+        "pg_status": {"1": {"last_enqueued_collective": "24", "last_completed_collective": "24"}},
+    }
+    rank1 = {
+        "entries": [
+            *(at(since + s, s, pg=1, name="0") for s in range(1, 17)),
+            at(since + 17, 17, pg=1, name="0", done=False),
+        ],
+        "pg_status": {"1": {"last_enqueued_collective": "17", "last_completed_collective": "16"}},
+    }
+    stale = judge({0: parse_flight(rank0), 1: parse_flight(rank1)})
+    assert stale is not None and stale.rank == 1  # the wrong rank, by the old groups
+    fresh = judge({0: parse_flight(this_attempt(rank0, since)), 1: parse_flight(this_attempt(rank1, since))})
+    assert fresh is not None and (fresh.rank, fresh.cls) == (0, "host-side")
