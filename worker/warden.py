@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import functools
 import gc
 import math
 import os
@@ -1411,18 +1412,13 @@ def _tensor_bytes(state: Any) -> int:
     return 0
 
 
+@functools.cache
 def _at_exit_once() -> None:
     """Registered once per process, however many Wardens it makes (one per attempt, recovering in place)."""
-    if _release_process_group in _AT_EXIT:
-        return
     # Python's last collections at exit walk torch's whole object graph (0.8 s of CPU per rank, measured): a rank
     # that leaves, on a stop or an abort, would hold its relaunch up for it. Runs after the handler below.
     atexit.register(gc.freeze)
     atexit.register(_release_process_group)  # a script that never destroys its group must not die of SIGABRT
-    _AT_EXIT.append(_release_process_group)
-
-
-_AT_EXIT: list[Callable[[], None]] = []
 
 
 def _release_process_group() -> None:
