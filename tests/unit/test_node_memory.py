@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from supervisor.launch.node_memory import (
     unheld_ranks,
 )
 from supervisor.rundir.persist import Persister
+from tests.conftest import wait_until
 from worker.contract import RunLayout
 from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
 
@@ -96,6 +98,9 @@ def nodes(tmp_path: Path) -> Iterator[dict[str, NodeMemory]]:
     finally:
         for node in made.values():
             node.close()
+        # A stream still being received writes into its node's directory: wait for it, or it outlives the removal.
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "memory-stream"], timeout=20)
+        for node in made.values():
             remove_memory_dir(node.memory)
 
 
