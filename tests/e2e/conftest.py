@@ -217,6 +217,13 @@ def rollback_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_run(tmp_path_factory, "rollback", **SPIKE_STREAK, standby={"enabled": False})
 
 
+def run_to_the_end(tmp: Path, **overrides: Any) -> Path:
+    """The run dir of a demo run with `overrides` (write_config's) in `tmp`, which must exit 0."""
+    done = run_supervisor(write_config(tmp / "job.yaml", **overrides), tmp / "run")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "run"
+
+
 def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides: Any) -> Path:
     """The run dir of a demo run that exited 0, made once per session for the tests that read it (none may change
     it): pytest-xdist's workers share it, the first to need it runs it while the others wait on its lock."""

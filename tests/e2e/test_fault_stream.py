@@ -17,9 +17,8 @@ from tests.e2e.conftest import (
     TRAIN_TIMEOUT_S,
     assert_same_training_state,
     journal,
-    run_supervisor,
+    run_to_the_end,
     trainwarden_status,
-    write_config,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,10 +47,7 @@ RESUMES = [None, 10, 20, 20, 30]  # each attempt's resume step
 @pytest.fixture(scope="module")
 def stream(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The run dir of a run through FAULT_STREAM that exited 0."""
-    tmp = tmp_path_factory.mktemp("fault_stream")
-    done = run_supervisor(write_config(tmp / "job.yaml", **FAULT_STREAM), tmp / "run")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return tmp / "run"
+    return run_to_the_end(tmp_path_factory.mktemp("fault_stream"), **FAULT_STREAM)
 
 
 def events(run_dir: Path, name: str, attempt: int | None = None) -> list[dict[str, Any]]:
