@@ -12,9 +12,10 @@ its next collective raises (gloo: the peer's connection closed; with NCCL this m
 communicator on the supervisor's word). Then, in this process:
 
 1. its Warden says `peer_failed` and closes (a background save in flight is let finish or fail first);
-2. the process group is released (destroyed; for NCCL aborted, as destroying after a failure can hang) and what
-   `main` held is collected (a DataLoader's worker processes end with their iterator); a release that blocks past
-   RELEASE_TIMEOUT_S (a gloo collective still waiting on a live peer) ends the process, which is then replaced;
+2. once the threads that ended its collectives have run, the process group is released (destroyed; for NCCL
+   aborted, as destroying after a failure can hang) and what `main` held is collected (a DataLoader's worker
+   processes end with their iterator); a release that blocks past RELEASE_TIMEOUT_S (a gloo collective still
+   waiting on a live peer) ends the process, which is then replaced;
 3. a CUDA context that no longer synchronizes ends the process here: a poisoned context never restarts in place;
 4. its heartbeat says `recovering`, and it waits for the supervisor's next attempt (`RunLayout.recovery`): the
    attempt's number and variables (a new MASTER_PORT, so rank 0 hosts a new store; the resume point);
@@ -54,6 +55,7 @@ __all__ = [
     "attach",
     "attempt_started_ns",
     "in_place",
+    "let_threads_run",
     "peer_failure",
     "run",
     "watch_for_unwind",
@@ -66,6 +68,9 @@ _ORDER_POLL_S = 0.002  # a read of one small file: the survivors' wait adds at m
 _SLOW_POLL_AFTER_S, _SLOW_POLL_S = 1.0, 0.05  # past a second (a backoff), a look every 50 ms is soon enough
 _WATCH_POLL_S = 0.05  # the NCCL watchdog's look at the supervisor's word
 _CUDA_CHECK_S = 30.0  # a synchronize that takes longer means a wedged device
+# A gloo work thread that just failed a collective may still hold the last reference to its tensors, which it frees
+# under the GIL; a process group destroyed under the GIL meanwhile (by a collection) joins that thread: both wait.
+SETTLE_S, _SETTLE_POLL_S = 0.1, 0.001
 # Releasing the attempt's process group and collecting what held it takes milliseconds; a gloo group whose collective
 # still waits on a live peer that left it blocks its destructor until its timeout. Past this, the rank exits (its
 # stacks in its log) and is replaced like the failed one.
@@ -140,6 +145,7 @@ def run(main: Callable[[], T]) -> T:
                 raise
             # Told by the supervisor, it recovers in place: no culprit to name from this rank's flight recorder.
             told = isinstance(exc, PeerFailed)
+            let_threads_run()  # before the traceback lets go of the attempt's objects, and their process group
         finally:
             _in_main = False
         _recover(error, evidence=not told)
@@ -199,6 +205,28 @@ def _recover(error: str, *, evidence: bool) -> None:
     env.update(variables)
     env[ENV_ATTEMPT] = str(number)
     _reopen_output(layout, number, rank)
+
+
+def let_threads_run(limit_s: float = SETTLE_S) -> None:
+    """Sleep, the GIL released, until no other thread of this process is runnable at two looks in a row (Linux), for
+    at most `limit_s`: a thread waiting for the GIL at the first look (this one held it to look) ran in the sleep."""
+    deadline, quiet = time.monotonic() + limit_s, 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(_SETTLE_POLL_S)
+        quiet = 0 if _other_threads_runnable() else quiet + 1
+
+
+def _other_threads_runnable() -> bool:
+    """Another thread of this process is running or waiting for a CPU (False where /proc cannot tell)."""
+    own = str(threading.get_native_id())
+    with contextlib.suppress(OSError):
+        for task in os.scandir("/proc/self/task"):
+            if task.name == own:
+                continue
+            with contextlib.suppress(OSError), open(f"{task.path}/stat", "rb") as stat:
+                if stat.read(512).rpartition(b")")[2].split()[:1] == [b"R"]:  # after "(comm)", which may hold spaces
+                    return True
+    return False
 
 
 def _release_process_group() -> None:

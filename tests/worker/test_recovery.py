@@ -4,6 +4,7 @@ reads (hostile files included), the NCCL watchdog's trigger, and a standby's GPU
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from tests.conftest import wait_until
 from tests.e2e.conftest import REPO
 from tests.hostile import KINDS, bounded, plant
 from worker.contract import ENV_ATTEMPT, ENV_RUN_DIR, RECOVERING_PHASE, UNWIND_SIGNAL, RunLayout
-from worker.recovery import _read_order, peer_failure, watch_for_unwind
+from worker.recovery import _read_order, let_threads_run, peer_failure, watch_for_unwind
 from worker.standby import warm_device
 
 GLOO_GONE = (
@@ -214,3 +215,25 @@ def test_a_release_that_blocks_ends_the_rank_with_its_stacks(tmp_path: Path) -> 
     assert proc.returncode == 1
     assert "Timeout (0:00:00.500000)!" in err and "in __del__" in err and "in _recover" in err
     assert not layout.heartbeat(0).exists() or _phase(layout) != RECOVERING_PHASE  # it never said it was ready
+
+
+def test_threads_that_need_the_gil_once_more_run_before_the_group_goes() -> None:
+    """A gloo work thread that ended a failed collective still frees its tensors under the GIL: the rank lets it
+    run (here a thread busy without the GIL, as hashing is, that then needs it once) before it destroys its group."""
+    done: list[bytes] = []
+    data = os.urandom(1 << 20) * 64
+    worker = threading.Thread(target=lambda: done.append(hashlib.sha256(data).digest()))
+    worker.start()
+    let_threads_run(limit_s=60)
+    assert done, "returned while a thread was still runnable"
+    worker.join(timeout=10)
+
+
+def test_a_thread_that_waits_does_not_hold_the_rank_up() -> None:
+    never = threading.Event()
+    waiter = threading.Thread(target=never.wait, daemon=True)
+    waiter.start()
+    let_threads_run(limit_s=60)
+    assert waiter.is_alive()  # it returned while the waiting thread still waits
+    never.set()
+    waiter.join(timeout=10)
