@@ -29,6 +29,7 @@ __all__ = [
     "ENV_ATTEMPT",
     "ENV_FAILURES",
     "ENV_IN_PLACE",
+    "ENV_JOIN_AFTER",
     "ENV_MEMORY_DIR",
     "ENV_RESUME_DIR",
     "ENV_RESUME_STEP",
@@ -80,6 +81,9 @@ ENV_FAILURES = "TRAINWARDEN_FAILURES"
 # "1": a rank that runs its training function through `worker.run` recovers in place (worker.recovery): when a peer
 # fails, it stays, and runs the function again for the next attempt; unset: it ends with its attempt, as under torchrun.
 ENV_IN_PLACE = "TRAINWARDEN_IN_PLACE"
+# Attempt N: this process replaces a rank that failed in it, started while the survivors unwind; like them it waits
+# for the next attempt's variables (worker.recovery) before it runs its training function.
+ENV_JOIN_AFTER = "TRAINWARDEN_JOIN_AFTER"
 # The heartbeat phase of a rank that unwound from a failed attempt and waits for the next one (worker.recovery).
 RECOVERING_PHASE = "recovering"
 

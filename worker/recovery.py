@@ -21,8 +21,10 @@ communicator on the supervisor's word). Then, in this process:
    attempt's number and variables (a new MASTER_PORT, so rank 0 hosts a new store; the resume point);
 5. its output goes to the new attempt's log files, and `main()` runs again, resuming as a new process would.
 
-A failed peer is replaced by a warm standby; every rank, survivors included, loads the resume point the supervisor
-chose (the newest snapshot every rank completed), so no rank goes on with a step only some ranks applied.
+A failed peer is replaced by a warm standby, which runs the script as soon as the failure is seen and, given
+ENV_JOIN_AFTER, waits for the next attempt beside the survivors before it calls `main`; every rank, survivors
+included, loads the resume point the supervisor chose (the newest snapshot every rank completed), so no rank goes
+on with a step only some ranks applied.
 
 Any other exception (the rank's own error, a CUDA error) ends the process as it always did; so does a plain
 torchrun, where `run(main)` is just `main()`. What this asks of `main`, since it may run more than once in a
@@ -45,7 +47,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from worker.contract import ENV_ATTEMPT, ENV_IN_PLACE, ENV_RUN_DIR, RECOVERING_PHASE, UNWIND_SIGNAL, RunLayout
+from worker.contract import (
+    ENV_ATTEMPT,
+    ENV_IN_PLACE,
+    ENV_JOIN_AFTER,
+    ENV_RUN_DIR,
+    RECOVERING_PHASE,
+    UNWIND_SIGNAL,
+    RunLayout,
+)
 from worker.files import open_append, read_json
 from worker.heartbeat import Heartbeat
 
@@ -134,6 +144,9 @@ def run(main: Callable[[], T]) -> T:
     with contextlib.suppress(ValueError):  # not the main thread: the next collective's exception is the word
         signal.signal(UNWIND_SIGNAL, _on_unwind_signal)
     watch_for_unwind()
+    if (joins := os.environ.pop(ENV_JOIN_AFTER, "")).isdigit():  # a replacement, started while its peers unwind
+        print(f"trainwarden: replacing rank {_rank()}, lost in attempt {joins}", file=sys.stderr, flush=True)
+        _take_next_attempt(_layout(), int(joins), _rank())
     while True:
         try:
             _in_main, _started_ns = True, time.time_ns()
@@ -188,9 +201,7 @@ def _distributed_error(exc: BaseException) -> bool:
 def _recover(error: str, *, evidence: bool) -> None:
     """Unwind from the failed attempt (leaving its flight recorder if `evidence`), wait for the next one, and take
     over its environment and logs."""
-    env = os.environ
-    layout = RunLayout(Path(env.get(ENV_RUN_DIR, "runs/local")))
-    rank, attempt = int(env.get("RANK", "0")), int(env.get(ENV_ATTEMPT) or 0)
+    layout, rank, attempt = _layout(), _rank(), int(os.environ.get(ENV_ATTEMPT) or 0)
     heartbeat = _unwind[-1][0](error, evidence) if _unwind else None
     faulthandler.dump_traceback_later(RELEASE_TIMEOUT_S, exit=True)  # from C: a destructor may hold the GIL
     _release_process_group()
@@ -201,9 +212,22 @@ def _recover(error: str, *, evidence: bool) -> None:
         heartbeat = Heartbeat(layout.heartbeat(rank), root=layout.root, rank=rank, attempt=attempt, interval_s=1.0)
         print(f"trainwarden: recovering in place after: {error}", file=sys.stderr, flush=True)
     heartbeat.beat(heartbeat.last_step, RECOVERING_PHASE, force=True)
-    number, variables = _await_next(layout, attempt)
-    env.update(variables)
-    env[ENV_ATTEMPT] = str(number)
+    _take_next_attempt(layout, attempt, rank)
+
+
+def _layout() -> RunLayout:
+    return RunLayout(Path(os.environ.get(ENV_RUN_DIR, "runs/local")))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _take_next_attempt(layout: RunLayout, after: int, rank: int) -> None:
+    """Wait for the attempt after `after`; take over its variables and logs."""
+    number, variables = _await_next(layout, after)
+    os.environ.update(variables)
+    os.environ[ENV_ATTEMPT] = str(number)
     _reopen_output(layout, number, rank)
 
 

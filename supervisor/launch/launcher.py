@@ -27,9 +27,9 @@ from supervisor.core import ChildExited, Event, Heartbeats, HeartbeatSeen, Launc
 from supervisor.core.causes import oom_kill_count
 from supervisor.launch.gpu_health import gpu_problems, preflight
 from supervisor.launch.node_memory import MemoryChoice
-from supervisor.launch.ranks import Attempt, Ranks, launch_ranks, publish_unwind, rank_envs
+from supervisor.launch.ranks import Attempt, Ranks, join_early, launch_ranks, publish_unwind, rank_envs
 from supervisor.launch.stacks import start_stack_collection
-from supervisor.launch.standby import FILL_AFTER_S, Standby, Standbys
+from supervisor.launch.standby import FILL_AFTER_S, Process, Standby, Standbys
 from supervisor.launch.trees import descendants, reap_orphans, record_pids, sigkill
 from supervisor.rundir.watch import HeartbeatFiles, HeartbeatsChanged, HeartbeatUnreadable, HeartbeatWatcher
 from worker.contract import EXIT_FAILED, EXIT_REQUEUE, UNWIND_SIGNAL, RunLayout, StopOrder
@@ -44,7 +44,7 @@ PASSING_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFI
 TRACK_INTERVAL_S = 5.0  # the run's processes are recorded (for a successor) and orphans reaped this often
 # While an attempt unwinds, its survivors' heartbeats are looked at this often: the watcher's batching (a quarter
 # second) would otherwise be most of a recovery in place.
-UNWIND_POLL_S = 0.005
+UNWIND_POLL_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,7 @@ class LocalLauncher:
         self._launched_at = 0.0
         self._training: set[int] = set()  # ranks of the current attempt that reported a training step
         self._unwinding = False  # the attempt's survivors unwind to recover in place: their beats are looked for
+        self._joining: dict[int, Standby] = {}  # replacements started while the survivors unwind, by rank
 
     def start(self) -> None:
         self._watcher.start()
@@ -183,6 +184,7 @@ class LocalLauncher:
         if self._ranks is not None:
             ranks = self._ranks
             ranks.signal(signal.SIGKILL, only=lambda rank: ranks.procs[rank].poll() is None)
+        self._retire_joining()
         if self._standbys is not None:
             self._standbys.close()
         sigkill(descendants())
@@ -195,7 +197,7 @@ class LocalLauncher:
         """A standby for each rank that has none waiting, spawned now: its Python and imports overlap the choice of
         the resume point (checksums read) and the clean-up of torn saves, which torchrun's restart has not to do.
         Before the first launch, only the fork server: its ranks are forked from its one import."""
-        if self._standbys is None:
+        if self._standbys is None or self._unwinding:  # in place: the lost ranks' standbys joined already
             return
         if attempt == 0:
             self._standbys.start_server()
@@ -222,9 +224,11 @@ class LocalLauncher:
             )
         self._unwinding = False
         kept = self._kept(attempt.keep)
-        warm = self._take_standbys(skip=kept.procs if kept else {})
+        joined = self._joined() if kept else {}
+        self._retire_joining()  # a full relaunch: the replacements started for one in place go
+        warm = self._take_standbys(skip={*kept.procs, *joined} if kept else set())
         try:
-            self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit, warm, kept)
+            self._ranks = launch_ranks(self._config, self._layout, attempt, on_exit, warm, kept, joined)
         except OSError as exc:
             for standby in warm.values():  # those not handed a rank yet (the others were killed with the ranks)
                 standby.retire()
@@ -235,7 +239,7 @@ class LocalLauncher:
                 retryable=passing,
                 exit_code=None if passing else EXIT_FAILED,
             )
-        used = sorted(rank for rank, standby in warm.items() if self._ranks.procs[rank] is standby.proc)
+        used = sorted([*joined, *(rank for rank, standby in warm.items() if self._ranks.procs[rank] is standby.proc)])
         if used:
             self._log.info("standbys_used", attempt=attempt.number, ranks=used)
         self._oom_kills_at_launch = _oom_kills()
@@ -300,15 +304,18 @@ class LocalLauncher:
 
     def unwind(self, attempt: int) -> None:
         """The word in the run dir, then UNWIND_SIGNAL to each survivor's leader (not its group: a DataLoader's
-        workers are not the training function)."""
+        workers are not the training function); a standby starts the script for each rank that is gone, to wait for
+        the next attempt beside the survivors."""
         publish_unwind(self._layout, attempt)
         self._unwinding = True
         if self._ranks is None or self._ranks.attempt != attempt:
             return
-        for proc in self._ranks.procs.values():
+        for rank, proc in self._ranks.procs.items():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, UNWIND_SIGNAL)
+            elif rank not in self._joining:
+                self._join_early(attempt, rank)
 
     def translate(self, item: object) -> list[Event] | None:
         if isinstance(item, HeartbeatsChanged):
@@ -322,6 +329,8 @@ class LocalLauncher:
         return self._read_heartbeats([rank])
 
     def poll(self) -> list[Event]:
+        if self._unwinding:  # every few ms, and on the way to the next attempt: the survivors' beats only
+            return self._read_heartbeats(range(self._config.nproc_per_node))
         if time.monotonic() >= self._next_track:
             self._next_track = time.monotonic() + TRACK_INTERVAL_S
             self._track_processes()
@@ -357,6 +366,24 @@ class LocalLauncher:
         self._ranks.procs = procs
         return self._ranks
 
+    def _join_early(self, attempt: int, rank: int) -> None:
+        standby = self._standbys.take(rank) if self._standbys is not None else None
+        if standby is not None and join_early(self._config, self._layout, attempt, rank, standby):
+            self._joining[rank] = standby
+            self._log.info("replacement_started", attempt=attempt, rank=rank, pid=standby.proc.pid)
+
+    def _joined(self) -> dict[int, Process]:
+        """The replacements started while the survivors unwound that are still alive (they join the new attempt)."""
+        alive = {rank: standby for rank, standby in self._joining.items() if standby.proc.poll() is None}
+        for rank in alive:
+            del self._joining[rank]
+        return {rank: standby.proc for rank, standby in alive.items()}
+
+    def _retire_joining(self) -> None:
+        for standby in self._joining.values():
+            standby.retire()
+        self._joining.clear()
+
     def _take_standbys(self, skip: Collection[int]) -> dict[int, Standby]:
         if self._standbys is None:
             return {}
@@ -373,7 +400,8 @@ class LocalLauncher:
     def _managed(self) -> set[int]:
         """Processes with an owner of their own: rank leaders (their waiters) and standbys (the pool)."""
         ranks = self._ranks.pids if self._ranks else set()
-        return ranks | (self._standbys.pids if self._standbys else set())
+        joining = {standby.proc.pid for standby in self._joining.values()}
+        return ranks | joining | (self._standbys.pids if self._standbys else set())
 
     def _track_processes(self) -> None:
         """Record the run's processes for a successor, and reap adopted orphans."""

@@ -10,9 +10,10 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from supervisor.config import JobConfig
 from supervisor.launch.standby import PER_ATTEMPT, Process, Standby
@@ -21,6 +22,7 @@ from worker.contract import (
     ENV_ATTEMPT,
     ENV_FAILURES,
     ENV_IN_PLACE,
+    ENV_JOIN_AFTER,
     ENV_MEMORY_DIR,
     ENV_RESUME_DIR,
     ENV_RESUME_STEP,
@@ -37,6 +39,7 @@ __all__ = [
     "Placement",
     "Ranks",
     "contract_env",
+    "join_early",
     "free_port",
     "launch_ranks",
     "local_env",
@@ -194,18 +197,27 @@ def launch_ranks(
     on_exit: Callable[[int, int, int], None],
     standbys: Mapping[int, Standby] | None = None,
     kept: Ranks | None = None,
+    joined: Mapping[int, Process] | None = None,
 ) -> Ranks:
     """Start every rank on this machine in its own session (in `standbys`' processes where given); a waiter thread
     per rank reports `on_exit(attempt, rank, code)`. If any rank fails to start, the ones started are killed and the
     error raised. `kept`: the failed attempt's ranks whose processes recover in place (those alive of
-    `attempt.keep`) are told the new attempt's variables instead, and go on in it."""
+    `attempt.keep`) are told the new attempt's variables instead, and go on in it; so are the replacements that
+    `joined` it while they unwound (`join_early`)."""
     envs = rank_envs(config, layout, attempt, free_port(config.master_addr))
     if kept is None:
         unlink_quietly(layout.recovery)
     else:
         _publish_next(layout, kept.attempt, attempt.number, envs[min(kept.procs)])
-        envs = {rank: env for rank, env in envs.items() if rank not in kept.procs}
-    return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit, standbys, kept)
+        envs = {rank: env for rank, env in envs.items() if rank not in kept.procs and rank not in (joined or {})}
+    return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit, standbys, kept, joined)
+
+
+def join_early(config: JobConfig, layout: RunLayout, failed: int, rank: int, standby: Standby) -> bool:
+    """Run the script in `standby` for `rank`, lost in attempt `failed`, while the survivors unwind: like them it
+    waits for the next attempt's variables (worker.recovery) and then trains; False when the standby is gone."""
+    env = {k: v for k, v in rank_envs(config, layout, Attempt(failed), port=0)[rank].items() if k not in PER_ATTEMPT}
+    return _activate(standby, {**env, ENV_JOIN_AFTER: str(failed)}, layout, failed + 1, rank)
 
 
 def publish_unwind(layout: RunLayout, attempt: int) -> None:
@@ -227,12 +239,15 @@ def spawn_ranks(
     on_exit: Callable[[int, int, int], None],
     standbys: Mapping[int, Standby] | None = None,
     kept: Ranks | None = None,
+    joined: Mapping[int, Process] | None = None,
 ) -> Ranks:
     """Start one process per rank (`envs`: global rank -> its environment), then a waiter thread for each; the
-    `kept` ranks' processes go on into `attempt` beside them (their waiters report its number from now on)."""
+    `kept` ranks' processes go on into `attempt` beside them (their waiters report its number from now on), and
+    the `joined` ones (already started) get their waiters."""
     ranks = Ranks(attempt, {}) if kept is None else kept
     ranks.attempt = attempt
-    started: list[int] = []
+    ranks.procs.update(joined or {})
+    started: list[int] = list(joined or {})
     try:
         for rank, env in envs.items():
             ranks.procs[rank] = _spawn(argv, env, layout, attempt, rank, (standbys or {}).get(rank))
@@ -249,18 +264,28 @@ def spawn_ranks(
     return ranks
 
 
+@contextlib.contextmanager
+def _attempt_logs(layout: RunLayout, attempt: int, rank: int) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+    """The rank's stdout and stderr files of the attempt, open for appending (closed here once handed over)."""
+    with contextlib.ExitStack() as logs:
+        out, err = (
+            logs.enter_context(os.fdopen(open_append(layout.attempt_log(attempt, rank, name), root=layout.root), "ab"))
+            for name in ("out", "err")
+        )
+        yield out, err
+
+
+def _activate(standby: Standby, env: dict[str, str], layout: RunLayout, attempt: int, rank: int) -> bool:
+    with _attempt_logs(layout, attempt, rank) as (out, err):
+        return standby.activate(env, out.fileno(), err.fileno())
+
+
 def _spawn(
     argv: list[str], env: dict[str, str], layout: RunLayout, attempt: int, rank: int, standby: Standby | None
 ) -> Process:
-    with contextlib.ExitStack() as logs:
-        out, err = (
-            logs.enter_context(
-                os.fdopen(open_append(layout.attempt_log(attempt, rank, stream), root=layout.root), "ab")
-            )
-            for stream in ("out", "err")
-        )
-        if standby is not None and standby.activate(env, out.fileno(), err.fileno()):
-            return standby.proc
+    if standby is not None and _activate(standby, env, layout, attempt, rank):
+        return standby.proc
+    with _attempt_logs(layout, attempt, rank) as (out, err):
         # start_new_session: the rank leads its own process group, so killpg reaches its whole tree;
         # die_with_parent: a SIGKILLed supervisor (or node agent) takes its ranks along.
         return subprocess.Popen(

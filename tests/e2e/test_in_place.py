@@ -7,13 +7,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from tests.conftest import wait_until
 from tests.e2e.conftest import (
     FAST_HANG,
     assert_same_training_state,
+    finish,
+    heartbeat,
     journal,
     run_to_the_end,
+    start_supervisor,
+    write_config,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -64,12 +70,17 @@ def test_each_kill_is_recovered_in_place_with_the_survivor_kept(stream: Path) ->
     assert [e["attempt"] for e in recoveries] == [1, 2, 3, 4, 5, 6, 7]
     assert not [e for e in records if e["event"] == "relaunched"]
     *kills, lost, hung = recoveries
+    started = {e["attempt"]: e for e in records if e["event"] == "replacement_started"}
     for recovery, (step, (killed, _kind)) in zip(kills, KILLS.items(), strict=True):
-        survivor = 1 - killed
-        before = launches[recovery["attempt"] - 1]["pids"]
+        survivor, failed = 1 - killed, recovery["attempt"] - 1
+        before = launches[failed]["pids"]
         assert (recovery["kept"], recovery["replaced"]) == ([survivor], [killed])
         assert recovery["pids"][survivor] == before[survivor], "the survivor's process goes on"
         assert recovery["pids"][killed] != before[killed]
+        # Its replacement ran the script while the survivor unwound, and waited for the new attempt beside it.
+        assert (started[failed]["rank"], started[failed]["pid"]) == (killed, recovery["pids"][killed])
+        waited = (stream / "logs" / f"attempt_{failed + 1}" / f"rank_{killed}.err").read_text()
+        assert f"trainwarden: replacing rank {killed}, lost in attempt {failed}" in waited
         # The newest step both ranks snapshotted; none, from scratch, when the first kill (step 2) comes before the
         # survivor's snapshot of step 1 (it was told to unwind between its step and its snapshot).
         assert step - 2 <= (recovery["resume_step"] or 0) < step, recovery
@@ -108,3 +119,23 @@ def test_the_survivor_said_why_it_unwound(stream: Path) -> None:
 
 def test_the_run_ends_bitwise_equal_to_an_uninterrupted_one(stream: Path, reference_run: Path) -> None:
     assert_same_training_state(stream, reference_run)
+
+
+def test_a_replacement_started_for_a_recovery_in_place_goes_when_every_rank_is_relaunched(tmp_path: Path) -> None:
+    """Rank 0 frozen (SIGSTOP) when rank 1 dies: it cannot unwind, so every rank is relaunched after
+    restart.in_place_timeout_s, and the standby already running the script for rank 1 is ended, not used or kept."""
+    faults = {"TRAINWARDEN_FAULTS_ONCE": "1", "TRAINWARDEN_FAULTS": "0:sigstop@6,1:sigkill@6,0:slow@7:0.1"}
+    config = write_config(tmp_path / "job.yaml", steps=14, env=faults, restart={"in_place_timeout_s": 1.0})
+    proc = start_supervisor(config, tmp_path / "run")
+    wait_until(lambda: (beat := heartbeat(tmp_path / "run", 0)) and beat["attempt"] == 1 and beat["step"], timeout=60)
+    (started,) = [e for e in journal(tmp_path / "run") if e["event"] == "replacement_started"]
+    gone = not psutil.pid_exists(started["pid"]) or psutil.Process(started["pid"]).status() == psutil.STATUS_ZOMBIE
+    done = finish(proc, tmp_path / "run")
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert gone, "the unused replacement still runs while the relaunched attempt trains"
+    records = journal(tmp_path / "run")
+    (relaunched,) = [e for e in records if e["event"] == "relaunched"]
+    assert relaunched["reason"].startswith("ranks [0] did not unwind within restart.in_place_timeout_s"), relaunched
+    (launch,) = [e for e in records if e["event"] == "ranks_launched" and e["attempt"] == 1]
+    assert started["pid"] not in launch["pids"]
