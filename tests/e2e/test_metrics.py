@@ -102,10 +102,11 @@ def test_metrics_are_scraped_while_the_run_trains_and_written_to_a_textfile(tmp_
             lambda: (
                 (found := scrape(port)).get(("trainwarden_last_checkpoint_step", ()))
                 and found.get(("trainwarden_heartbeat_age_seconds", (("rank", "1"),))) is not None
+                and found.get(("trainwarden_step", ()), 0) >= 5  # beats are read in batches: the step may come later
                 and found
             ),
             timeout=20,
-            what="a scrape showing the step-5 checkpoint and both ranks' heartbeats",
+            what="a scrape showing the step-5 checkpoint, step 5 and both ranks' heartbeats",
         )
         written = parse(textfile.read_text())
         # The final state must be newer than the live one, also where a loaded machine starves the trainer.
@@ -123,7 +124,7 @@ def test_metrics_are_scraped_while_the_run_trains_and_written_to_a_textfile(tmp_
             proc.wait(timeout=10)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert live[("trainwarden_run_state", (("state", "running"),))] == 1
-    assert live[("trainwarden_step", ())] >= 5 and live[("trainwarden_total_steps", ())] == 1000
+    assert live[("trainwarden_total_steps", ())] == 1000
     assert 0 <= live[("trainwarden_heartbeat_age_seconds", (("rank", "0"),))] < 10
     assert live[("trainwarden_last_checkpoint_step", ())] == 5
     assert 0 <= live[("trainwarden_checkpoint_age_seconds", ())] < 20
