@@ -762,6 +762,7 @@ class Warden:
                 self._saved(step, store, path, time.perf_counter() - started, persisted_by="supervisor")
                 self._pinned = None
                 return path
+            self.beat()  # alive, waiting on the supervisor's copy (its persists queue up): not a hung save
             time.sleep(PERSIST_POLL_S)
         self.log.warning("persist_wait_timed_out", step=step, waited_s=PERSIST_WAIT_S, then="saving it to disk here")
         return None

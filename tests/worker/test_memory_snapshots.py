@@ -3,13 +3,16 @@ the memory bound, refused directories, and exact resume from memory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -366,3 +369,29 @@ def test_ranks_agree_to_keep_snapshots_on_disk_when_one_cannot_use_memory(tmp_pa
         ["not a directory (a symlink is not followed)"],
     ]
     assert os.listdir(memory) == []
+
+
+def test_a_rank_waiting_for_the_supervisors_copy_keeps_beating(loop, tmp_path, memory, monkeypatch) -> None:
+    """The final save of a pinned step waits for the supervisor's copy, which may queue behind others: the rank's
+    heartbeat goes on meanwhile, so the supervisor does not take the wait for a hung save."""
+    monkeypatch.setattr(warden_module, "PERSIST_WAIT_S", 2.5)
+    run = loop(config=replace(PINNING, heartbeat_interval_s=0.2))
+    for _ in range(2):
+        run.train_batch()
+    beats: set[int] = set()
+    waiting = threading.Event()
+
+    def watch() -> None:
+        while not waiting.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                if (beat := heartbeat(tmp_path))["phase"] == "save":
+                    beats.add(beat["seq"])
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    run.warden.finish()
+    waiting.set()
+    watcher.join(timeout=10)
+    assert [e["step"] for e in events(tmp_path, "persist_wait_timed_out")] == [2]
+    assert len(beats) >= 5, beats  # 2.5 s of waiting, a beat every 0.2 s
