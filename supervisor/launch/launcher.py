@@ -252,6 +252,8 @@ class LocalLauncher:
         return self._ranks is not None
 
     def signal(self, attempt: int, signum: int, ranks: Collection[int]) -> list[int]:
+        if signum == signal.SIGTERM:  # the attempt is stopped (an unwind timed out, a stop): no recovery in place
+            self._unwinding = False
         if self._ranks is None or self._ranks.attempt != attempt:
             return []
         return self._ranks.signal(signum, only=ranks.__contains__)

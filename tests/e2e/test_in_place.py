@@ -4,6 +4,7 @@ pid), every rank resumes from the same step, and the run ends bitwise equal to a
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from tests.e2e.conftest import (
     heartbeat,
     journal,
     run_to_the_end,
+    signal_rank_at_step,
     start_supervisor,
     write_config,
 )
@@ -124,9 +126,11 @@ def test_the_run_ends_bitwise_equal_to_an_uninterrupted_one(stream: Path, refere
 def test_a_replacement_started_for_a_recovery_in_place_goes_when_every_rank_is_relaunched(tmp_path: Path) -> None:
     """Rank 0 frozen (SIGSTOP) when rank 1 dies: it cannot unwind, so every rank is relaunched after
     restart.in_place_timeout_s, and the standby already running the script for rank 1 is ended, not used or kept."""
-    faults = {"TRAINWARDEN_FAULTS_ONCE": "1", "TRAINWARDEN_FAULTS": "0:sigstop@6,1:sigkill@6,0:slow@7:0.1"}
-    config = write_config(tmp_path / "job.yaml", steps=14, env=faults, restart={"in_place_timeout_s": 1.0})
+    slow = {"TRAINWARDEN_FAULTS": "0:slow@1:0.05,1:slow@1:0.05"}  # time for the signals below, and for the wait after
+    config = write_config(tmp_path / "job.yaml", steps=40, env=slow, restart={"in_place_timeout_s": 1.0})
     proc = start_supervisor(config, tmp_path / "run")
+    signal_rank_at_step(tmp_path / "run", 0, 3, signal.SIGSTOP)
+    signal_rank_at_step(tmp_path / "run", 1, 3, signal.SIGKILL)
     wait_until(lambda: (beat := heartbeat(tmp_path / "run", 0)) and beat["attempt"] == 1 and beat["step"], timeout=60)
     (started,) = [e for e in journal(tmp_path / "run") if e["event"] == "replacement_started"]
     gone = not psutil.pid_exists(started["pid"]) or psutil.Process(started["pid"]).status() == psutil.STATUS_ZOMBIE
