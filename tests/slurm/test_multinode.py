@@ -176,7 +176,13 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
 ):
     """twnode2 cut off at step 12: declared lost within the node timeout, its own agent has killed its ranks, the
     spare takes its place; its link back before Slurm noticed, it is a spare again after its 4 s cool-down."""
-    job, run_dir = submit(slurm, tmp_path, slurm_keys={"node_cooldown_s": 4})
+    slower = ",".join(f"{rank}:slow@1:0.1" for rank in range(4))  # a wide window at step 12 (the numbers stay)
+    job, run_dir = submit(
+        slurm,
+        tmp_path,
+        slurm_keys={"node_cooldown_s": 4},
+        env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": slower},
+    )
     wait_for_step(slurm, run_dir, 12)
     old_ranks = rank_pids(slurm, "twnode2", attempt=0)
     assert sorted(old_ranks) == [2, 3]
