@@ -26,6 +26,8 @@ from worker.contract import RunLayout
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(400)]
 
 STEPS = 40
+# Every rank 0.1 s slower per step (the numbers stay the same): a wide window at the step a test acts at.
+SLOWER = {"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": ",".join(f"{rank}:slow@1:0.1" for rank in range(4))}
 NODE_TIMEOUT_S = 6.0
 JOB_TIMEOUT_S = 180.0
 TRAINWARDEN = Path(sys.executable).parent / "trainwarden"
@@ -176,12 +178,11 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
 ):
     """twnode2 cut off at step 12: declared lost within the node timeout, its own agent has killed its ranks, the
     spare takes its place; its link back before Slurm noticed, it is a spare again after its 4 s cool-down."""
-    slower = ",".join(f"{rank}:slow@1:0.1" for rank in range(4))  # a wide window at step 12 (the numbers stay)
     job, run_dir = submit(
         slurm,
         tmp_path,
         slurm_keys={"node_cooldown_s": 4},
-        env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": slower},
+        env=SLOWER,
     )
     wait_for_step(slurm, run_dir, 12)
     old_ranks = rank_pids(slurm, "twnode2", attempt=0)
@@ -216,12 +217,11 @@ def test_a_node_crashed_while_the_controller_is_out_of_reach_waits_for_it_and_th
     nobody is isolated: the controller is not the network. The relaunch's step waits for the controller
     (`controller_unreachable`), starts once it answers (`controller_back`) on twnode1 and the spare, and the run
     finishes, exit 0, bitwise as the uninterrupted one."""
-    slower = ",".join(f"{rank}:slow@1:0.1" for rank in range(4))  # a wide window at step 12 (the numbers stay)
     job, run_dir = submit(
         slurm,
         tmp_path,
         slurm_keys={"controller_wait_s": 120},
-        env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": slower},
+        env=SLOWER,
     )
     wait_for_step(slurm, run_dir, 12)
     slurm.pause_controller()
@@ -246,12 +246,11 @@ def test_a_crashed_node_s_ranks_resume_on_the_spare_from_their_partner_s_copy_in
     25. Its ranks' newest snapshot died with it; twnode1's agent holds their partner copy. The relaunch on twnode1 and
     the spare resumes from it (`memory (peer twnode1)`), at most one snapshot and the copy under way behind rank 2's
     last step, never from disk's step 20, and ends bitwise as the uninterrupted run; every node's memory goes."""
-    slower = ",".join(f"{rank}:slow@1:0.1" for rank in range(4))  # a wide window at step 25 (the numbers stay)
     job, run_dir = submit(
         slurm,
         tmp_path,
         worker={"prefix": "demo", "save_checkpoint_steps": 20, "snapshot_steps": 1},
-        env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": slower},
+        env=SLOWER,
     )
     wait_for_step(slurm, run_dir, 25)
     slurm.crash_node("twnode2")
@@ -274,8 +273,7 @@ def test_a_crashed_node_s_ranks_resume_on_the_spare_from_their_partner_s_copy_in
 def test_a_node_whose_ranks_keep_dying_is_excluded_and_replaced_by_the_spare(slurm, tmp_path):
     # Steps of 0.1 s at least: at full speed an attempt could end before it was seen at step 13 (or the first kill
     # came at step 25, and the resumed attempt trained its last 15 steps between two looks at the status).
-    slower = ",".join(f"{rank}:slow@1:0.1" for rank in range(4))
-    job, run_dir = submit(slurm, tmp_path, env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": slower})
+    job, run_dir = submit(slurm, tmp_path, env=SLOWER)
     for attempt in (0, 1):
         wait_for_step(slurm, run_dir, 5 + 8 * attempt, attempt=attempt)
         os.kill(rank_pids(slurm, "twnode2", attempt)[3], signal.SIGSEGV)
