@@ -62,13 +62,15 @@ class Heartbeat:
         step_time_s: float | None = None,
         compute_s: float | None = None,
         loss: float | None = None,
+        failed_s: float | None = None,
     ) -> None:
         """Record progress; writes only when the interval has passed, the phase changed, or forced.
 
         `step_time_s` (the last step's duration) is smoothed, so the supervisor can tell how far ranks get
         in a given time (it picks the step a stop order names from it); so is `compute_s`, the part of it up to
         `guard_step`, before any wait for peers there (a rank slower than its peers shows a larger one). `loss` is kept
-        until the next one (a non-finite one is written as null)."""
+        until the next one (a non-finite one is written as null). `failed_s`, recovering in place: the seconds since
+        the collective this rank unwound from failed (its own clock), so the supervisor can tell whose failed first."""
         self.last_step = step
         if step_time_s is not None:
             self._step_time_s = _smoothed(self._step_time_s, step_time_s)
@@ -96,6 +98,7 @@ class Heartbeat:
             "last_save_s": self.last_save_s,
             "skipped": self.skipped,
             "anomalies": self.anomalies,
+            **({"failed_s": round(failed_s, 6)} if failed_s is not None else {}),
             **({"inexact": self.inexact} if self.inexact else {}),
             **({"slow_saves": self.slow_saves} if self.slow_saves else {}),
             **({"memory_bytes": self.memory_bytes, "memory_step": self.memory_step} if self.memory_step else {}),

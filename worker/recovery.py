@@ -152,7 +152,7 @@ def run(main: Callable[[], T]) -> T:
             _in_main, _started_ns = True, time.time_ns()
             return main()
         except BaseException as exc:  # noqa: BLE001 - only a peer's failure is kept; anything else goes on up
-            _in_main = False
+            _in_main, failed = False, time.monotonic()
             error = peer_failure(exc)
             if error is None:
                 raise
@@ -161,7 +161,7 @@ def run(main: Callable[[], T]) -> T:
             let_threads_run()  # before the traceback lets go of the attempt's objects, and their process group
         finally:
             _in_main = False
-        _recover(error, evidence=not told)
+        _recover(error, evidence=not told, failed=failed)
 
 
 def _on_unwind_signal(signum: int, frame: Any) -> None:
@@ -198,9 +198,9 @@ def _distributed_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _PEER_GONE)
 
 
-def _recover(error: str, *, evidence: bool) -> None:
+def _recover(error: str, *, evidence: bool, failed: float) -> None:
     """Unwind from the failed attempt (leaving its flight recorder if `evidence`), wait for the next one, and take
-    over its environment and logs."""
+    over its environment and logs. `failed`: when its collective failed (time.monotonic())."""
     layout, rank, attempt = _layout(), _rank(), int(os.environ.get(ENV_ATTEMPT) or 0)
     heartbeat = _unwind[-1][0](error, evidence) if _unwind else None
     faulthandler.dump_traceback_later(RELEASE_TIMEOUT_S, exit=True)  # from C: a destructor may hold the GIL
@@ -211,7 +211,8 @@ def _recover(error: str, *, evidence: bool) -> None:
     if heartbeat is None:  # it failed before its Warden was made
         heartbeat = Heartbeat(layout.heartbeat(rank), root=layout.root, rank=rank, attempt=attempt, interval_s=1.0)
         print(f"trainwarden: recovering in place after: {error}", file=sys.stderr, flush=True)
-    heartbeat.beat(heartbeat.last_step, RECOVERING_PHASE, force=True)
+    # Written once the group is gone, so a peer's may come first: `failed_s` tells whose collective failed first.
+    heartbeat.beat(heartbeat.last_step, RECOVERING_PHASE, force=True, failed_s=time.monotonic() - failed)
     _take_next_attempt(layout, attempt, rank)
 
 

@@ -889,6 +889,7 @@ def _on_heartbeats(state: State, event: Heartbeats, now: float) -> tuple[State, 
             heartbeat_phase=beat.phase,
             step_time_s=beat.step_time_s or before.step_time_s,
             in_place=beat.in_place,
+            failed_monotonic=None if beat.failed_s is None else written - beat.failed_s,
         )
         changed, saving = True, saving or beat.phase == SAVE_PHASE
     if not changed:
@@ -1208,10 +1209,11 @@ def _check_heartbeats(state: State, now: float) -> tuple[State, list[Action]]:
 
 def _failed_with_every_rank_alive(state: State, now: float) -> tuple[State, list[Action]]:
     """A rank left a failed collective (a connection lost) and no rank exited: the attempt failed in the network. Its
-    ranks recover in place, none replaced; or, where they cannot, all are relaunched."""
+    ranks recover in place, none replaced; or, where they cannot, all are relaunched. The rank named is the one whose
+    collective failed first: its peers' failed when it let go of its group, but may have said so sooner."""
     first = min(
         (r for r in state.ranks if r.running and r.heartbeat_phase == RECOVERING_PHASE),
-        key=lambda r: r.heartbeat_monotonic or 0.0,
+        key=lambda r: r.failed_monotonic if r.failed_monotonic is not None else r.heartbeat_monotonic or 0.0,
     )
     text = f"rank {first.rank} lost a collective's connection with every rank alive (the network?)"
     state = _note_failure(

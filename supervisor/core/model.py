@@ -192,6 +192,7 @@ class HeartbeatSeen:
     inexact: str | None = None  # why the rank's resume is not exact (worker.verify), once it knows
     slow_saves: SlowSaves | None = None  # once its background writes outlast its save interval
     in_place: bool = False  # it runs its training function through worker.run: it can recover in place
+    failed_s: float | None = None  # recovering in place: how long before this beat its collective failed
 
 
 @dataclass(frozen=True)
@@ -385,6 +386,7 @@ class RankState:
     heartbeat_phase: str | None = None
     step_time_s: float | None = None
     in_place: bool = False  # its heartbeat says it can recover in place (worker.run)
+    failed_monotonic: float | None = None  # recovering in place: when its collective failed, by its beat
 
     @property
     def running(self) -> bool:

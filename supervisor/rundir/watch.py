@@ -225,6 +225,7 @@ def read_heartbeat(path: Path, rank: int) -> HeartbeatSeen | None:
             phase=_phase(record.get("phase")),
             step_time_s=_positive_or_none(record.get("step_time_s")),
             in_place=record.get("in_place") is True,
+            failed_s=_nonnegative_or_none(record.get("failed_s")),
             **progress_fields(record),
         )
     except (KeyError, TypeError, ValueError) as exc:

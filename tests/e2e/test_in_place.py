@@ -129,6 +129,9 @@ def test_a_replacement_started_for_a_recovery_in_place_goes_when_every_rank_is_r
     slow = {"TRAINWARDEN_FAULTS": "0:slow@1:0.05,1:slow@1:0.05"}  # time for the signals below, and for the wait after
     config = write_config(tmp_path / "job.yaml", steps=40, env=slow, restart={"in_place_timeout_s": 1.0})
     proc = start_supervisor(config, tmp_path / "run")
+    # Rank 1's beat past step 3 first (signal 0 sends nothing): beats are throttled, and once rank 0 is frozen rank 1
+    # waits in a collective and writes none, so a beat behind then would stay behind.
+    signal_rank_at_step(tmp_path / "run", 1, 3, 0)
     signal_rank_at_step(tmp_path / "run", 0, 3, signal.SIGSTOP)
     signal_rank_at_step(tmp_path / "run", 1, 3, signal.SIGKILL)
     wait_until(lambda: (beat := heartbeat(tmp_path / "run", 0)) and beat["attempt"] == 1 and beat["step"], timeout=60)

@@ -67,6 +67,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed and call.when == "call" and isinstance(tmp_path, Path):
         for journal in sorted(tmp_path.glob("**/supervisor/events.jsonl")):
             report.sections.append((f"journal {journal.relative_to(tmp_path)}", journal_tail(journal)))
+        # What agents and successors said once their srun was gone (a fencing agent's stall dumps among it).
+        for log in sorted([*tmp_path.glob("**/logs/agent_*.log"), *tmp_path.glob("**/supervisor/successor_*.log")]):
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            report.sections.append((f"log {log.relative_to(tmp_path)}", "\n".join(tail)))
     return report
 
 

@@ -197,6 +197,20 @@ def test_a_rank_unwound_with_every_rank_alive_fails_the_attempt_after_a_grace_an
     assert LaunchRanks(1, keep=(0, 1, 2)) in actions
 
 
+def test_the_collective_lost_is_charged_to_the_rank_whose_collective_failed_first_not_to_the_first_heard():
+    """Rank 0's collective failed; rank 1's failed when rank 0 let go of its group, and rank 1 said so first."""
+    late = HeartbeatSeen(0, 0, 2, step=7, phase=RECOVERING_PHASE, in_place=True, failed_s=0.05)
+    state, _ = decide(training(), Heartbeats((replace(late, rank=1, failed_s=0.001),)), NOW)
+    state, _ = decide(state, Heartbeats((late,)), NOW + 0.03)  # failed at NOW - 0.02, before rank 1 did
+    state, actions = decide(state, Tick(), NOW + RECOVERING_GRACE_S)
+    assert dict(record(actions, "collective_lost").fields)["rank"] == 0
+    # Without a failure time (an older worker), the first heard is the rank charged.
+    state, _ = decide(training(), recovering(1), NOW)
+    state, _ = decide(state, recovering(0, seq=3), NOW + 0.03)
+    state, actions = decide(state, Tick(), NOW + RECOVERING_GRACE_S)
+    assert dict(record(actions, "collective_lost").fields)["rank"] == 1
+
+
 def test_a_rank_unwound_with_every_rank_alive_relaunches_all_where_in_place_is_off():
     policy = replace(IN_PLACE, in_place=False, in_place_off="restart.in_place is false")
     state, _ = decide(training(policy), recovering(1), NOW)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from supervisor.rundir.watch import read_heartbeat
 from tests.conftest import wait_until
 from tests.e2e.conftest import REPO
 from tests.hostile import KINDS, bounded, plant
@@ -148,6 +149,8 @@ def test_a_rank_told_to_unwind_runs_its_training_function_again_in_the_next_atte
         layout.recovery.write_text(json.dumps({"unwind": 0}))
         os.kill(proc.pid, UNWIND_SIGNAL)
         wait_until(lambda: _phase(layout) == RECOVERING_PHASE, timeout=10, what="the rank to say it recovers")
+        ready_beat = read_heartbeat(layout.heartbeat(0), 0)  # as the supervisor reads it
+        assert ready_beat is not None and ready_beat.failed_s is not None and 0 <= ready_beat.failed_s < 10
         order = {"unwind": 0, "next": 1, "env": {ENV_ATTEMPT: "1", "MASTER_PORT": "29777"}}
         layout.recovery.write_text(json.dumps(order))
         out, err = proc.communicate(timeout=30)
