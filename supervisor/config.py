@@ -205,8 +205,6 @@ class JobConfig:
         """Why a failed rank's survivors cannot recover in place; None when they can (worker.run decides the rest)."""
         if not self.restart.in_place:
             return "restart.in_place is false"
-        if self.multi_node:
-            return "recovery in place runs on one machine so far; across nodes every rank is relaunched"
         return None
 
     def policy(self) -> Policy:

@@ -693,6 +693,8 @@ class Supervisor:
             choice.passed_over,
             source,
             resume_named=self._names_resume(attempt) and choice.step is not None,
+            kept=spawned.kept,
+            not_kept=spawned.not_kept,
         )
 
     def _sort_out_junk(self) -> None:

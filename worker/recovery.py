@@ -77,6 +77,12 @@ ORDER_WAIT_S = 600.0  # a survivor waits this long for its next attempt; the sup
 _ORDER_POLL_S = 0.002  # a read of one small file: the survivors' wait adds at most this to a recovery
 _SLOW_POLL_AFTER_S, _SLOW_POLL_S = 1.0, 0.05  # past a second (a backoff), a look every 50 ms is soon enough
 _WATCH_POLL_S = 0.05  # the NCCL watchdog's look at the supervisor's word
+_GLOO_WATCH_POLL_S = 0.25  # with gloo only a rank stuck past STUCK_S is looked for: seconds, not milliseconds
+# A rank still inside the failed attempt's training function this long after the word to unwind waits in a C++
+# collective that will not end (gloo, on a peer that unwound but whose connection stays open; NCCL, an abort that did
+# not take) and never runs the signal's handler: it exits, its stacks in its log, and is replaced; its exit closes its
+# own connections, so no peer waits on it in turn. A save in flight finishes first.
+STUCK_S = 3.0
 _CUDA_CHECK_S = 30.0  # a synchronize that takes longer means a wedged device
 # A gloo work thread that just failed a collective may still hold the last reference to its tensors, which it frees
 # under the GIL; a process group destroyed under the GIL meanwhile (by a collection) joins that thread: both wait.
@@ -336,24 +342,44 @@ def unwinding_attempt(path: Path) -> int | None:
 
 def watch_for_unwind(abort: Callable[[], Any] | None = None) -> threading.Thread:
     """The NCCL watchdog: once the supervisor says this process's attempt unwinds, abort its NCCL communicators,
-    so a collective blocked on the failed peer raises now (gloo raises on its own). `abort`: for tests."""
+    so a collective blocked on the failed peer raises now (gloo raises on its own); then, still stuck in the
+    training function STUCK_S later, exit. `abort`: for tests."""
 
     def watch() -> None:
         while True:
-            time.sleep(_WATCH_POLL_S)
-            if abort is None and not _nccl_in_use():  # gloo needs no watchdog: nothing read
-                continue
+            nccl = abort is not None or _nccl_in_use()
+            time.sleep(_WATCH_POLL_S if nccl else _GLOO_WATCH_POLL_S)
             attempt = int(os.environ.get(ENV_ATTEMPT) or 0)  # the current one: it moves on with each recovery
             root = os.environ.get(ENV_RUN_DIR)
             if root is None or unwinding_attempt(RunLayout(Path(root)).recovery) != attempt:
                 continue
-            (abort or _abort_nccl)()
-            while int(os.environ.get(ENV_ATTEMPT) or 0) == attempt:  # once per attempt
-                time.sleep(_WATCH_POLL_S)
+            if nccl:
+                (abort or _abort_nccl)()
+            _leave_if_stuck(attempt)
 
     watcher = threading.Thread(target=watch, daemon=True, name="tw-unwind-watch")
     watcher.start()
     return watcher
+
+
+def _leave_if_stuck(attempt: int) -> None:
+    """Until this process moves on from `attempt`: exit if its training function has not let go STUCK_S after the
+    word (the clock restarts while a save is in flight)."""
+    stuck_s = STUCK_S
+    deadline = time.monotonic() + stuck_s
+    while int(os.environ.get(ENV_ATTEMPT) or 0) == attempt:
+        if any(saving() for _, saving in _unwind):
+            deadline = time.monotonic() + stuck_s
+        elif _in_main and time.monotonic() >= deadline:
+            print(
+                f"trainwarden: still in attempt {attempt}'s training function {stuck_s:g} s after the word to unwind "
+                "(a collective that will not end); exiting, to be replaced",
+                file=sys.stderr,
+                flush=True,
+            )
+            faulthandler.dump_traceback(all_threads=True)
+            os._exit(1)
+        time.sleep(_WATCH_POLL_S)
 
 
 def _nccl_in_use() -> bool:

@@ -10,9 +10,10 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
     RUNNING  --ChildExited(!=0), every survivor running through worker.run, a relaunch due--> STOPPING in UNWIND
              (recovery in place: the survivors are told, PublishUnwind; none is stopped) --every survivor says
              `recovering` (Heartbeats), or the rest exit--> BACKOFF, the survivors kept into the next attempt
-             (LaunchRanks.keep; `recovered_in_place` once launched) | --restart.in_place_timeout_s (Tick)--> TERM, a
-             full relaunch | --a stop--> TERM, then stopped; otherwise (not in place: `_in_place_refusal`) the
-             full relaunch below, journalled `relaunched` with the reason
+             (LaunchRanks.keep; `recovered_in_place` once launched) | --restart.in_place_timeout_s (Tick; after a node's
+             loss LOST_NODE_UNWIND_S)--> TERM, a full relaunch | --a stop--> TERM, then stopped; otherwise (not in
+             place: `_in_place_refusal`) the full relaunch below, journalled `relaunched` with the reason; the
+             launcher may keep fewer (RanksLaunched.kept: a node excluded since, no spare for a lost one)
     RUNNING  --a rank says `recovering` and no rank exits within RECOVERING_GRACE_S (Tick)--> UNWIND (a collective
              lost with every rank alive: every rank kept, none replaced)
     RUNNING  --ChildExited(EXIT_ANOMALY, or any failure; abort info of some rank)--> STOPPING (then roll back past
@@ -68,6 +69,7 @@ from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_ex
 from supervisor.core.hangs import SAVE_PHASE, TRAIN_PHASE, phase_timeout, with_gaps
 from supervisor.core.model import (
     FAILURES_KEPT,
+    LOST_NODE_UNWIND_S,
     Action,
     CheckpointRefusal,
     ChildExited,
@@ -148,6 +150,8 @@ def _on_launched(state: State, event: RanksLaunched, now: float) -> tuple[State,
     if event.attempt != state.attempt or state.phase is not Phase.STARTING:
         return state, []
     ranks = tuple(RankState(rank, pid=pid) for rank, pid in enumerate(event.pids))
+    if event.kept is not None and event.kept != state.keep:  # the launcher kept fewer: one died, a node went
+        state = replace(state, keep=event.kept, full_relaunch=None if event.kept else event.not_kept)
     path = _recovery_path(state, event)
     state = replace(
         state,
@@ -359,15 +363,12 @@ def _in_place_refusal(state: State, cause: Cause) -> str | None:
 def _begin_unwind(state: State, now: float) -> tuple[State, list[Action]]:
     """Recover in place: the survivors are told to unwind from the failed attempt and say so; none is stopped."""
     survivors = [r.rank for r in state.ranks if r.running]
+    timeout, _ = _unwind_timeout(state)
     state = replace(
-        state,
-        phase=Phase.STOPPING,
-        then=Then.RELAUNCH,
-        stop_stage=StopStage.UNWIND,
-        deadline=now + state.policy.in_place_timeout_s,
+        state, phase=Phase.STOPPING, then=Then.RELAUNCH, stop_stage=StopStage.UNWIND, deadline=now + timeout
     )
     actions: list[Action] = [
-        _record("unwinding", attempt=state.attempt, ranks=survivors, timeout_s=state.policy.in_place_timeout_s),
+        _record("unwinding", attempt=state.attempt, ranks=survivors, timeout_s=timeout),
         PublishUnwind(state.attempt),
     ]
     state, more = _unwound_yet(state, now)
@@ -386,11 +387,20 @@ def _unwound_yet(state: State, now: float) -> tuple[State, list[Action]]:
     return _schedule_relaunch(state, now, [KillLeftovers(state.attempt, keep=keep)])
 
 
+def _unwind_timeout(state: State) -> tuple[float, str]:
+    """How long the survivors have to unwind, and what says so: after a node's loss, a collective with its ranks
+    either raises at once or never (LOST_NODE_UNWIND_S)."""
+    timeout = state.policy.in_place_timeout_s
+    if state.failures and state.failures[-1].cause.kind is CauseKind.NODE_LOST and timeout > LOST_NODE_UNWIND_S:
+        return LOST_NODE_UNWIND_S, "the wait for a lost node's peers"
+    return timeout, "restart.in_place_timeout_s"
+
+
 def _unwind_timed_out(state: State, now: float) -> tuple[State, list[Action]]:
     """Survivors that did not unwind in time (a collective that never raises): every rank is relaunched."""
     late = [r.rank for r in state.ranks if r.running and r.heartbeat_phase != RECOVERING_PHASE]
-    timeout = state.policy.in_place_timeout_s
-    reason = f"ranks {late[:8]} did not unwind within restart.in_place_timeout_s ({timeout:g} s)"
+    timeout, within = _unwind_timeout(state)
+    reason = f"ranks {late[:8]} did not unwind within {within} ({timeout:g} s)"
     state, term = _terminate(replace(state, full_relaunch=reason), now)
     return state, [_record("unwind_timed_out", level="warning", ranks=late, timeout_s=timeout), *term]
 

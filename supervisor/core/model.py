@@ -47,6 +47,7 @@ __all__ = [
     "PublishStopOrder",
     "PublishUnwind",
     "rank_deadline",
+    "LOST_NODE_UNWIND_S",
     "RECOVERING_GRACE_S",
     "recovering_deadline",
     "RanksLaunched",
@@ -119,6 +120,8 @@ class RanksLaunched:
     passed_over: tuple[tuple[int, str], ...] = ()  # newer checkpoints not resumed from, and why
     resume_source: str | None = None  # where the checkpoint is, when not the run's regular checkpoints
     resume_named: bool = False  # the checkpoint is the one `worker.resume_training` names (attempt 0 only)
+    kept: tuple[int, ...] | None = None  # recovering in place, the ranks whose processes went on (None: as asked)
+    not_kept: str | None = None  # why the launcher relaunched the ranks it was asked to keep
 
 
 @dataclass(frozen=True)
@@ -554,6 +557,10 @@ def hang_deadline(state: State) -> float | None:
 # A rank that unwound to recover in place while no rank of its attempt exited waits this long for that exit (seen
 # within milliseconds) before its own failed collective is the attempt's failure (every rank alive: the network).
 RECOVERING_GRACE_S = 0.1
+
+# The survivors of a lost node unwind within this long, or never: their collectives raise once its connections close
+# (its processes died), and wait on for ever when it is cut off or powered off. Then every rank is relaunched.
+LOST_NODE_UNWIND_S = 5.0
 
 
 def recovering_deadline(state: State) -> float | None:

@@ -21,6 +21,7 @@ and what a relaunched rank resumes from gathered before it starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import math
 import os
@@ -38,13 +39,21 @@ from supervisor.core import HeartbeatSeen
 from supervisor.launch.gpu_health import ENV_VISIBLE, count_gpus, gpu_problems
 from supervisor.launch.launcher import publish_order
 from supervisor.launch.node_memory import NodeMemory
-from supervisor.launch.ranks import Ranks, free_port, local_env, signal_group, spawn_ranks
+from supervisor.launch.ranks import (
+    Ranks,
+    free_port,
+    local_env,
+    publish_next,
+    publish_unwind,
+    signal_group,
+    spawn_ranks,
+)
 from supervisor.launch.stacks import collect_stacks
 from supervisor.launch.succession import Succession, become_successor, stand_for_successor
 from supervisor.launch.trees import descendants, die_with_parent, sigkill
 from supervisor.rundir.journal import append_event
 from supervisor.rundir.watch import HeartbeatFiles, HeartbeatUnreadable
-from worker.contract import ENV_MEMORY_DIR, ENV_RUN_DIR, RunLayout, StopOrder
+from worker.contract import ENV_MEMORY_DIR, ENV_RUN_DIR, UNWIND_SIGNAL, RunLayout, StopOrder
 from worker.files import ensure_dir, open_append
 from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
 
@@ -61,7 +70,8 @@ STALL_S = 30.0
 
 
 class Agent:
-    """Runs one attempt's ranks on this node for the supervisor at the other end of `peer`."""
+    """Runs one attempt's ranks on this node for the supervisor at the other end of `peer`; recovering in place,
+    the attempts after it too: its survivors unwind on the supervisor's word and go on, the ranks lost start anew."""
 
     def __init__(
         self, peer: Any, layout: RunLayout, attempt: int, fence_s: float, token: str, memory_prefix: str | None = None
@@ -87,6 +97,8 @@ class Agent:
         self._memory: NodeMemory | None = None  # this node's memory tier, when on and its directory could serve
         self._inventory: dict[str, Any] | None = None  # what the supervisor was last told this node holds
         self._preparing = False  # gathering what the ranks resume from (a launch under way)
+        self._unwound = attempt  # the attempt before this one, recovering in place
+        self._unwinding = False  # the attempt unwinds: its survivors' beats go to the supervisor at once
 
     def run(self) -> int:
         for signum in FORWARDED_SIGNALS:  # Slurm signals every process of the step: the supervisor decides
@@ -198,7 +210,7 @@ class Agent:
                 # Stay until the supervisor says exit: ranks that died because the supervisor's host did (their
                 # collective broke) must not take away the successor that this agent may have to become.
                 self._said_done = True
-            self._forward_heartbeats()
+            self._forward_heartbeats(now=self._unwinding)
             if time.monotonic() - self._heard > self._fence_s:
                 return f"nothing from the supervisor for {self._fence_s:g} s", False
 
@@ -217,14 +229,36 @@ class Agent:
             threading.Thread(
                 target=self._dump_stacks, args=(message["ranks"], message["faulthandler"]), daemon=True
             ).start()
+        elif kind == "unwind":
+            self._unwind(int(message["attempt"]))
         elif kind == "succession":
             self._succession = Succession.from_json(message["succession"])
         elif kind == "order":
             order = message["order"]
             publish_order(self._layout, None if order is None else StopOrder.from_json(order), _StderrLog())
 
+    def _unwind(self, attempt: int) -> None:
+        """The supervisor's word that `attempt` unwinds (worker.recovery), written where this node's ranks read it,
+        then UNWIND_SIGNAL to each survivor's leader; the supervisor gets a fresh port for the next attempt's store,
+        which rank 0 may host here."""
+        if attempt != self._attempt or self._ranks is None:
+            return
+        publish_unwind(self._layout, attempt)  # a rename on NFS is seen at once on the node that made it
+        for rank, proc in self._ranks.procs.items():
+            if rank not in self._exited and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, UNWIND_SIGNAL)
+        self._unwinding = True
+        self._send("unwinding", port=free_port("0.0.0.0"))
+
     def _launch(self, message: dict[str, Any]) -> None:
-        if self._ranks is not None or self._preparing:
+        if self._preparing:
+            return
+        if "keep" in message:  # the next attempt, in place: this agent and its surviving ranks go on
+            if self._ranks is None or int(message["attempt"]) <= self._attempt:
+                return
+            self._move_on(int(message["attempt"]))
+        elif self._ranks is not None:
             return
         memory = message.get("memory")
         resume = memory.get("resume") if isinstance(memory, dict) and self._memory is not None else None
@@ -242,17 +276,29 @@ class Agent:
 
         threading.Thread(target=prepare, name="memory-resume", daemon=True).start()
 
+    def _move_on(self, attempt: int) -> None:
+        """From now on this agent runs `attempt`: what it knew of the one before goes."""
+        self._unwound, self._attempt = self._attempt, attempt
+        self._unwinding = self._said_done = False
+        self._exited, self._beats, self._unsent, self._unreadable = set(), {}, {}, set()
+
     def _spawn(self, message: dict[str, Any], resume_problem: str | None) -> None:
+        self._preparing = False
         if resume_problem is not None:
-            self._preparing = False
             self._send("resume_failed", step=message["memory"]["resume"]["step"], reason=resume_problem)
             return
         envs = {int(rank): local_env(env) for rank, env in message["envs"].items()}
+        keep = {int(rank) for rank in message.get("keep", ())}
+        kept = self._ranks.keep(keep) if keep and self._ranks is not None else None
+        went_on = [] if kept is None else sorted(kept.procs)  # before the ranks started anew join them
         if self._memory_prefix is not None:
             # This node's memory directory, even where it could not be made: its ranks then refuse it and tell the
             # others (the tier is agreed by every rank, or snapshots stay on disk everywhere).
             directory = str(memory_dir_for(self._layout.root))
             envs = {rank: {**env, ENV_MEMORY_DIR: directory} for rank, env in envs.items()}
+        if kept is not None:  # told the next attempt's variables instead; the others start anew beside them
+            publish_next(self._layout, self._unwound, self._attempt, envs[min(kept.procs)])
+            envs = {rank: env for rank, env in envs.items() if rank not in kept.procs}
         try:
             self._ranks = spawn_ranks(
                 message["argv"],
@@ -260,15 +306,17 @@ class Agent:
                 self._layout,
                 self._attempt,
                 lambda _a, rank, code: self._inbox.put(("exited", (rank, code))),
+                kept=kept,
             )
         except OSError as exc:
             self._send("spawn_failed", error=f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
             return
-        self._send("spawned", pids={str(rank): proc.pid for rank, proc in self._ranks.procs.items()})
+        pids = {str(rank): proc.pid for rank, proc in self._ranks.procs.items()}
+        self._send("spawned", pids=pids, kept=went_on)
         orders = message.get("memory")
         if self._memory is not None and isinstance(orders, dict):
             self._memory.run_for(
-                sorted(envs),
+                sorted(self._ranks.procs),
                 int(orders["world_size"]),
                 orders.get("partner"),
                 float(orders["rate_bytes_s"]),
@@ -361,7 +409,7 @@ class Agent:
                 self._send("beat", beats=beats, memory=inventory)
 
     def _send(self, kind: str, **fields: Any) -> None:
-        self._peer.send({"type": kind, **fields})
+        self._peer.send({"type": kind, "attempt": self._attempt, **fields})  # recovering in place, it moves on
 
     def _kill_all(self) -> list[int]:
         """SIGKILL every rank still running and everything they started; the ranks killed."""

@@ -53,6 +53,8 @@ class Spawned:
 
     attempt: int
     pids: tuple[int, ...]
+    kept: tuple[int, ...] | None = None  # recovering in place, the ranks whose processes went on
+    not_kept: str | None = None  # why the ranks to keep were relaunched after all
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,7 @@ class LocalLauncher:
             )
         self._unwinding = False
         kept = self._kept(attempt.keep)
+        went_on = tuple(sorted(kept.procs)) if kept else ()
         joined = self._joined() if kept else {}
         self._retire_joining()  # a full relaunch: the replacements started for one in place go
         warm = self._take_standbys(skip={*kept.procs, *joined} if kept else set())
@@ -245,7 +248,10 @@ class LocalLauncher:
         self._oom_kills_at_launch = _oom_kills()
         self._launched_at, self._training = time.monotonic(), set()
         self._next_track = 0.0  # the new ranks are recorded at the next poll
-        return Spawned(attempt.number, tuple(self._ranks.procs[rank].pid for rank in sorted(self._ranks.procs)))
+        pids = tuple(self._ranks.procs[rank].pid for rank in sorted(self._ranks.procs))
+        if not attempt.keep:
+            return Spawned(attempt.number, pids)
+        return Spawned(attempt.number, pids, went_on, None if kept else "the ranks to keep died before the launch")
 
     @property
     def launched(self) -> bool:
@@ -360,13 +366,7 @@ class LocalLauncher:
     def _kept(self, keep: tuple[int, ...]) -> Ranks | None:
         """The failed attempt's ranks to go on in place: those of `keep` still alive (one that died since is
         started anew with the others)."""
-        if not keep or self._ranks is None:
-            return None
-        procs = {rank: self._ranks.procs[rank] for rank in keep if self._ranks.procs[rank].poll() is None}
-        if not procs:
-            return None
-        self._ranks.procs = procs
-        return self._ranks
+        return None if not keep or self._ranks is None else self._ranks.keep(keep)
 
     def _join_early(self, attempt: int, rank: int) -> None:
         standby = self._standbys.take(rank) if self._standbys is not None else None

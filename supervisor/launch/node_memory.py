@@ -171,6 +171,7 @@ class NodeMemory:
         self.port: int | None = None  # where other agents reach this one (`serve`)
         self._stop = threading.Event()
         self._persister: Persister | None = None
+        self._copier_stop = threading.Event()  # the current attempt's copies to the partner end when set
         self._streams = threading.BoundedSemaphore(MAX_STREAMS)
         self._pushed: int | None = None  # the newest step copied to the partner
         self._push_failed: str | None = None  # what the last copy to the partner said, said once
@@ -280,17 +281,24 @@ class NodeMemory:
     ) -> None:
         """While this attempt's `ranks` run: their pins persisted (at most `persist_mb_s`), their snapshots copied to
         `partner` (at most `rate_bytes_s`)."""
+        self.stop_persisting()  # the attempt before, recovering in place: its ranks go on in this one
+        self._copier_stop.set()
+        self._copier_stop = copier_stop = threading.Event()
         self._persister = Persister(self.layout, world_size, self.prefix, log, ranks=ranks, persist_mb_s=persist_mb_s)
         self._persister.start()
         if partner is not None:
             threading.Thread(
-                target=self._push_loop, args=(tuple(ranks), partner, rate_bytes_s), name="memory-push", daemon=True
+                target=self._push_loop,
+                args=(tuple(ranks), partner, rate_bytes_s, copier_stop),
+                name="memory-push",
+                daemon=True,
             ).start()
 
-    def _push_loop(self, ranks: tuple[int, ...], partner: str, rate: float) -> None:
+    def _push_loop(self, ranks: tuple[int, ...], partner: str, rate: float, ended: threading.Event) -> None:
         """Every snapshot in turn while the partner keeps up (the oldest not yet copied that is still held), so that
-        every node's partner holds the same steps; each step copied is kept here too, for the common choice."""
-        while not self._stop.wait(PUSH_POLL_S):
+        every node's partner holds the same steps; each step copied is kept here too, for the common choice. Until
+        the agent ends, or the next attempt's copier takes over (`ended`)."""
+        while not self._stop.wait(PUSH_POLL_S) and not ended.is_set():
             step = self._next_to_push(ranks)
             if step is None:
                 continue

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -43,6 +43,7 @@ __all__ = [
     "free_port",
     "launch_ranks",
     "local_env",
+    "publish_next",
     "publish_unwind",
     "rank_argv",
     "rank_envs",
@@ -91,6 +92,15 @@ class Ranks:
     @property
     def pids(self) -> set[int]:
         return {proc.pid for proc in self.procs.values()}
+
+    def keep(self, ranks: Collection[int]) -> Ranks | None:
+        """These ranks, of those still alive, to go on in place into the next attempt (one that died since starts
+        anew with the others): self, holding only them; None when none is left."""
+        alive = {rank: proc for rank, proc in self.procs.items() if rank in ranks and proc.poll() is None}
+        if not alive:
+            return None
+        self.procs = alive
+        return self
 
 
 def signal_group(leader: int, signum: int) -> bool:
@@ -208,7 +218,7 @@ def launch_ranks(
     if kept is None:
         unlink_quietly(layout.recovery)
     else:
-        _publish_next(layout, kept.attempt, attempt.number, envs[min(kept.procs)])
+        publish_next(layout, kept.attempt, attempt.number, envs[min(kept.procs)])
         envs = {rank: env for rank, env in envs.items() if rank not in kept.procs and rank not in (joined or {})}
     return spawn_ranks(rank_argv(config), envs, layout, attempt.number, on_exit, standbys, kept, joined)
 
@@ -225,7 +235,7 @@ def publish_unwind(layout: RunLayout, attempt: int) -> None:
     atomic_write_json(layout.recovery, {"unwind": attempt}, root=layout.root, durable=False)
 
 
-def _publish_next(layout: RunLayout, unwound: int, attempt: int, env: Mapping[str, str]) -> None:
+def publish_next(layout: RunLayout, unwound: int, attempt: int, env: Mapping[str, str]) -> None:
     """The next attempt's number and its variables, for the ranks that recover in place."""
     order = {"unwind": unwound, "next": attempt, "env": {key: env[key] for key in PER_ATTEMPT if key in env}}
     atomic_write_json(layout.recovery, order, root=layout.root, durable=False)

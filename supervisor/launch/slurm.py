@@ -99,6 +99,7 @@ class _Node:
     name: str
     group_rank: int
     ranks: tuple[int, ...]
+    attempt: int = 0  # the attempt its agent runs (recovering in place, it goes on into the next)
     peer: Peer | None = None
     address: str | None = None
     port: int | None = None
@@ -106,6 +107,7 @@ class _Node:
     heard: float = 0.0  # monotonic: the last message from its agent
     pids: dict[int, int] = field(default_factory=dict)
     exited: set[int] = field(default_factory=set)
+    kept: set[int] = field(default_factory=set)  # its ranks that went on in place into this attempt
     state: str = "starting"  # starting, running, done, lost
     stacks: dict[str, Any] | None = None
 
@@ -207,6 +209,8 @@ class SlurmLauncher:
         self._attempt: int | None = None
         self._pending = Attempt(0)  # the attempt being placed
         self._nodes: dict[str, _Node] = {}
+        self._width = config.nodes  # the nodes of the attempt (fewer than the config's when the run went on shrunk)
+        self._not_kept: str | None = None  # why the ranks to keep in place were relaunched after all
         self._srun: list[subprocess.Popen] = []
         self._hello_deadline: float | None = None
         self._stacks_deadline: float | None = None
@@ -325,21 +329,36 @@ class SlurmLauncher:
         """Nothing was started."""
 
     def launch(self, attempt: Attempt) -> None:
-        """Ask Slurm for the nodes (in a thread: the controller may be slow or out of reach); `_Planned` goes on."""
-        for node in self._nodes.values():  # the last attempt's agents, if any is still there, go
-            if node.peer is not None:
-                node.peer.send({"type": "exit"})  # said, not a fence: the supervisor is alive
-                node.peer.close()
-        self._kill_steps()  # a step stuck on a lost node is not waited for
+        """Ask Slurm for the nodes (in a thread: the controller may be slow or out of reach); `_Planned` goes on.
+        Recovering in place (`attempt.keep`), the agents alive stay, with their steps and their surviving ranks."""
+        kept = self._live_agents() if attempt.keep else {}
+        for node in self._nodes.values():  # the last attempt's other agents, if any is still there, go
+            if node.name not in kept:
+                self._dismiss(node)
+        if not kept:
+            self._kill_steps()  # a step stuck on a lost node is not waited for
         if attempt.number != self._pending.number:
             self._step_tries = 0
         self._retry_at = None
-        self._attempt, self._pending, self._nodes = None, attempt, {}
+        self._attempt, self._pending, self._nodes, self._not_kept = None, attempt, kept, None
         self._hello_deadline, self._ended_early = None, {}
         threading.Thread(
             target=self._plan, args=(attempt.number, sorted(self._ledger_nodes())), daemon=True, name="slurm-plan"
         ).start()
         return None
+
+    def _live_agents(self) -> dict[str, _Node]:
+        """The nodes whose agents are here and whose ranks did not fail with them: they go on into the next attempt,
+        each made ready for it."""
+        live = {n.name: n for n in self._nodes.values() if n.peer is not None and n.state in ("running", "done")}
+        for node in live.values():
+            node.state, node.pids, node.exited, node.stacks = "starting", {}, set(), None
+        return live
+
+    def _dismiss(self, node: _Node) -> None:
+        if node.peer is not None:
+            node.peer.send({"type": "exit"})  # said, not a fence: the supervisor is alive
+            node.peer.close()
 
     def _ledger_nodes(self) -> set[str]:
         return {fault.node for fault in self._ledger.faults}
@@ -369,6 +388,8 @@ class SlurmLauncher:
         self._allocation, self._states = list(planned.nodes), planned.states
         self._seen += [node for node in planned.nodes if node not in self._seen]
         self._update_ledger(lambda ledger: ledger.confirmed(self._states, time.time()))
+        if self._nodes:  # recovering in place: only the lost nodes' places are filled
+            return self._fill_places(planned.attempt)
         try:
             nodes, spares = plan_nodes(self._allocation, self._excluded(), self._config.nodes, self._config.min_nodes)
         except TooFewNodes as exc:
@@ -386,17 +407,47 @@ class SlurmLauncher:
         failed = self._start_step(self._pending, nodes, spares)
         return [] if failed is None else [failed]
 
-    def _start_step(self, attempt: Attempt, nodes: list[str], spares: list[str]) -> LaunchFailed | None:
+    def _fill_places(self, attempt: int) -> list[Event | Isolated]:
+        """In place: the nodes kept go on in their places (one excluded since goes); a spare takes each other place
+        in a new step of its own. Too few spares for the attempt's width: every node starts anew."""
+        excluded = self._excluded()
+        for name in [name for name in self._nodes if name in excluded or name not in self._allocation]:
+            self._dismiss(self._nodes.pop(name))
+        taken = {node.group_rank for node in self._nodes.values()}
+        places = [place for place in range(self._width) if place not in taken]
+        free = [name for name in self._allocation if name not in excluded and name not in self._nodes]
+        if len(free) < len(places) or not self._nodes:
+            self._not_kept = f"no spare node for the place of each node lost ({len(free)} for {len(places)})"
+            for node in self._nodes.values():
+                self._dismiss(node)
+            self._kill_steps()
+            self._nodes = {}
+            return self._planned(_Planned(attempt, tuple(self._allocation), self._states))
+        self._log.info("nodes_kept", attempt=attempt, nodes=sorted(self._nodes), places=places)
+        if not places:
+            self._attempt = attempt
+            self._signalled, self._failed_on = False, None
+            return list(self._place())
+        failed = self._start_step(self._pending, dict(zip(free, places, strict=False)), free[len(places) :])
+        return [] if failed is None else [failed]
+
+    def _start_step(
+        self, attempt: Attempt, nodes: list[str] | dict[str, int], spares: list[str]
+    ) -> LaunchFailed | None:
+        """A step of agents on `nodes` (each name with its place, the group rank; a list: in its order), beside the
+        nodes kept from the attempt before."""
         n = self._config.nproc_per_node
+        places = nodes if isinstance(nodes, dict) else {name: i for i, name in enumerate(nodes)}
         self._attempt = attempt.number
-        self._nodes = {name: _Node(name, i, tuple(range(i * n, (i + 1) * n))) for i, name in enumerate(nodes)}
+        self._nodes.update({name: _Node(name, i, tuple(range(i * n, (i + 1) * n))) for name, i in places.items()})
+        self._width = len(self._nodes)
         self._signalled, self._failed_on = False, None
         env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": self._token}
         try:
             log = open_append(self._srun_log(attempt.number), root=self._layout.root)  # agents' stderr, labelled
             try:
                 proc = subprocess.Popen(
-                    self._srun_argv(attempt.number, nodes),
+                    self._srun_argv(attempt.number, list(places)),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -412,7 +463,7 @@ class SlurmLauncher:
             target=lambda: self._post(_SrunExited(proc.pid, proc.wait())), daemon=True, name=f"srun-a{attempt.number}"
         ).start()
         self._hello_deadline = time.monotonic() + HELLO_TIMEOUT_S
-        self._log.info("agents_starting", attempt=attempt.number, nodes=nodes, spares=spares)
+        self._log.info("agents_starting", attempt=attempt.number, nodes=list(places), spares=spares)
         return None
 
     def _srun_log(self, attempt: int) -> Any:
@@ -495,6 +546,9 @@ class SlurmLauncher:
             if succession is not None:
                 node.peer.send({"type": "succession", "succession": succession.to_json()})
             launch: dict[str, Any] = {"type": "launch", "argv": argv, "envs": envs}
+            if node.attempt != attempt.number:  # kept: its agent and its surviving ranks go on into this attempt
+                launch.update(attempt=attempt.number, keep=[rank for rank in node.ranks if rank in attempt.keep])
+                node.attempt = attempt.number
             if self._memory_on() and node.memory_port is not None:
                 launch["memory"] = self._memory_orders(node, attempt, world)
             node.peer.send(launch)
@@ -690,15 +744,15 @@ class SlurmLauncher:
             self._log.error("gpu_unhealthy", node=node.name, attempt=attempt, problems=said)
             return self._lose(node, f"unhealthy GPU: {'; '.join(said)}")
         port, memory_port = hello.get("port"), hello.get("memory_port")
-        node.peer, node.address, node.heard = peer, peer.address, time.monotonic()
+        node.peer, node.address, node.heard, node.attempt = peer, peer.address, time.monotonic(), attempt
         node.port = port if type(port) is int and 0 < port < 65536 else None
         node.memory_port = memory_port if type(memory_port) is int and 0 < memory_port < 65536 else None
         if node.memory_port is not None:
             self._hold(node.name, hello.get("memory"))
         self._hub.add(
             peer,
-            lambda m: self._heard(node, attempt, m),
-            lambda why: self._post(_AgentGone(attempt, node.name, why)),
+            lambda m: self._heard(node, m),
+            lambda why: self._post(_AgentGone(node.attempt, node.name, why)),
         )
         self._log.info(
             "agent_connected", attempt=attempt, node=node.name, address=node.address, agent_pid=hello.get("pid")
@@ -708,10 +762,13 @@ class SlurmLauncher:
             return self._place()
         return []
 
-    def _heard(self, node: _Node, attempt: int, message: dict[str, Any]) -> None:
+    def _heard(self, node: _Node, message: dict[str, Any]) -> None:
         """In the hub's thread: the node is alive now (whatever the main loop's backlog); its beats are held for
-        the main loop to take together, anything else goes to the main loop as it is."""
+        the main loop to take together, anything else goes to the main loop as it is. Each message is of the
+        attempt its agent ran when it sent it."""
         node.heard = time.monotonic()
+        said = message.get("attempt")
+        attempt = said if type(said) is int else node.attempt
         if message["type"] != "beat":
             self._post(_AgentSaid(attempt, node.name, message))
             return
@@ -735,6 +792,7 @@ class SlurmLauncher:
         kind = message["type"]
         if kind == "spawned":
             node.pids = {int(rank): int(pid) for rank, pid in message["pids"].items() if int(rank) in node.ranks}
+            node.kept = {int(rank) for rank in message.get("kept", ()) if int(rank) in node.ranks}
             node.state = "running"
             if all(n.state == "running" for n in self._nodes.values()):
                 pids = tuple(
@@ -742,10 +800,17 @@ class SlurmLauncher:
                     for n in sorted(self._nodes.values(), key=lambda n: n.group_rank)
                     for _, pid in sorted(n.pids.items())
                 )
-                return [Spawned(self._attempt or 0, pids)]
+                if not self._pending.keep:
+                    return [Spawned(self._attempt or 0, pids)]
+                kept = tuple(sorted(rank for n in self._nodes.values() for rank in n.kept))
+                return [Spawned(self._attempt or 0, pids, kept=kept, not_kept=self._not_kept)]
             return []
         if kind == "resume_failed":
             return self._resume_failed(node, message)
+        if kind == "unwinding":  # the port the next attempt's store may be hosted at, on this node
+            port = message.get("port")
+            node.port = port if type(port) is int and 0 < port < 65536 else node.port
+            return []
         if kind == "spawn_failed":
             self._kill_steps()
             return [LaunchFailed(self._attempt or 0, f"on {node.name}: {str(message['error'])[:300]}")]
@@ -773,7 +838,14 @@ class SlurmLauncher:
         age = record.get("age_s")  # bounded: an agent's clock error must not date a beat before the attempt
         age = min(float(age), self._config.slurm.node_timeout_s) if _is_number(age) and age > 0 else 0.0
         unchecked: dict[str, Any] = {k: record.get(k) for k in fields}  # the checks below judge the beat
-        beat = HeartbeatSeen(**unchecked, **progress_fields(record), age_s=age)
+        failed_s = record.get("failed_s")
+        beat = HeartbeatSeen(
+            **unchecked,
+            **progress_fields(record),
+            age_s=age,
+            in_place=record.get("in_place") is True,
+            failed_s=float(failed_s) if _is_number(failed_s) and failed_s >= 0 else None,
+        )
         ok = (
             beat.rank in node.ranks
             and beat.attempt == self._attempt
@@ -1030,7 +1102,12 @@ class SlurmLauncher:
         """Each agent kills its ranks' grandchildren itself before it reports done."""
 
     def unwind(self, attempt: int) -> None:
-        """Never asked: across nodes every rank is relaunched (JobConfig.in_place)."""
+        """Each agent tells its node's survivors (worker.recovery); the agents of lost nodes are gone."""
+        if attempt != self._attempt:
+            return
+        for node in self._nodes.values():
+            if node.peer is not None and node.state != "lost":
+                node.peer.send({"type": "unwind", "attempt": attempt})
 
     def publish(self, order: StopOrder | None) -> None:
         publish_order(self._layout, order, self._log)  # for `status` and any rank on this machine

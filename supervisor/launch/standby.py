@@ -51,6 +51,7 @@ __all__ = ["PER_ATTEMPT", "Adopted", "ForkServer", "Process", "Standby", "Standb
 
 # Set only when an attempt starts: a standby waits without them and must not read them at import time.
 PER_ATTEMPT = (
+    "MASTER_ADDR",  # across nodes, a spare may take the lost first node's place
     "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT",
     ENV_ATTEMPT,

@@ -129,7 +129,11 @@ def journal_time(event: dict[str, Any]) -> float:
     return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
 
-def test_a_rank_crash_on_the_second_node_relaunches_every_node_and_resumes_bitwise(slurm, tmp_path, reference):
+def test_a_rank_crash_on_the_second_node_is_recovered_in_place_on_both_nodes_and_resumes_bitwise(
+    slurm, tmp_path, reference
+):
+    """Rank 3 SIGKILLed on twnode2: the agents and their step stay; ranks 0-2 unwind and go on in their processes
+    (on both nodes), twnode2's agent starts rank 3 anew beside rank 2, and the run ends as the uninterrupted one."""
     job, run_dir = submit(slurm, tmp_path, env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": "3:sigkill@15"})
     code, out = finished(slurm, job, tmp_path)
 
@@ -138,6 +142,17 @@ def test_a_rank_crash_on_the_second_node_relaunches_every_node_and_resumes_bitwi
     assert (crash["rank"], crash["node"], crash["returncode"]) == (3, "twnode2", -signal.SIGKILL)
     placed = [e["nodes"] for e in events(run_dir, "ranks_placed")]
     assert placed == [{"twnode1": [0, 1], "twnode2": [2, 3]}] * 2  # one failure is no reason to drop a node
+    assert len(events(run_dir, "agents_starting")) == 1  # no second step: the agents outlived the attempt
+    (recovered,) = events(run_dir, "recovered_in_place")
+    first = events(run_dir, "ranks_launched")[0]["pids"]
+    kept, replaced = recovered["kept"], recovered["replaced"]
+    assert 3 in replaced and kept and sorted(kept + replaced) == [0, 1, 2, 3]
+    assert [recovered["pids"][r] for r in kept] == [first[r] for r in kept]  # as each node sees them
+    # A survivor may wait in gloo on a peer that unwound but keeps its connection open: it leaves after
+    # worker.recovery.STUCK_S and is replaced too; no rank is replaced for any other reason.
+    for rank in set(replaced) - {3}:
+        said = (run_dir / "logs" / "attempt_0" / f"rank_{rank}.err").read_text()
+        assert "training function 3 s after the word to unwind" in said, rank
     assert status(run_dir)["resumed_from"]["step"] == 10
     assert_same_training_state(run_dir, reference)
 
@@ -177,7 +192,8 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
     slurm, tmp_path, reference
 ):
     """twnode2 cut off at step 12: declared lost within the node timeout, its own agent has killed its ranks, the
-    spare takes its place; its link back before Slurm noticed, it is a spare again after its 4 s cool-down."""
+    spare takes its place beside twnode1's ranks, which recover in place; its link back before Slurm noticed, it is
+    a spare again after its 4 s cool-down."""
     job, run_dir = submit(
         slurm,
         tmp_path,
@@ -205,8 +221,10 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
 
     assert code == 0, out[-3000:]
     assert [e["nodes"] for e in events(run_dir, "ranks_placed")][-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
-    (killed,) = events(run_dir, "ranks_killed_at_once")  # blocked in gloo with the lost ranks: no grace to wait out
-    assert (killed["ranks"], killed["why"]) == ([0, 1], "blocked in a collective with a lost node")
+    # twnode1's ranks unwound and went on in place beside the spare's (a rank stuck in a collective with the lost
+    # ones would have left after worker.recovery.STUCK_S and been replaced).
+    (recovered,) = events(run_dir, "recovered_in_place")
+    assert (recovered["kept"], recovered["replaced"]) == ([0, 1], [2, 3])
     assert_same_training_state(run_dir, reference)
 
 

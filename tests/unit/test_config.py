@@ -138,14 +138,13 @@ def test_policy_carries_restart_and_stop_knobs():
     )
 
 
-def test_recovery_in_place_is_on_by_default_off_by_setting_and_across_nodes():
+def test_recovery_in_place_is_on_by_default_across_nodes_too_and_off_by_setting():
     """The core is told whether survivors may recover in place, and if not, why (its journal says it)."""
     job = {"script": "t.py", "nproc_per_node": 2}
     assert parse_config(job).policy().in_place
-    off = parse_config({**job, "restart": {"in_place": False}}).policy()
+    assert parse_config({**job, "nodes": 2, "spare_nodes": 1}).policy().in_place
+    off = parse_config({**job, "nodes": 2, "restart": {"in_place": False}}).policy()
     assert (off.in_place, off.in_place_off) == (False, "restart.in_place is false")
-    nodes = parse_config({**job, "nodes": 2}).policy()
-    assert not nodes.in_place and "one machine" in nodes.in_place_off
 
 
 def test_ints_accepted_for_float_fields(tmp_path):

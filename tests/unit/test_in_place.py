@@ -6,6 +6,7 @@ import signal
 from dataclasses import replace
 
 from supervisor.core import (
+    LOST_NODE_UNWIND_S,
     RECOVERING_GRACE_S,
     ChildExited,
     Heartbeats,
@@ -94,6 +95,30 @@ def test_the_launch_of_a_recovery_in_place_is_journalled_with_who_stayed():
     assert "SIGKILL" in fields["after"]
     assert state.keep == () and state.phase is Phase.RUNNING
     assert state.recovery == "in place: ranks [0, 2] kept, [1] replaced"  # what `status` shows
+
+
+def test_a_launcher_that_kept_fewer_ranks_than_asked_journals_the_ranks_it_kept_or_why_none():
+    """On Slurm a kept rank's node may be excluded before the launch, or no spare take a lost node's place."""
+    state, _ = decide(unwinding(), recovering(0, 2), NOW)
+    fewer, _ = decide(state, RanksLaunched(1, (100, 301, 302), 7, kept=(0,)), NOW)
+    assert fewer.recovery == "in place: ranks [0] kept, [1, 2] replaced"
+    state, actions = decide(state, RanksLaunched(1, (300, 301, 302), 7, kept=(), not_kept="no spare node"), NOW)
+    assert shape(actions) == ["relaunched", "ranks_launched"]
+    assert dict(actions[0].fields)["reason"] == "no spare node"
+
+
+def test_the_peers_of_a_lost_node_have_a_few_seconds_to_unwind_as_a_cut_off_node_never_lets_them():
+    lost = Cause(CauseKind.NODE_LOST, "node b lost: no word from its agent for 10.0 s")
+    state, actions = decide(training(), ChildExited(0, 1, -9, cause=lost, node="b", lost_with=(1,)), NOW)
+    assert state.stop_stage is StopStage.UNWIND and state.deadline == NOW + LOST_NODE_UNWIND_S
+    assert dict(record(actions, "unwinding").fields)["timeout_s"] == LOST_NODE_UNWIND_S
+    state, actions = decide(state, Tick(), NOW + LOST_NODE_UNWIND_S)
+    assert state.stop_stage is StopStage.TERM
+    state, _ = decide(state, ChildExited(0, 0, -9), NOW + 6)
+    state, _ = decide(state, ChildExited(0, 2, -9), NOW + 6)
+    state, actions = decide(state, RanksLaunched(1, (300, 301, 302), 7), NOW + 7)
+    reason = dict(record(actions, "relaunched").fields)["reason"]
+    assert reason == f"ranks [0, 2] did not unwind within the wait for a lost node's peers ({LOST_NODE_UNWIND_S:g} s)"
 
 
 def test_survivors_not_unwound_in_time_fall_back_to_a_full_relaunch():

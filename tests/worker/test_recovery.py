@@ -220,6 +220,53 @@ def test_a_release_that_blocks_ends_the_rank_with_its_stacks(tmp_path: Path) -> 
     assert not layout.heartbeat(0).exists() or _phase(layout) != RECOVERING_PHASE  # it never said it was ready
 
 
+BLOCKED = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import worker.recovery as recovery
+from worker import run
+
+recovery.STUCK_S = 1.0  # the test's own bound; 3 s by default
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=rank, world_size=2)
+if rank == 1:  # a peer that keeps its connection open and never joins the collective (it ignores the word)
+    signal.signal(recovery.UNWIND_SIGNAL, signal.SIG_IGN)
+    time.sleep(60)
+    sys.exit(0)
+
+def main():
+    open(os.environ["READY"], "w").close()
+    dist.all_reduce(torch.ones(1))  # waits in C++ for rank 1: the word's handler cannot run meanwhile
+
+run(main)
+"""
+
+
+def test_a_rank_stuck_in_a_collective_after_the_word_exits_to_be_replaced(tmp_path: Path) -> None:
+    """A gloo collective waiting on a live peer never raises, and its rank never runs the signal's handler: STUCK_S
+    after the word the rank exits 1 with its stacks, so the supervisor replaces it and its peers are not held."""
+    layout = RunLayout(tmp_path / "run")
+    layout.recovery.parent.mkdir(parents=True)
+    ready = tmp_path / "ready"
+    env = {**os.environ, "TRAINWARDEN_IN_PLACE": "1", ENV_RUN_DIR: str(layout.root), ENV_ATTEMPT: "0",
+           "READY": str(ready), "INIT": f"file://{tmp_path / 'store'}"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", BLOCKED], env={**env, "RANK": str(rank)}, cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]  # fmt: skip
+    try:
+        wait_until(ready.exists, timeout=60, what="rank 0's training function to run")
+        time.sleep(0.3)  # inside the collective
+        layout.recovery.write_text(json.dumps({"unwind": 0}))
+        os.kill(procs[0].pid, UNWIND_SIGNAL)
+        _, err = procs[0].communicate(timeout=30)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert procs[0].returncode == 1, err[-2000:]
+    assert "still in attempt 0's training function 1 s after the word to unwind" in err
+    assert "in main" in err  # its stacks: where it was stuck
+
+
 def test_threads_that_need_the_gil_once_more_run_before_the_group_goes() -> None:
     """A gloo work thread that ended a failed collective still frees its tensors under the GIL: the rank lets it
     run (here a thread busy without the GIL, as hashing is, that then needs it once) before it destroys its group."""

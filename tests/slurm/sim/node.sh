@@ -73,6 +73,9 @@ case $cmd in
     # the pid namespace's init (sh) dying takes all in it along; the loop catches forks in flight
     for _ in $(seq 1 25); do
       pids=$(ip netns pids "$n"); [ -z "$pids" ] && exit 0
+      # frozen first, then killed: as in a power cut, no process there sees another die and acts on it (an agent
+      # journaling its fencing once the supervisor beside it is gone)
+      kill -STOP $pids 2>/dev/null || true
       kill -9 $pids 2>/dev/null || true
       sleep 0.2
     done
