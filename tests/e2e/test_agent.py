@@ -194,7 +194,7 @@ def test_a_slurm_signal_to_the_agent_is_forwarded_and_the_ranks_left_alone(super
     assert supervisor.agent.poll() is None and all(psutil.pid_exists(pid) for pid in pids.values())
     supervisor.peer.send({"type": "signal", "signum": signal.SIGKILL, "ranks": [5]})
     assert supervisor.receive("signalled")["ranks"] == [5]
-    assert supervisor.receive("exited") == {"type": "exited", "rank": 5, "code": -signal.SIGKILL}
+    assert supervisor.receive("exited") == {"type": "exited", "attempt": 0, "rank": 5, "code": -signal.SIGKILL}
 
 
 def test_a_stop_order_is_written_into_the_run_dir_by_the_agent(supervisor):
