@@ -20,6 +20,7 @@ from tests.e2e.conftest import REPO
 from tests.slurm.test_multinode import (
     JOB_TIMEOUT_S,
     NODE_TIMEOUT_S,
+    SLOWER,
     TRAINWARDEN,
     assert_same_training_state,
     events,
@@ -47,7 +48,7 @@ def test_a_crashed_batch_host_hands_the_run_to_a_successor_that_finishes_it(slur
     """The batch host (twnode1: the supervisor and ranks 0-1) is powered off at step 12: the agents on twnode2 and
     twnode3 fence, twnode2's agent takes the lease and becomes the supervisor, which resumes from step 10 on the
     surviving node and the spare, finishes bitwise as an uninterrupted run, and ends the job (squeue empty)."""
-    job, run_dir = submit(slurm, tmp_path)
+    job, run_dir = submit(slurm, tmp_path, env=SLOWER)  # at full speed the 40 steps could end before the crash
     wait_for_step(slurm, run_dir, 12)
     crashed_at = time.time()
     slurm.crash_node("twnode1")
@@ -89,7 +90,7 @@ def test_a_batch_host_crashed_while_the_controller_is_out_waits_for_it_then_the_
     controller silent, and keeps its claim open for it (slurm.controller_wait_s) instead of leaving the run to
     nobody; once the controller is back it takes over, resumes on the nodes left, finishes bitwise as an
     uninterrupted run and ends the job."""
-    job, run_dir = submit(slurm, tmp_path, slurm_keys={"controller_wait_s": 120})
+    job, run_dir = submit(slurm, tmp_path, slurm_keys={"controller_wait_s": 120}, env=SLOWER)
     wait_for_step(slurm, run_dir, 12)
     slurm.pause_controller()
     try:
@@ -158,7 +159,7 @@ def test_a_cut_off_batch_host_blames_itself_hands_over_and_adopts_the_successors
     out of reach, fences its own ranks, charges no node and abdicates; twnode2's agent takes over on twnode2 and the
     spare. The link comes back: the old supervisor waits as the job's keeper and exits with the successor's code, so
     the job ends COMPLETED as its batch script says; no healthy node is excluded for good."""
-    job, run_dir = submit(slurm, tmp_path)
+    job, run_dir = submit(slurm, tmp_path, env=SLOWER)
     wait_for_step(slurm, run_dir, 12)
     slurm.partition("twnode1")
     slurm.wait_for(lambda: events(run_dir, "successor_claimed"), 40, "a successor")
