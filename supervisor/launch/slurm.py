@@ -340,7 +340,8 @@ class SlurmLauncher:
         if attempt.number != self._pending.number:
             self._step_tries = 0
         self._retry_at = None
-        self._attempt, self._pending, self._nodes, self._not_kept = None, attempt, kept, None
+        self._attempt, self._pending, self._nodes = None, attempt, kept
+        self._not_kept = None if kept or not attempt.keep else "no node of the failed attempt has its agent left"
         self._hello_deadline, self._ended_early = None, {}
         threading.Thread(
             target=self._plan, args=(attempt.number, sorted(self._ledger_nodes())), daemon=True, name="slurm-plan"
@@ -350,7 +351,7 @@ class SlurmLauncher:
     def _live_agents(self) -> dict[str, _Node]:
         """The nodes whose agents are here and whose ranks did not fail with them: they go on into the next attempt,
         each made ready for it."""
-        live = {n.name: n for n in self._nodes.values() if n.peer is not None and n.state in ("running", "done")}
+        live = {n.name: n for n in self._nodes.values() if n.peer is not None and n.state != "lost"}
         for node in live.values():
             node.state, node.pids, node.exited, node.stacks = "starting", {}, set(), None
         return live
