@@ -418,7 +418,11 @@ class SlurmLauncher:
         places = [place for place in range(self._width) if place not in taken]
         free = [name for name in self._allocation if name not in excluded and name not in self._nodes]
         if len(free) < len(places) or not self._nodes:
-            self._not_kept = f"no spare node for the place of each node lost ({len(free)} for {len(places)})"
+            self._not_kept = (
+                f"no spare node for the place of each node lost ({len(free)} for {len(places)})"
+                if self._nodes
+                else "every node of the failed attempt is excluded"
+            )
             for node in self._nodes.values():
                 self._dismiss(node)
             self._kill_steps()
