@@ -69,7 +69,7 @@ from supervisor.launch.wire import Hub, Peer, WireError
 from supervisor.rundir.lease import ABDICATED, HELD, RELEASED, Lease
 from supervisor.rundir.lease import read as read_lease
 from supervisor.rundir.throttle import MB
-from supervisor.rundir.watch import progress_fields
+from supervisor.rundir.watch import progress_fields, recovery_fields
 from worker.contract import EXIT_FAILED, EXIT_REQUEUE, RunLayout, StopOrder
 from worker.files import open_append, read_bytes
 from worker.store import MEMORY_LABEL
@@ -405,7 +405,7 @@ class SlurmLauncher:
                 world_size=len(nodes) * self._config.nproc_per_node,
                 excluded=sorted(self._excluded()),
             )
-        failed = self._start_step(self._pending, nodes, spares)
+        failed = self._start_step(self._pending, {name: i for i, name in enumerate(nodes)}, spares)
         return [] if failed is None else [failed]
 
     def _fill_places(self, attempt: int) -> list[Event | Isolated]:
@@ -436,13 +436,10 @@ class SlurmLauncher:
         failed = self._start_step(self._pending, dict(zip(free, places, strict=False)), free[len(places) :])
         return [] if failed is None else [failed]
 
-    def _start_step(
-        self, attempt: Attempt, nodes: list[str] | dict[str, int], spares: list[str]
-    ) -> LaunchFailed | None:
-        """A step of agents on `nodes` (each name with its place, the group rank; a list: in its order), beside the
-        nodes kept from the attempt before."""
+    def _start_step(self, attempt: Attempt, places: dict[str, int], spares: list[str]) -> LaunchFailed | None:
+        """A step of agents on the nodes of `places` (each name with its place, the group rank), beside the nodes
+        kept from the attempt before."""
         n = self._config.nproc_per_node
-        places = nodes if isinstance(nodes, dict) else {name: i for i, name in enumerate(nodes)}
         self._attempt = attempt.number
         self._nodes.update({name: _Node(name, i, tuple(range(i * n, (i + 1) * n))) for name, i in places.items()})
         self._width = len(self._nodes)
@@ -843,14 +840,7 @@ class SlurmLauncher:
         age = record.get("age_s")  # bounded: an agent's clock error must not date a beat before the attempt
         age = min(float(age), self._config.slurm.node_timeout_s) if _is_number(age) and age > 0 else 0.0
         unchecked: dict[str, Any] = {k: record.get(k) for k in fields}  # the checks below judge the beat
-        failed_s = record.get("failed_s")
-        beat = HeartbeatSeen(
-            **unchecked,
-            **progress_fields(record),
-            age_s=age,
-            in_place=record.get("in_place") is True,
-            failed_s=float(failed_s) if _is_number(failed_s) and failed_s >= 0 else None,
-        )
+        beat = HeartbeatSeen(**unchecked, **recovery_fields(record), **progress_fields(record), age_s=age)
         ok = (
             beat.rank in node.ranks
             and beat.attempt == self._attempt

@@ -224,8 +224,7 @@ def read_heartbeat(path: Path, rank: int) -> HeartbeatSeen | None:
             step=_count(record, "step"),
             phase=_phase(record.get("phase")),
             step_time_s=_positive_or_none(record.get("step_time_s")),
-            in_place=record.get("in_place") is True,
-            failed_s=_nonnegative_or_none(record.get("failed_s")),
+            **recovery_fields(record),
             **progress_fields(record),
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -289,6 +288,11 @@ def _phase(value: object) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_PHASE_CHARS or not value.isprintable():
         raise ValueError(f"'phase': {str(value)[:40]!r} is not a phase name")
     return value
+
+
+def recovery_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """What a heartbeat says of recovery in place: whether the rank can, and when its collective failed."""
+    return {"in_place": record.get("in_place") is True, "failed_s": _nonnegative_or_none(record.get("failed_s"))}
 
 
 def progress_fields(record: dict[str, Any]) -> dict[str, Any]:

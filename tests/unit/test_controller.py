@@ -144,14 +144,14 @@ def test_a_plan_the_controller_cannot_answer_waits_for_it_instead_of_handing_ove
 
 
 def test_the_controller_back_is_journaled_and_the_step_starts(launcher, monkeypatch):
-    started: list[list[str]] = []
-    monkeypatch.setattr(launcher, "_start_step", lambda attempt, nodes, spares: started.append(nodes))
+    started: list[dict[str, int]] = []
+    monkeypatch.setattr(launcher, "_start_step", lambda attempt, places, spares: started.append(places))
     launcher._planned(slurm._Planned(0, error="timed out", reachable=False))
 
     launcher._planned(slurm._Planned(0, ("twnode1", "twnode2", "twnode3"), {}))
 
     assert launcher.log.events() == ["controller_unreachable", "controller_back"]
-    assert started == [["twnode1", "twnode2"]]
+    assert started == [{"twnode1": 0, "twnode2": 1}]  # each node with its place
 
 
 def test_a_controller_out_of_reach_past_the_wait_ends_the_launch_with_75(launcher):
