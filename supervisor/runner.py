@@ -94,6 +94,9 @@ POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the s
 # The next deadline walks every rank: after heartbeats alone (which only move a rank's deadline) it is worked out
 # again at most this often, so thousands of ranks cost one walk per this, not one per event.
 DEADLINE_REFRESH_S = 0.5
+# A recovery in place's phases (stopping, starting) are written within this long unless it is launched first: each
+# write of a change of phase is an fsync, tens of ms on a busy disk, in a recovery that takes a hundred.
+STATUS_DEFER_S = 0.5
 STATUS_SHARE = 0.02  # of the supervisor's CPU time, at most, goes to the state file and what is published with it
 MAX_LOGGED_CHARS = 500  # of a path or error a rank logged, as it reaches the journal and the status
 STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
@@ -507,7 +510,9 @@ class Supervisor:
                 pending.extend(self._execute(action))
         changed = (self.state.phase, self.state.attempt) != before
         due = isinstance(item, Tick) and time.monotonic() >= self._next_status
-        if changed or due or isinstance(item, Started):  # Started: "starting" while checkpoints are verified
+        if changed and self.state.recovering_in_place:  # milliseconds long: written once launched, not on its way
+            self._next_status = max(self._next_status, time.monotonic() + STATUS_DEFER_S)
+        elif changed or due or isinstance(item, Started):  # Started: "starting" while checkpoints are verified
             self._write_status(durable=changed)
         if changed or isinstance(item, (Tick, Started)):
             self._systemd.observe(self.state, time.monotonic(), launched=self._launcher.launched)

@@ -13,12 +13,13 @@ communicator on the supervisor's word). Then, in this process:
 
 1. its Warden says `peer_failed` and closes (a background save in flight is let finish or fail first);
 2. once the threads that ended its collectives have run, the process group is released (destroyed; for NCCL
-   aborted, as destroying after a failure can hang) and what `main` held is collected (a DataLoader's worker
-   processes end with their iterator); a release that blocks past RELEASE_TIMEOUT_S (a gloo collective still
-   waiting on a live peer) ends the process, which is then replaced;
+   aborted, as destroying after a failure can hang); a release that blocks past RELEASE_TIMEOUT_S (a gloo
+   collective still waiting on a live peer) ends the process, which is then replaced;
 3. a CUDA context that no longer synchronizes ends the process here: a poisoned context never restarts in place;
-4. its heartbeat says `recovering`, and it waits for the supervisor's next attempt (`RunLayout.recovery`): the
-   attempt's number and variables (a new MASTER_PORT, so rank 0 hosts a new store; the resume point);
+4. its heartbeat says `recovering`; while the supervisor chooses the next attempt, what `main` held is collected
+   (a DataLoader's worker processes end with their iterator; bounded like the release); then it waits for the
+   next attempt (`RunLayout.recovery`): its number and variables (a new MASTER_PORT, so rank 0 hosts a new store;
+   the resume point);
 5. its output goes to the new attempt's log files, and `main()` runs again, resuming as a new process would.
 
 A failed peer is replaced by a warm standby, which runs the script as soon as the failure is seen and, given
@@ -43,7 +44,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -209,17 +210,28 @@ def _recover(error: str, *, evidence: bool, failed: float) -> None:
     over its environment and logs. `failed`: when its collective failed (time.monotonic())."""
     layout, rank, attempt = _layout(), _rank(), int(os.environ.get(ENV_ATTEMPT) or 0)
     heartbeat = _unwind[-1][0](error, evidence) if _unwind else None
-    faulthandler.dump_traceback_later(RELEASE_TIMEOUT_S, exit=True)  # from C: a destructor may hold the GIL
-    _release_process_group()
-    gc.collect()  # what the attempt held: tensors, and a DataLoader's worker processes with their iterator
-    faulthandler.cancel_dump_traceback_later()
+    with _exit_if_blocked():
+        _release_process_group()
     _check_cuda()
     if heartbeat is None:  # it failed before its Warden was made
         heartbeat = Heartbeat(layout.heartbeat(rank), root=layout.root, rank=rank, attempt=attempt, interval_s=1.0)
         print(f"trainwarden: recovering in place after: {error}", file=sys.stderr, flush=True)
     # Written once the group is gone, so a peer's may come first: `failed_s` tells whose collective failed first.
     heartbeat.beat(heartbeat.last_step, RECOVERING_PHASE, force=True, failed_s=time.monotonic() - failed)
+    with _exit_if_blocked():  # while the supervisor chooses the next attempt, not before it is told this one is ready
+        gc.collect()  # what the attempt held: tensors, and a DataLoader's worker processes with their iterator
     _take_next_attempt(layout, attempt, rank)
+
+
+@contextlib.contextmanager
+def _exit_if_blocked() -> Iterator[None]:
+    """Past RELEASE_TIMEOUT_S, end the process with its stacks in its log: from C, as a destructor may hold the
+    GIL."""
+    faulthandler.dump_traceback_later(RELEASE_TIMEOUT_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _layout() -> RunLayout:

@@ -16,7 +16,8 @@ is reported in the standby's log and left to the script, which then imports it i
 In a job on GPUs (`TRAINWARDEN_STANDBY_DEVICE=cuda`), a standby for local rank r then creates its CUDA context on GPU
 r and initializes cuBLAS and cuBLASLt with a few small matrix products, once it said it is ready: a replacement
 rank's script start-up, checkpoint load and first step are what remain of a relaunch (a standby activated while it
-warms runs the script once warm). The fork server never touches
+warms runs the script once warm). Every standby also runs one weights-only `torch.load` of a tiny buffer, so that
+a replacement's resume does not import and set up torch's loader first. The fork server never touches
 CUDA (a forked process could not use it); each standby forked from it does, for the local rank it is forked for.
 
 A fork server (`python -u -m worker.standby --fork-server`) imports once and then forks a standby per request, so
@@ -35,6 +36,7 @@ import contextlib
 import ctypes
 import importlib
 import importlib.util
+import io
 import json
 import os
 import runpy
@@ -63,6 +65,7 @@ __all__ = [
     "main",
     "script_imports",
     "warm_device",
+    "warm_loader",
 ]
 
 ENV_STANDBY_FD = "TRAINWARDEN_STANDBY_FD"
@@ -301,6 +304,19 @@ def warm_device(device: str | None, local_rank: int) -> str | None:
     return f"CUDA context on cuda:{index}, cuBLAS and cuBLASLt warmed in {time.perf_counter() - started:.2f} s"
 
 
+def warm_loader() -> None:
+    """torch.load's weights-only path imported and run once (a few ms at a replacement's first load, on its way back
+    to training: it resumes at once); nothing where torch is not imported."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    with contextlib.suppress(Exception):  # a warm-up, never a reason for a standby to fail
+        buffer = io.BytesIO()
+        torch.save({"step": 0, "tensor": torch.zeros(1), "plain": [1, (2.0, None)]}, buffer)
+        buffer.seek(0)
+        torch.load(buffer, map_location="cpu", weights_only=True)
+
+
 def _imported(script: Path) -> None:
     sys.path[0] = str(script.resolve().parent)  # find modules as the script will (`-m` put the cwd there)
     nvml_check = os.environ.get(_NVML_CHECK)
@@ -338,6 +354,7 @@ def main() -> None:
     # After READY (a fork's caller waits for it): an order that comes meanwhile waits in the socket until warm.
     if said := warm_device(os.environ.get(ENV_DEVICE), local_rank):
         print(f"trainwarden standby: {said}", file=sys.stderr, flush=True)
+    warm_loader()
     try:
         received = _receive(sock)
     except OSError:

@@ -487,6 +487,11 @@ class State:
         return {Phase.FINISHED: 0, Phase.STOPPED: stopped, Phase.FAILED: self.failure_code}.get(self.phase)
 
     @property
+    def recovering_in_place(self) -> bool:
+        """The survivors of a failed attempt unwind, or wait for the next attempt, in their own processes."""
+        return self.stop_stage is StopStage.UNWIND or bool(self.keep)
+
+    @property
     def cause(self) -> str | None:
         """Why the newest failed attempt failed, in one line."""
         return self.failures[-1].cause.text if self.failures else None

@@ -55,11 +55,46 @@ def is_subreaper() -> bool:
 
 
 def descendants() -> list[psutil.Process]:
-    """Every live process below the supervisor: ranks, their children, and adopted orphans."""
-    try:
-        return psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
+    """Every live process below the supervisor: ranks, their children, and adopted orphans. From the kernel's
+    lists of each process's children (a look at the run's own processes, not at every process of a busy node:
+    a recovery in place waits for it); psutil's scan of all of /proc where the kernel keeps no such list."""
+    pids = _descendant_pids(os.getpid())
+    if pids is None:
+        try:
+            return psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return []
+    found = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
+
+
+def _descendant_pids(root: int) -> list[int] | None:
+    """Pids below `root`, parents first, from /proc/PID/task/TID/children; None if the kernel lacks those files."""
+    found, pending = [], [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # gone meanwhile: its children are re-parented to us and listed under this process
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as listed:
+                    children = [int(child) for child in listed.read().split()]
+            except FileNotFoundError:
+                if pid == root and tid == str(root):
+                    return None  # no CONFIG_PROC_CHILDREN
+                continue
+            except (OSError, ValueError):
+                continue
+            found.extend(children)
+            pending.extend(children)
+    return found
 
 
 def sigkill(procs: Iterable[psutil.Process]) -> list[psutil.Process]:

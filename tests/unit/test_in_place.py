@@ -73,6 +73,7 @@ def test_once_every_survivor_recovers_the_next_attempt_keeps_them():
     assert state.stop_stage is StopStage.UNWIND  # rank 2 has not unwound yet
     state, actions = decide(state, recovering(2), NOW + 0.1)
     assert state.phase is Phase.STARTING and state.attempt == 1  # the first restart has no backoff
+    assert state.recovering_in_place  # the supervisor writes its state file once this attempt is launched
     assert KillLeftovers(0, keep=(0, 2)) in actions  # the dead rank's children go; the survivors stay
     assert LaunchRanks(1, keep=(0, 2)) in actions
     assert not any(isinstance(a, SignalRanks) for a in actions)
@@ -93,7 +94,7 @@ def test_the_launch_of_a_recovery_in_place_is_journalled_with_who_stayed():
     fields = dict(actions[0].fields)
     assert (fields["kept"], fields["replaced"], fields["resume_step"]) == ([0, 2], [1], 7)
     assert "SIGKILL" in fields["after"]
-    assert state.keep == () and state.phase is Phase.RUNNING
+    assert state.keep == () and state.phase is Phase.RUNNING and not state.recovering_in_place
     assert state.recovery == "in place: ranks [0, 2] kept, [1] replaced"  # what `status` shows
 
 
@@ -170,6 +171,7 @@ def test_in_place_off_is_a_full_relaunch():
     )
     assert state.stop_stage is StopStage.TERM
     assert state.full_relaunch == "restart.in_place is false"
+    assert not state.recovering_in_place  # a full relaunch's phases are written as they change
 
 
 def test_a_cuda_error_never_restarts_in_place():

@@ -72,6 +72,14 @@ def test_last_event_skips_other_names(tmp_path: Path):
     assert last_event(layout, 0, 0, "step") == {"event": "step", "attempt": 0, "step": 3}
 
 
+def test_last_event_passes_over_a_line_that_only_mentions_the_name(tmp_path: Path):
+    """A line is parsed only where the name could be its event's; one that names it elsewhere is still not it."""
+    layout = RunLayout(tmp_path)
+    mentions = {"event": "step", "attempt": 0, "step": 10, "note": "anomaly_abort"}
+    write_log(layout, 0, [ABORT_0, mentions, {"event": "step", "attempt": 0, "step": 11}])
+    assert last_event(layout, 0, 0, "anomaly_abort") == ABORT_0
+
+
 def test_last_event_skips_torn_and_non_object_lines(tmp_path: Path):
     """A torn last line, a garbage line and a bare JSON value are skipped on the way to the newest event."""
     layout = RunLayout(tmp_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from worker.standby import _prewarm_list, script_imports
@@ -53,3 +55,21 @@ def test_a_script_that_cannot_be_parsed_prewarms_torch_only(tmp_path: Path) -> N
 
 def test_a_configured_list_is_taken_as_it_is(tmp_path: Path) -> None:
     assert _prewarm_list("torch, transformers,,numpy", tmp_path / "x.py") == ["torch", "transformers", "numpy"]
+
+
+WARM = """
+import sys
+from worker.standby import warm_loader
+warm_loader()
+print("torch" in sys.modules)
+import torch
+warm_loader()
+print("torch.utils.serialization" in sys.modules)
+"""
+
+
+def test_a_standby_warms_the_weights_only_loader_and_never_imports_torch_for_it() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", WARM], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]

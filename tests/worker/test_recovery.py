@@ -194,7 +194,9 @@ run(main)
 
 def test_a_release_that_blocks_ends_the_rank_with_its_stacks(tmp_path: Path) -> None:
     """Releasing the failed attempt's objects must not hold the rank forever: past RELEASE_TIMEOUT_S it exits 1 with
-    every thread's stack in its log, and the supervisor replaces it like the failed rank."""
+    every thread's stack in its log, and the supervisor replaces it like the failed rank. The collection comes after
+    its `recovering` beat (the supervisor chooses the next attempt meanwhile): a rank that dies after saying so is
+    replaced as one that dies while unwinding is, or in the next attempt."""
     layout = RunLayout(tmp_path / "run")
     layout.recovery.parent.mkdir(parents=True)
     layout.recovery.write_text(json.dumps({"unwind": 0}))
@@ -217,7 +219,6 @@ def test_a_release_that_blocks_ends_the_rank_with_its_stacks(tmp_path: Path) -> 
         proc.wait()
     assert proc.returncode == 1
     assert "Timeout (0:00:00.500000)!" in err and "in __del__" in err and "in _recover" in err
-    assert not layout.heartbeat(0).exists() or _phase(layout) != RECOVERING_PHASE  # it never said it was ready
 
 
 BLOCKED = """
