@@ -82,6 +82,7 @@ from harness import (
 )
 
 from supervisor.observe.goodput import ideal_step_time
+from worker.checkpoint import read_checkpoint_file
 from worker.contract import RunLayout
 
 EDGE_STEPS = 30  # no fault this close to the start or the end of the job
@@ -328,7 +329,7 @@ def same_as(layout: RunLayout, reference_dir: Path, steps: int) -> str:
 
 
 def load(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return read_checkpoint_file(path)  # either layout: a memory snapshot's copy is in worker.flat's
 
 
 def bitwise_difference(a: Any, b: Any, where: str) -> str | None:

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from worker.checkpoint import read_checkpoint_file
+
 __all__ = [
     "CRAFTED_REFUSAL",
     "assert_bitwise_equal",
@@ -28,8 +30,9 @@ CRAFTED_REFUSAL = (
 
 
 def load_saved(path: Path) -> dict[str, Any]:
-    """A checkpoint file's contents, loaded as the library loads them: tensors and plain data only."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint file's contents, loaded as the library loads them: tensors and plain data only (a memory
+    snapshot's copy on disk is in worker.flat's layout)."""
+    return read_checkpoint_file(path)
 
 
 def bitwise_difference(a: Any, b: Any, where: str = "") -> str | None:
