@@ -488,8 +488,10 @@ class State:
 
     @property
     def recovering_in_place(self) -> bool:
-        """The survivors of a failed attempt unwind, or wait for the next attempt, in their own processes."""
-        return self.stop_stage is StopStage.UNWIND or bool(self.keep)
+        """The survivors of a failed attempt unwind, or wait for the next attempt to be launched, in their own
+        processes (not once the run ended or backs off: a launch that failed leaves `keep` behind)."""
+        underway = self.phase in (Phase.STOPPING, Phase.STARTING)
+        return underway and (self.stop_stage is StopStage.UNWIND or bool(self.keep))
 
     @property
     def cause(self) -> str | None:

@@ -170,7 +170,15 @@ def trainwarden_status(run_dir: Path) -> dict[str, Any]:
 
 
 def journal(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "supervisor" / "events.jsonl").read_text().splitlines()]
+    return json_lines(run_dir / "supervisor" / "events.jsonl")
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """A JSON-lines log's records, read while it may grow: a last line still being appended (no newline yet) is
+    left for the next read."""
+    text = path.read_text()
+    whole = text if text.endswith("\n") else text.rpartition("\n")[0]
+    return [json.loads(line) for line in whole.splitlines()]
 
 
 def signal_rank_at_step(run_dir: Path, rank: int, step: int, signum: int) -> None:

@@ -4,7 +4,6 @@ script and the supervisor crashes or is cut off, and the run goes on inside the 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import REPO, json_lines
 from tests.slurm.test_multinode import (
     JOB_TIMEOUT_S,
     NODE_TIMEOUT_S,
@@ -40,7 +39,7 @@ STEPS_LONG = 400  # long enough to be still training when the batch host goes
 
 def first_step_after(run_dir: Path, since: float) -> float:
     """When rank 0 first logged a training step after `since` (wall clock)."""
-    logged = (json.loads(line) for line in (run_dir / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines())
+    logged = json_lines(run_dir / "ranks" / "rank_0" / "events.jsonl")
     return min(t for e in logged if e.get("event") == "step" and (t := journal_time(e)) > since)
 
 
@@ -64,7 +63,7 @@ def test_a_crashed_batch_host_hands_the_run_to_a_successor_that_finishes_it(slur
     # The training past the checkpoint resumed counts as lost from the last step the ranks beat (not from the dead
     # supervisor's last state file: a crash just after a save was booked as lost 0 s, the steps past it as restart).
     # Beats are throttled (0.5 s): the successor hears of every step logged a second before the last one.
-    logged = [json.loads(line) for line in (run_dir / "ranks" / "rank_2" / "events.jsonl").read_text().splitlines()]
+    logged = json_lines(run_dir / "ranks" / "rank_2" / "events.jsonl")
     stepped = [(journal_time(e), e["step"]) for e in logged if e["event"] == "step" and e["attempt"] == 0]
     (started,) = [e for e in events(run_dir, "supervisor_started") if e.get("predecessor_heard_step") is not None]
     heard = started["predecessor_heard_step"]

@@ -12,6 +12,7 @@ from supervisor.core import (
     Heartbeats,
     HeartbeatSeen,
     KillLeftovers,
+    LaunchFailed,
     LaunchRanks,
     Phase,
     PublishUnwind,
@@ -96,6 +97,15 @@ def test_the_launch_of_a_recovery_in_place_is_journalled_with_who_stayed():
     assert "SIGKILL" in fields["after"]
     assert state.keep == () and state.phase is Phase.RUNNING and not state.recovering_in_place
     assert state.recovery == "in place: ranks [0, 2] kept, [1] replaced"  # what `status` shows
+
+
+def test_a_recovery_whose_launch_fails_for_good_is_no_longer_under_way():
+    """The supervisor defers its state file while a recovery in place is under way: a run that ends because the
+    next attempt cannot be launched (too few nodes left) must have its end written."""
+    state, _ = decide(unwinding(), recovering(0, 2), NOW)
+    assert state.keep == (0, 2) and state.recovering_in_place
+    state, _ = decide(state, LaunchFailed(1, "not launched: needs 2 nodes, 1 usable left", retryable=False), NOW)
+    assert state.phase.terminal and not state.recovering_in_place
 
 
 def test_a_launcher_that_kept_fewer_ranks_than_asked_journals_the_ranks_it_kept_or_why_none():
