@@ -94,9 +94,6 @@ POLL_INTERVAL_S = 1.0  # re-read heartbeats and the stop file, and refresh the s
 # The next deadline walks every rank: after heartbeats alone (which only move a rank's deadline) it is worked out
 # again at most this often, so thousands of ranks cost one walk per this, not one per event.
 DEADLINE_REFRESH_S = 0.5
-# A recovery in place's phases (stopping, starting) are written within this long unless it is launched first: each
-# write of a change of phase is an fsync, tens of ms on a busy disk, in a recovery that takes a hundred.
-STATUS_DEFER_S = 0.5
 STATUS_SHARE = 0.02  # of the supervisor's CPU time, at most, goes to the state file and what is published with it
 MAX_LOGGED_CHARS = 500  # of a path or error a rank logged, as it reaches the journal and the status
 STOP_FILE_SETTLE_S = 0.2  # a stop file younger than this may be mid-write (`echo 500 > stop` truncates first)
@@ -510,10 +507,8 @@ class Supervisor:
                 pending.extend(self._execute(action))
         changed = (self.state.phase, self.state.attempt) != before
         due = isinstance(item, Tick) and time.monotonic() >= self._next_status
-        if changed and self.state.recovering_in_place:  # milliseconds long: written once launched, not on its way
-            self._next_status = max(self._next_status, time.monotonic() + STATUS_DEFER_S)
-        elif changed or due or isinstance(item, Started):  # Started: "starting" while checkpoints are verified
-            self._write_status(durable=changed)
+        if changed or due or isinstance(item, Started):  # Started: "starting" while checkpoints are verified
+            self._write_status(durable=changed, sync=not self.state.recovering_in_place)
         if changed or isinstance(item, (Tick, Started)):
             self._systemd.observe(self.state, time.monotonic(), launched=self._launcher.launched)
 
@@ -822,16 +817,17 @@ class Supervisor:
             self._newest_checkpoint = (step, when)
         return self._newest_checkpoint[1]
 
-    def _write_status(self, *, durable: bool) -> None:
+    def _write_status(self, *, durable: bool, sync: bool = True) -> None:
         """The state file, the health file and rotation, the console line and metrics; at most once a second, and
         at scale (thousands of ranks to list, checkpoint directories to look through) never more than
-        STATUS_SHARE of the supervisor's CPU time."""
+        STATUS_SHARE of the supervisor's CPU time. `sync` False: a change of phase written without an fsync (a
+        recovery in place's, which takes milliseconds: an fsync each is tens of them on a busy disk)."""
         started, cpu = time.monotonic(), time.thread_time()
-        self._publish_status(durable=durable)
+        self._publish_status(durable=durable, sync=sync)
         # CPU time, not wall: a slow disk (an fsync on a loaded machine) must not make the state file go stale.
         self._next_status = started + (time.thread_time() - cpu) / STATUS_SHARE
 
-    def _publish_status(self, *, durable: bool) -> None:
+    def _publish_status(self, *, durable: bool, sync: bool = True) -> None:
         # Checkpoints are looked through (one listing per rank) at the periodic writes and at the end, not at each
         # change of phase: a crash of thousands of ranks must not wait for it to be handled.
         looked = not durable or self.state.phase.terminal or self._health_seen is None
@@ -865,7 +861,7 @@ class Supervisor:
             extra.update(observer.status())
         status = snapshot(self.state, now=time.monotonic(), extra=extra)
         try:
-            write_status(self.layout, status, durable=durable)
+            write_status(self.layout, status, durable=durable and sync)
         except OSError as exc:  # a full disk must not kill supervision; the journal says why status is stale
             self.log.error("status_write_failed", error=str(exc))
         for listener in self.status_listeners:  # the live console line, metrics

@@ -74,7 +74,7 @@ def test_once_every_survivor_recovers_the_next_attempt_keeps_them():
     assert state.stop_stage is StopStage.UNWIND  # rank 2 has not unwound yet
     state, actions = decide(state, recovering(2), NOW + 0.1)
     assert state.phase is Phase.STARTING and state.attempt == 1  # the first restart has no backoff
-    assert state.recovering_in_place  # the supervisor writes its state file once this attempt is launched
+    assert state.recovering_in_place  # the supervisor writes its state file without an fsync meanwhile
     assert KillLeftovers(0, keep=(0, 2)) in actions  # the dead rank's children go; the survivors stay
     assert LaunchRanks(1, keep=(0, 2)) in actions
     assert not any(isinstance(a, SignalRanks) for a in actions)
@@ -100,8 +100,8 @@ def test_the_launch_of_a_recovery_in_place_is_journalled_with_who_stayed():
 
 
 def test_a_recovery_whose_launch_fails_for_good_is_no_longer_under_way():
-    """The supervisor defers its state file while a recovery in place is under way: a run that ends because the
-    next attempt cannot be launched (too few nodes left) must have its end written."""
+    """The supervisor writes its state file without an fsync while a recovery in place is under way: a run that
+    ends because the next attempt cannot be launched (too few nodes left) has its end written durably."""
     state, _ = decide(unwinding(), recovering(0, 2), NOW)
     assert state.keep == (0, 2) and state.recovering_in_place
     state, _ = decide(state, LaunchFailed(1, "not launched: needs 2 nodes, 1 usable left", retryable=False), NOW)
@@ -181,7 +181,7 @@ def test_in_place_off_is_a_full_relaunch():
     )
     assert state.stop_stage is StopStage.TERM
     assert state.full_relaunch == "restart.in_place is false"
-    assert not state.recovering_in_place  # a full relaunch's phases are written as they change
+    assert not state.recovering_in_place  # a full relaunch's changes of phase are fsynced as ever
 
 
 def test_a_cuda_error_never_restarts_in_place():
