@@ -187,8 +187,8 @@ def save_checkpoint(
 
     The completion record (size, checksum, health, and the payload's `world_size`, which the supervisor reads
     without torch) is written last: without it the file does not count. `in_memory`: the store is in host memory
-    (worker.memory): serialized whole first, in worker.flat's layout (read back without unpickling in a millisecond
-    at a recovery) or, for what that cannot hold, torch.save's into a buffer (several times faster than through a
+    (worker.memory): serialized whole first, in worker.flat's layout (read back without unpickling in a few ms at a
+    recovery) or, for what that cannot hold, torch.save's into a buffer (several times faster than through a
     file object's many small writes); written in one piece, no fsync (tmpfs has no disk to reach).
     """
     import torch
