@@ -192,8 +192,8 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
     slurm, tmp_path, reference
 ):
     """twnode2 cut off at step 12: declared lost within the node timeout, its own agent has killed its ranks, the
-    spare takes its place beside twnode1's ranks, which recover in place; its link back before Slurm noticed, it is
-    a spare again after its 4 s cool-down."""
+    spare takes its place beside twnode1's ranks, which recover in place (one the cut caught inside a collective is
+    replaced after STUCK_S); its link back before Slurm noticed, it is a spare again after its 4 s cool-down."""
     job, run_dir = submit(
         slurm,
         tmp_path,
@@ -221,17 +221,20 @@ def test_a_partitioned_node_is_declared_within_the_node_timeout_fenced_off_and_f
 
     assert code == 0, out[-3000:]
     assert [e["nodes"] for e in events(run_dir, "ranks_placed")][-1] == {"twnode1": [0, 1], "twnode3": [2, 3]}
-    # twnode1's ranks unwind and go on in place beside the spare's, unless the cut caught them inside a collective
-    # with the lost ones: gloo cannot be aborted and a cut closes no connection, so they leave after
-    # worker.recovery.STUCK_S, saying so, and every rank is relaunched (which of the two is a race with the cut).
+    # twnode1's ranks unwind and go on in place beside the spare's, unless the cut caught one inside a collective with
+    # the lost ones: gloo cannot be aborted and a cut closes no connection, so it leaves after worker.recovery.STUCK_S,
+    # saying so, and is replaced (which of twnode1's ranks stay is a race with the cut; if none does, all relaunch).
     recovered = events(run_dir, "recovered_in_place")
     if recovered:
-        assert (recovered[0]["kept"], recovered[0]["replaced"]) == ([0, 1], [2, 3])
+        kept, replaced = recovered[0]["kept"], recovered[0]["replaced"]
+        assert set(kept) <= {0, 1} and sorted(kept + replaced) == [0, 1, 2, 3], recovered
     else:
         (relaunched,) = events(run_dir, "relaunched")
         assert relaunched["reason"] == "no rank survived the failure", relaunched
-        logs = [(run_dir / "logs" / "attempt_0" / f"rank_{rank}.err").read_text() for rank in (0, 1)]
-        assert all("still in attempt 0's training function" in log for log in logs), logs
+        kept = []
+    for rank in {0, 1} - set(kept):
+        log = (run_dir / "logs" / "attempt_0" / f"rank_{rank}.err").read_text()
+        assert "still in attempt 0's training function" in log, (rank, log[-2000:])
     assert_same_training_state(run_dir, reference)
 
 
