@@ -4,7 +4,8 @@ Import cost stays small: torch is imported only when a checkpoint is saved or lo
 """
 
 from worker.contract import WorkerConfig
+from worker.fingerprint import fingerprinted
 from worker.recovery import run
 from worker.warden import Warden
 
-__all__ = ["Warden", "WorkerConfig", "run"]
+__all__ = ["Warden", "WorkerConfig", "fingerprinted", "run"]

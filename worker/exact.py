@@ -18,8 +18,11 @@ __all__ = ["average_gradients_in_rank_order"]
 
 
 def average_gradients_in_rank_order(ddp: Any) -> None:
-    """Register the rank-ordered mean as `ddp`'s communication hook (before its first backward)."""
-    ddp.register_comm_hook(None, _rank_ordered_mean)
+    """Register the rank-ordered mean as `ddp`'s communication hook (before its first backward), fingerprinted
+    (worker.fingerprint)."""
+    from worker.fingerprint import fingerprinted
+
+    ddp.register_comm_hook(None, fingerprinted(_rank_ordered_mean))
 
 
 def _rank_ordered_mean(_state, bucket):  # noqa: ANN001 - DDP checks the annotations: none, or its own types

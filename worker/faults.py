@@ -32,8 +32,10 @@ Kinds:
   or link stalled: its completion is stuck in the communication thread, so its peers complete that collective and
   wait in the next one while this rank waits inside it (needs `guard_step`; its peers come to that all-reduce
   half a second late, so the stall is in place before the collective can complete).
-- `extra_collective`: before the step guard's all-reduce of step STEP the rank issues one more all-reduce of
-  another size, a desync: its peers' next collective meets it (gloo aborts or hangs; NCCL hangs).
+- `extra_collective`: before the step guard's all-reduce of step STEP the rank issues one more all-reduce, of one
+  element, a desync: its peers' next collective meets it (gloo aborts or hangs; NCCL hangs). One element, smaller
+  than any guard all-reduce: gloo aborts a rank that receives more than it expects, which makes it this rank
+  (tests/e2e/test_hang_blame.py relies on that; a bigger one made a peer abort, depending on the sizes).
 - `collective_sizes`: the step guard's all-reduce of step STEP has one element fewer on this rank, a desync.
 - `slow_save`: the checkpoint save of step STEP takes ARG seconds longer (default 5).
 - `slow`: a straggler: from step STEP on, every step's compute takes ARG seconds longer on this rank (default
@@ -45,6 +47,11 @@ Kinds:
 - `sdc`: silent data corruption: the activation gradient of one checked normalisation layer (LAYER, a
   qualified module name; default: the first checked layer) is multiplied by ARG (default 1e12; `nan`
   and `inf` work) when step STEP is attempted, once. Needs `feature_value_check.level` >= 1.
+- `bitflip`: a faulty GPU's one wrong result: bit ARG (default 30, float32's highest exponent bit: a small value
+  becomes ~1e35) of the first element of one parameter's gradient (LAYER, its name without DDP's `module.`;
+  default: the first in DDP's first bucket) flips on this rank, before DDP's reduction, when step STEP is attempted,
+  once. Needs a DDP model under a Warden (worker.fingerprint).
+- `bitflip_persistent`: the same on every step from STEP on, in every attempt (a faulty GPU stays faulty).
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from typing import Any
 
 from worker.files import ensure_dir, open_append
 
-__all__ = ["ENV_FAULTS", "ENV_FAULTS_ONCE", "KINDS", "Fault", "FaultPlan", "hang_forever", "parse_faults"]
+__all__ = ["ENV_FAULTS", "ENV_FAULTS_ONCE", "KINDS", "Fault", "FaultPlan", "flip_bit", "hang_forever", "parse_faults"]
 
 ENV_FAULTS = "TRAINWARDEN_FAULTS"
 ENV_FAULTS_ONCE = "TRAINWARDEN_FAULTS_ONCE"
@@ -87,7 +94,11 @@ KINDS = (
     "sigkill_in_guard",
     "sigkill_in_optimizer",
     "peer_gone",
+    "bitflip",
+    "bitflip_persistent",
 )
+LAYER_KINDS = ("sdc", "bitflip", "bitflip_persistent")  # the kinds that name a layer
+BITFLIP_BIT = 30  # float32's highest exponent bit
 GRADIENT_KINDS = ("spike", "nan")
 SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
 # The peers of a rank whose all-reduce stalls come to it this much later, so the stall's hook is in place before the
@@ -104,9 +115,10 @@ class Fault:
     rank: int
     kind: str
     step: int
-    # seconds for slow_save, slow_async_write and slow, repetitions for spike and nan, the factor for sdc
+    # seconds for slow_save, slow_async_write and slow, repetitions for spike and nan, the factor for sdc, the bit
+    # for bitflip
     arg: float | None = None
-    target: str | None = None  # the layer an sdc fault corrupts
+    target: str | None = None  # the layer an sdc or bitflip fault corrupts
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -125,8 +137,10 @@ def _parse_item(item: str) -> Fault:
         raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP[:ARG[:LAYER]]") from None
     if fault.kind not in KINDS:
         raise ValueError(f"{ENV_FAULTS}: unknown fault kind {fault.kind!r} in {item!r}; known: {', '.join(KINDS)}")
-    if fault.target is not None and fault.kind != "sdc":
-        raise ValueError(f"{ENV_FAULTS}: only sdc faults name a layer, in {item!r}")
+    if fault.target is not None and fault.kind not in LAYER_KINDS:
+        raise ValueError(f"{ENV_FAULTS}: only {', '.join(LAYER_KINDS)} faults name a layer, in {item!r}")
+    if fault.kind.startswith("bitflip") and fault.arg is not None and fault.arg not in range(64):
+        raise ValueError(f"{ENV_FAULTS}: a bitflip fault's bit must be a whole number from 0 to 63, in {item!r}")
     if fault.kind in ("slow", "slow_async_write") and fault.arg is not None and not 0 <= fault.arg <= MAX_SLOW_S:
         raise ValueError(
             f"{ENV_FAULTS}: a {fault.kind} fault's seconds must be between 0 and {MAX_SLOW_S:g}, in {item!r}"
@@ -158,6 +172,8 @@ class FaultPlan:
         self._peer_stalls = {f.step for f in faults if armed and f.kind == "stall_in_collective" and f.rank != rank}
         slow = (f for f in faults if f.kind == "slow" and f.rank == rank)  # armed or not: it stays
         self._slow = min(slow, key=lambda f: f.step, default=None)
+        persistent = (f for f in faults if f.kind == "bitflip_persistent" and f.rank == rank)  # so does this
+        self._persistent_flip = min(persistent, key=lambda f: f.step, default=None)
 
     @classmethod
     def from_env(
@@ -218,7 +234,7 @@ class FaultPlan:
         if not self._due:
             dist.all_reduce(tensor, op=op)
         elif self.due("extra_collective", step):
-            dist.all_reduce(torch.zeros(tensor.numel() + 3, dtype=tensor.dtype, device=tensor.device), op=op)
+            dist.all_reduce(torch.zeros(1, dtype=tensor.dtype, device=tensor.device), op=op)
             dist.all_reduce(tensor, op=op)
         elif self.due("collective_sizes", step):
             dist.all_reduce(tensor[:-1], op=op)
@@ -286,6 +302,21 @@ class FaultPlan:
                 return kind
         return None
 
+    def bitflip(self, step: int) -> Fault | None:
+        """The bit flip due at `step` (a `bitflip` there, still armed; a `bitflip_persistent` from its step on),
+        not yet announced: `flipped` does that once it struck."""
+        if (once := self._due.get(("bitflip", step))) is not None:
+            return once
+        stays = self._persistent_flip
+        return stays if stays is not None and step >= stays.step else None
+
+    def flipped(self, fault: Fault, step: int) -> None:
+        """A bit flip struck: a `bitflip` is disarmed, a `bitflip_persistent` announced the first time."""
+        if fault.kind == "bitflip":
+            self.strike_once("bitflip", step)
+        else:
+            self.strike_once("bitflip_persistent", fault.step)
+
     def armed(self, kind: str) -> list[Fault]:
         """The faults of `kind` still armed for this rank (to set up their injection points)."""
         return [f for (k, _), f in self._due.items() if k == kind]
@@ -297,6 +328,18 @@ class FaultPlan:
         fault = self.due(kind, step)
         del self._due[(kind, step)]
         return fault
+
+
+def flip_bit(grad: Any, fault: Fault) -> None:
+    """Flip bit `fault.arg` (default BITFLIP_BIT) of `grad`'s first element, in place."""
+    import torch
+
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[grad.element_size()]
+    bit = BITFLIP_BIT if fault.arg is None else int(fault.arg)
+    if bit >= 8 * grad.element_size():
+        raise ValueError(f"bitflip: bit {bit} is past a {grad.dtype} value's {8 * grad.element_size()} bits")
+    word = grad.view(-1)[:1].view(bits)
+    word.bitwise_xor_(torch.tensor(1 << bit if bit < 63 else -(1 << 63), dtype=torch.int64).to(bits))
 
 
 def _mark(folder: Path, fault: Fault) -> Path:

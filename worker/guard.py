@@ -8,6 +8,9 @@ so every rank learns which ranks saw a fault. It also carries the id of the stop
 whether all of them hold the same order. Two more flags ride along: a time-based checkpoint is due (any rank's
 clock says so, every rank saves) and a GradScaler overflow (the scaler skips the step; not an anomaly); and with
 `snapshot_steps: auto`, each rank's snapshot interval, so that all of them take the lowest (worker.cadence).
+With fingerprints (a DDP model under a Warden: worker.fingerprint), three more values per rank: its own loss,
+gradient norm and non-finite count from before the gradient reduction, so every rank names the same ranks whose
+values stand out (worker.sdc).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from worker.anomaly import Verdict as LocalVerdict
 from worker.contract import EXIT_ANOMALY, WorkerConfig
 from worker.exits import leave
 from worker.faults import FaultPlan
+from worker.sdc import Fingerprint, Outlier, outliers
 
 __all__ = ["StepGuard", "Verdict"]
 
@@ -36,6 +40,7 @@ class Verdict:
     orders: tuple[int, int] = (0, 0)  # the lowest and highest stop-order id any rank holds (0: none)
     save_due: bool = False  # some rank's clock says a time-based checkpoint is due
     snapshot_every: int = 0  # the lowest snapshot interval any rank proposed (0: some rank has none yet)
+    stood_out: tuple[Outlier, ...] = ()  # ranks whose own values stood out from the others' (fingerprints)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class _Agreed:
     snapshot_every: int
     suspects: tuple[int, ...]
     orders: tuple[int, int]
+    stood_out: tuple[Outlier, ...] = ()
 
 
 class StepGuard:
@@ -86,13 +92,15 @@ class StepGuard:
         save_due: bool = False,
         amp_scaling: bool = False,
         snapshot_every: int | None = None,
+        fingerprint: Any = None,
     ) -> Verdict:
         """Clip the gradients and decide, together with every rank.
 
         `feature_fault` is this rank's (None: faults do not abort, nothing to agree on); `order_id` the stop
         order it holds; `save_due` whether its clock says a checkpoint is due; `amp_scaling` whether an enabled
         GradScaler scaled the loss (then inf/NaN gradients with a finite loss are its overflow, not an anomaly);
-        `snapshot_every` the snapshot interval it proposes (`auto` only, else None; 0: none yet).
+        `snapshot_every` the snapshot interval it proposes (`auto` only, else None; 0: none yet); `fingerprint`
+        this rank's gradient sums from before the reduction (worker.fingerprint; None: not fingerprinted).
         With suspect ranks the caller aborts, so nothing is recorded. Exits with EXIT_ANOMALY on a streak of skips.
         """
         import torch
@@ -103,8 +111,25 @@ class StepGuard:
         overflow = amp_scaling and not math.isfinite(grad_norm) and math.isfinite(loss)
         verdict = LocalVerdict() if overflow else self.detector.judge(loss, grad_norm)
         agreed = self._agree(
-            verdict.anomalous, overflow, save_due, grads, feature_fault, order_id, step, snapshot_every
+            verdict.anomalous,
+            overflow,
+            save_due,
+            grads,
+            feature_fault,
+            order_id,
+            step,
+            snapshot_every,
+            None if fingerprint is None else (loss, fingerprint),
         )
+        if agreed.stood_out:
+            self._log.warning(
+                "ranks_stood_out",
+                step=step,
+                batch=batch,
+                ranks=[o.rank for o in agreed.stood_out],
+                why=[o.why for o in agreed.stood_out],
+                anomaly=agreed.anomaly,
+            )
         if agreed.suspects:
             return Verdict(False, grad_norm, agreed.suspects, agreed.orders)
         self.skipped += agreed.anomaly or agreed.overflow
@@ -113,7 +138,9 @@ class StepGuard:
         skip = agreed.anomaly
         if agreed.overflow and not skip:  # the scaler lowers its scale and skips the step itself
             self._log.info("amp_overflow", step=step, batch=batch, global_norm=_json_number(grad_norm))
-            return Verdict(False, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every)
+            return Verdict(
+                False, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every, agreed.stood_out
+            )
         self.detector.record(step, skipped=skip, loss=loss, grad_norm=grad_norm)
         if skip:
             self._log.warning(
@@ -131,7 +158,7 @@ class StepGuard:
             )
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
-        return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every)
+        return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every, agreed.stood_out)
 
     def saw(self, kind: str) -> None:
         """Count an anomaly this rank saw itself."""
@@ -155,9 +182,11 @@ class StepGuard:
         order_id: int,
         step: int,
         snapshot_every: int | None = None,
+        fingerprint: tuple[float, Any] | None = None,
     ) -> _Agreed:
         """Every local flag made job-wide (any rank's counts; feature faults per rank; the lowest and highest
-        stop-order id held): one all-reduce, none when alone."""
+        stop-order id held; each rank's fingerprint, given its loss and gradient sums): one all-reduce, none when
+        alone."""
         import torch
         import torch.distributed as dist
 
@@ -170,12 +199,18 @@ class StepGuard:
         flagged = len(values)
         if feature_fault is not None:  # one slot per rank, so the MAX keeps every rank that saw a fault
             values += [1.0 if feature_fault and rank == dist.get_rank() else 0.0 for rank in range(self._world_size)]
-        flags = torch.tensor(values, dtype=torch.float64, device=grads[0].device if grads else torch.device("cpu"))
+        device = grads[0].device if grads else torch.device("cpu")
+        flags = torch.tensor(values, dtype=torch.float64, device=device)
+        if fingerprint is not None:
+            flags = torch.cat([flags, _fingerprint_rows(*fingerprint, self._world_size, dist.get_rank(), device)])
         self._faults.all_reduce(flags, dist.ReduceOp.MAX, step)
         seen = flags.tolist()  # the one host transfer
-        suspects = tuple(rank for rank, flag in enumerate(seen[flagged:]) if flag > 0)
+        ranks = len(values) - flagged
+        suspects = tuple(rank for rank, flag in enumerate(seen[flagged : flagged + ranks]) if flag > 0)
         every = int(-seen[5]) if snapshot_every is not None else 0
-        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, every, suspects, (int(-seen[3]), int(seen[4])))
+        stood_out = tuple(outliers(_fingerprints(seen[len(values) :]))) if fingerprint is not None else ()
+        orders = (int(-seen[3]), int(seen[4]))
+        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, every, suspects, orders, stood_out)
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:
         # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".
@@ -192,6 +227,31 @@ class StepGuard:
         )
         self._on_leave()
         leave(EXIT_ANOMALY)
+
+
+def _fingerprint_rows(loss: float, sums: Any, world_size: int, rank: int, device: Any) -> Any:
+    """(world_size x 3) values for a MAX all-reduce: this rank's loss, gradient norm and non-finite count in its
+    row, -inf in the others' (which their ranks fill). Non-finite values go as +inf, counted: NaN has no order."""
+    import torch
+
+    rows = torch.full((world_size, 3), -math.inf, dtype=torch.float64, device=device)
+    if sums is None:  # no bucket was reduced this step: nothing to compare
+        return rows.flatten()
+    loss_value = torch.tensor(loss, dtype=torch.float64, device=device)
+    finite_loss = loss_value.isfinite()
+    norm = sums[0].sqrt()
+    rows[rank, 0] = torch.where(finite_loss, loss_value, math.inf)
+    rows[rank, 1] = torch.where(norm.isfinite(), norm, math.inf)
+    rows[rank, 2] = sums[1] + finite_loss.logical_not()
+    return rows.flatten()
+
+
+def _fingerprints(values: list[float]) -> list[Fingerprint]:
+    """Every rank's fingerprint from the reduced rows; [] if some rank had none (then none is compared)."""
+    rows = [values[i : i + 3] for i in range(0, len(values), 3)]
+    if any(row[0] == -math.inf for row in rows):
+        return []
+    return [Fingerprint(loss, norm, int(nonfinite)) for loss, norm, nonfinite in rows]
 
 
 def _json_number(value: float) -> float | str:

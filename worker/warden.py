@@ -57,6 +57,7 @@ from worker.faults import FaultPlan
 from worker.feature_check import FeatureValueCheck
 from worker.feature_rule import with_env
 from worker.files import open_append, read_json
+from worker.fingerprint import Recorder, install, uninstall
 from worker.flight import FlightRecorderDumps
 from worker.guard import StepGuard
 from worker.heartbeat import Heartbeat
@@ -182,6 +183,7 @@ class Warden:
         )
         self._features = self._feature_value_check()
         self._fault_hooks = self._faults.hook_step(model, optimizer, lambda: self.step + 1)
+        self._fingerprints = self._fingerprint(model)
         self._heartbeat.anomalies = self._guard.anomalies  # one dict: the guard counts, the heartbeat reports
         self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
         self._phase = "startup"
@@ -409,6 +411,7 @@ class Warden:
             save_due=self._save_clock_due(),
             amp_scaling=scaler is not None,
             snapshot_every=None if self._schedule is None else self._schedule.proposed,
+            fingerprint=None if self._fingerprints is None else self._fingerprints.take(),
         )
         if self._schedule is not None:
             self._schedule.agree(verdict.snapshot_every)
@@ -1227,8 +1230,22 @@ class Warden:
         self._close()
         return self._heartbeat
 
+    def _fingerprint(self, model: Any) -> Recorder | None:
+        """With data-parallel peers, each rank's own gradient fingerprint from DDP's hook (worker.fingerprint)."""
+        if self.world_size == 1:
+            return None
+        recorder = Recorder(model, self._faults, lambda: self.step + 1)
+        why_not = install(model, recorder, self.world_size)
+        if why_not is None:
+            return recorder
+        if hasattr(model, "_comm_hooks"):  # a DDP model: its user may want to know; other models are not DDP's
+            self.log.warning("fingerprints_off", why=why_not)
+        return None
+
     def _close(self) -> None:
         self._detach()
+        if self._fingerprints is not None:
+            uninstall(self._fingerprints)
         for handle in self._fault_hooks:
             handle.remove()
         self._features.close()

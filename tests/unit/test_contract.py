@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from worker.contract import ENV_WORKER_CONFIG, RunLayout, WorkerConfig
-from worker.faults import ENV_FAULTS, Fault, FaultPlan, parse_faults
+from worker.faults import ENV_FAULTS, Fault, FaultPlan, flip_bit, parse_faults
 
 
 def touch(path: Path) -> None:
@@ -176,10 +176,58 @@ def test_parse_faults_sdc_with_factor_and_layer():
     assert (third.kind, third.step, third.target) == ("sdc", 7, None) and third.arg != third.arg  # NaN
 
 
-def test_parse_faults_layer_only_for_sdc():
-    """Only sdc faults name a layer; a layer on another kind is refused, naming the item."""
-    with pytest.raises(ValueError, match=r"only sdc faults name a layer, in '1:spike@3:2:norm'"):
+def test_parse_faults_layer_only_for_sdc_and_bitflips():
+    """Only sdc and bitflip faults name a layer; a layer on another kind is refused, naming the item."""
+    with pytest.raises(ValueError, match=r"only sdc, bitflip, bitflip_persistent faults name a layer, in '1:spik"):
         parse_faults("1:spike@3:2:norm")
+
+
+def test_bitflip_faults_take_a_bit_and_a_layer_and_refuse_other_bits():
+    """`bitflip@STEP[:BIT[:LAYER]]`: the bit a whole number from 0 to 63."""
+    assert parse_faults("1:bitflip@5:30:0.weight, 0:bitflip_persistent@3") == [
+        Fault(rank=1, kind="bitflip", step=5, arg=30.0, target="0.weight"),
+        Fault(rank=0, kind="bitflip_persistent", step=3),
+    ]
+    for bad in ("1:bitflip@5:64", "1:bitflip@5:2.5", "1:bitflip_persistent@5:-1"):
+        with pytest.raises(ValueError, match="a bitflip fault's bit must be a whole number from 0 to 63"):
+            parse_faults(bad)
+
+
+def test_a_bitflip_strikes_once_and_a_persistent_one_from_its_step_on_in_every_attempt():
+    """`bitflip` is due at its step until it struck; `bitflip_persistent` at every step from its own, announced once,
+    also in a later attempt (a faulty GPU stays faulty)."""
+    fired: list[Fault] = []
+    once = FaultPlan(parse_faults("0:bitflip@5"), rank=0, attempt=0, on_fire=fired.append)
+    assert once.bitflip(4) is None and once.bitflip(5) is not None
+    once.flipped(once.bitflip(5), 5)  # type: ignore[arg-type]
+    assert once.bitflip(5) is None and [f.kind for f in fired] == ["bitflip"]
+    for attempt in (0, 2):
+        fired.clear()
+        stays = FaultPlan(parse_faults("0:bitflip_persistent@3"), rank=0, attempt=attempt, on_fire=fired.append)
+        assert stays.bitflip(2) is None
+        for step in (3, 4, 9):
+            fault = stays.bitflip(step)
+            assert fault is not None
+            stays.flipped(fault, step)
+        assert len(fired) == (1 if attempt == 0 else 0)  # announced once, where it is armed
+    assert FaultPlan(parse_faults("1:bitflip_persistent@3"), rank=0, attempt=0).bitflip(5) is None  # another rank
+
+
+def test_flip_bit_flips_one_bit_of_the_first_element():
+    """Bit 30 of a float32 gradient (its highest exponent bit) turns 1e-3 into ~3.4e35; bit 31 its sign; the rest
+    of the tensor is untouched; a bit past the dtype's width is refused."""
+    import torch
+
+    grad = torch.tensor([1e-3, 2.0, -0.5])
+    flip_bit(grad, Fault(0, "bitflip", 1))
+    assert 3e35 < grad[0].item() < 4e35 and grad[1:].tolist() == [2.0, -0.5]
+    flip_bit(grad, Fault(0, "bitflip", 1, 30.0))
+    assert grad[0].item() == torch.tensor(1e-3).item()  # flipped back
+    flip_bit(grad, Fault(0, "bitflip", 1, 31.0))
+    assert grad[0].item() == -torch.tensor(1e-3).item()
+    half = torch.tensor([1.0], dtype=torch.float16)
+    with pytest.raises(ValueError, match="bit 16 is past a torch.float16 value's 16 bits"):
+        flip_bit(half, Fault(0, "bitflip", 1, 16.0))
 
 
 def test_fault_plan_strike_once_disarms():

@@ -1,0 +1,55 @@
+"""Naming the ranks whose own values stand out (worker.sdc), with plain values."""
+
+from __future__ import annotations
+
+import math
+
+from worker.sdc import Fingerprint, outliers
+
+
+def prints(*values: tuple[float, float, int]) -> list[Fingerprint]:
+    return [Fingerprint(*v) for v in values]
+
+
+def test_ranks_that_differ_as_data_parallel_ranks_do_are_not_named() -> None:
+    """Losses and norms within a factor of two of each other, as different samples give: nobody."""
+    assert outliers(prints((1.1, 0.8, 0), (0.9, 1.3, 0), (1.4, 0.7, 0), (1.0, 1.0, 0))) == []
+    assert outliers(prints((1.1, 0.8, 0), (0.7, 1.5, 0))) == []
+
+
+def test_a_gradient_norm_far_above_the_others_names_its_rank_even_among_two() -> None:
+    """Among four, the median and spread of the other three; among two, the other one alone: a ratio."""
+    (four,) = outliers(prints((1.0, 0.9, 0), (1.1, 1.1, 0), (1.0, 3e35, 0), (0.9, 1.0, 0)))
+    assert four.rank == 2 and four.score > 100 and "local gradient norm 3e+35" in four.why
+    (two,) = outliers(prints((1.0, 0.9, 0), (1.0, 900.0, 0)))
+    assert two.rank == 1 and two.score > 6
+
+
+def test_only_values_that_stand_out_upwards_are_named() -> None:
+    """A norm far below the other's would name the other among two ranks; a shrunk value is not named."""
+    assert outliers(prints((1.0, 1e-9, 0), (1.0, 1.0, 0), (1.0, 1.2, 0))) == []
+    assert [o.rank for o in outliers(prints((1.0, 1e-9, 0), (1.0, 1.0, 0)))] == [1]  # the limit of two ranks
+    assert outliers(prints((1.0, 0.0, 0), (1.0, 0.0, 0), (1.0, 0.0, 0))) == []  # zero norms: finite scores
+
+
+def test_a_loss_far_above_the_others_names_its_rank() -> None:
+    (found,) = outliers(prints((2.0, 1.0, 0), (2.1, 1.0, 0), (1.9, 1.0, 0), (60.0, 1.0, 0)))
+    assert found.rank == 3 and "local loss 60" in found.why
+
+
+def test_non_finite_values_on_some_ranks_name_them_on_all_ranks_name_nobody() -> None:
+    found = outliers(prints((1.0, 1.0, 0), (1.0, math.inf, 3), (math.inf, 1.0, 1), (1.0, 1.0, 0)))
+    assert [(o.rank, o.score) for o in found] == [(1, math.inf), (2, math.inf)]
+    assert "3 non-finite" in found[0].why
+    assert outliers(prints((math.inf, math.inf, 2), (1.0, math.inf, 1))) == []
+
+
+def test_one_rank_has_nobody_to_stand_out_from() -> None:
+    assert outliers(prints((1e9, 1e30, 0))) == []
+    assert outliers([]) == []
+
+
+def test_the_threshold_is_a_parameter() -> None:
+    close = prints((1.0, 1.0, 0), (1.0, 1.1, 0), (1.0, 0.9, 0), (1.0, 20.0, 0))
+    assert [o.rank for o in outliers(close)] == []  # log(20) / log(2) = 4.3 robust sigmas
+    assert [o.rank for o in outliers(close, threshold=4.0)] == [3]
