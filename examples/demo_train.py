@@ -96,12 +96,19 @@ def main() -> None:
         sys.modules["numpy"].random.seed(args.seed + rank)
 
     warden = Warden(ddp, optimizer, scheduler, global_batch_size=args.batch_size * dist.get_world_size())
+
+    def loss_of(owner: int) -> torch.Tensor:
+        """The loss of the batch rank `owner` trains at this step: here, and again in a re-run (worker/rerun.py)."""
+        index, size = warden.batches, args.batch_size
+        x, y = batch_for(data, index=index, rank=owner, seed=args.seed, batch=size, block=args.block)
+        return nn.functional.cross_entropy(ddp(x).view(-1, len(vocab)), y.view(-1))
+
     for _ in warden.steps(args.steps):  # resumes first; ends after args.steps steps, or early on a stop order
-        x, y = batch_for(data, index=warden.batches, rank=rank, seed=args.seed, batch=args.batch_size, block=args.block)
-        loss = nn.functional.cross_entropy(ddp(x).view(-1, len(vocab)), y.view(-1))
+        loss = loss_of(rank)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if warden.guard_step(loss.item(), max_norm=1.0):  # clips; False: skip this batch on every rank
+        # clips; False: skip this batch on every rank; a step that alarms is re-run to tell a bad GPU from bad data
+        if warden.guard_step(loss.item(), max_norm=1.0, recompute=loss_of):
             optimizer.step()
             scheduler.step()
         applied = warden.step_done(loss=loss.item(), lr=scheduler.get_last_lr()[0])

@@ -42,8 +42,9 @@ Kinds:
   0.05; at most 3600), before the step guard's all-reduce, so its peers wait for it there (needs `guard_step`).
   Unlike the other kinds it stays in every attempt, as a slow node stays slow after a relaunch.
 - `spike`: gradients are scaled by 1000 on this rank when step STEP is attempted, ARG times in a row
-  (default 1; skipped steps do not advance the step, so a streak retries the same step number).
-- `nan`: like `spike`, with a NaN written into the gradients.
+  (default 1; skipped steps do not advance the step, so a streak retries the same step number). It stands for
+  bad data: a re-run of the step (worker.rerun) gets it again, so the step is judged the data's and skipped.
+- `nan`: like `spike`, with a NaN written into the gradients (also in a re-run).
 - `sdc`: silent data corruption: the activation gradient of one checked normalisation layer (LAYER, a
   qualified module name; default: the first checked layer) is multiplied by ARG (default 1e12; `nan`
   and `inf` work) when step STEP is attempted, once. Needs `feature_value_check.level` >= 1.

@@ -7,9 +7,10 @@ the norms with one host transfer, judges them with `worker.feature_rule` and log
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -63,6 +64,7 @@ class FeatureValueCheck:
         layers = checked_layers(model, config.layers) if config.level > 0 else []
         self.names = [name for name, _ in layers]
         self._histories = [History() for _ in layers]
+        self._paused = False  # a step's re-run: its values are not taken
         self._pending: list[Any] = [None] * len(layers)  # this step's norms, still on the device
         self._arrivals: list[int] = []  # layers in the order backward reached them: corruption spreads that way
         self._sdc = self._arm_sdc(faults)
@@ -96,8 +98,17 @@ class FeatureValueCheck:
             armed[fault.step] = self.names.index(target)
         return armed
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No values taken meanwhile: a re-run of the step (worker.rerun) is not the next step's."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
     def _on_forward(self, index: int, _module: Any, _inputs: Any, output: Any) -> None:
-        if getattr(output, "requires_grad", False):  # training forward; nothing to check under no_grad
+        if getattr(output, "requires_grad", False) and not self._paused:  # a training forward, not a re-run
             output.register_hook(partial(self._on_grad, index))
 
     def _on_grad(self, index: int, grad: Any) -> Any:

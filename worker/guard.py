@@ -15,6 +15,7 @@ values stand out (worker.sdc).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,7 +26,12 @@ from worker.anomaly import Verdict as LocalVerdict
 from worker.contract import EXIT_ANOMALY, WorkerConfig
 from worker.exits import leave
 from worker.faults import FaultPlan
-from worker.sdc import Fingerprint, Outlier, outliers
+from worker.sdc import TRANSIENT, Fingerprint, Outlier, SdcVerdict, outliers, whole_step
+
+# Re-runs a suspect step given every rank's fingerprint and the suspects (worker.rerun, bound by the Warden).
+# Its arguments: every rank's fingerprint, the suspects, this rank's gradient norm, and what to do again to the
+# re-run's gradients (a fault standing for bad data strikes again).
+RerunStep = Callable[[tuple[Fingerprint, ...], tuple[int, ...], float, Callable[[], None]], Any]
 
 __all__ = ["StepGuard", "Verdict"]
 
@@ -54,6 +60,7 @@ class _Agreed:
     suspects: tuple[int, ...]
     orders: tuple[int, int]
     stood_out: tuple[Outlier, ...] = ()
+    prints: tuple[Fingerprint, ...] = ()  # every rank's, in rank order ((): not fingerprinted this step)
 
 
 class StepGuard:
@@ -93,6 +100,7 @@ class StepGuard:
         amp_scaling: bool = False,
         snapshot_every: int | None = None,
         fingerprint: Any = None,
+        rerun: RerunStep | None = None,
     ) -> Verdict:
         """Clip the gradients and decide, together with every rank.
 
@@ -100,13 +108,16 @@ class StepGuard:
         order it holds; `save_due` whether its clock says a checkpoint is due; `amp_scaling` whether an enabled
         GradScaler scaled the loss (then inf/NaN gradients with a finite loss are its overflow, not an anomaly);
         `snapshot_every` the snapshot interval it proposes (`auto` only, else None; 0: none yet); `fingerprint`
-        this rank's gradient sums from before the reduction (worker.fingerprint; None: not fingerprinted).
+        this rank's gradient sums from before the reduction (worker.fingerprint; None: not fingerprinted);
+        `rerun` re-runs a step that alarmed (worker.rerun), whose verdicts then decide: any data or persistent one
+        skips the step, transient ones apply the re-run's gradients if they are clean.
         With suspect ranks the caller aborts, so nothing is recorded. Exits with EXIT_ANOMALY on a streak of skips.
         """
         import torch
 
         grads = [p for p in params if p.grad is not None]
-        self._inject(grads, step)
+        injected = self._faults.gradient_fault(step)
+        _strike(injected, grads)
         grad_norm = _whole(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
         overflow = amp_scaling and not math.isfinite(grad_norm) and math.isfinite(loss)
         verdict = LocalVerdict() if overflow else self.detector.judge(loss, grad_norm)
@@ -132,15 +143,20 @@ class StepGuard:
             )
         if agreed.suspects:
             return Verdict(False, grad_norm, agreed.suspects, agreed.orders)
-        self.skipped += agreed.anomaly or agreed.overflow
         for kind in ("amp_overflow",) if overflow else verdict.reasons:
             self.saw(kind)
         skip = agreed.anomaly
         if agreed.overflow and not skip:  # the scaler lowers its scale and skips the step itself
+            self.skipped += 1
             self._log.info("amp_overflow", step=step, batch=batch, global_norm=_json_number(grad_norm))
             return Verdict(
                 False, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every, agreed.stood_out
             )
+        verdicts: tuple[SdcVerdict, ...] = ()
+        if rerun is not None and agreed.prints and (skip or agreed.stood_out):
+            again = functools.partial(_strike, injected, grads)
+            skip, grad_norm, verdicts = self._rerun(rerun, agreed, grads, (max_norm, grad_norm), step, batch, again)
+        self.skipped += skip
         self.detector.record(step, skipped=skip, loss=loss, grad_norm=grad_norm)
         if skip:
             self._log.warning(
@@ -153,24 +169,43 @@ class StepGuard:
                 skip_data_grad_norm_threshold=self.threshold,
                 is_skip=True,
                 consecutive=self.detector.consecutive,
-                reasons=list(verdict.reasons),
+                reasons=list(verdict.reasons) + [f"sdc_{v.verdict}" for v in verdicts if v.verdict != TRANSIENT],
                 local=verdict.anomalous,
             )
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
         return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every, agreed.stood_out)
 
+    def _rerun(
+        self,
+        rerun: RerunStep,
+        agreed: _Agreed,
+        grads: list[Any],
+        norms: tuple[float, float],
+        step: int,
+        batch: int,
+        again: Callable[[], None],
+    ) -> tuple[bool, float, tuple[SdcVerdict, ...]]:
+        """Re-run the alarmed step (suspects: the ranks that stood out); (skip it?, its gradient norm, the
+        verdicts), alike on every rank. `norms`: the clipping norm and the step's gradient norm."""
+        import torch
+
+        max_norm, norm = norms
+        found = rerun(agreed.prints, tuple(o.rank for o in agreed.stood_out), norm, again)
+        verdicts = found.verdicts or (whole_step(norm, found.norm, found.reproduced),)
+        for v in verdicts:
+            log = self._log.error if v.verdict != TRANSIENT else self._log.warning
+            log("sdc_verdict", step=step, batch=batch, suspect=v.rank, verdict=v.verdict, evidence=v.evidence)
+        if any(v.verdict != TRANSIENT for v in verdicts):
+            return True, norm, verdicts
+        # Only one-off faults: the re-run's gradients, averaged by DDP, are in `.grad`: applied if they are clean.
+        norm = _whole(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        clean = math.isfinite(norm) and all(p.nonfinite == 0 for p in found.reruns) and not outliers(found.reruns)
+        return not clean, norm, verdicts
+
     def saw(self, kind: str) -> None:
         """Count an anomaly this rank saw itself."""
         self.anomalies[kind] = self.anomalies.get(kind, 0) + 1
-
-    def _inject(self, grads: list[Any], step: int) -> None:
-        kind = self._faults.gradient_fault(step)
-        if kind == "spike":
-            for g in grads:
-                g.grad.mul_(1000.0)
-        elif kind == "nan" and grads:
-            grads[0].grad.view(-1)[0] = float("nan")
 
     def _agree(
         self,
@@ -208,9 +243,9 @@ class StepGuard:
         ranks = len(values) - flagged
         suspects = tuple(rank for rank, flag in enumerate(seen[flagged : flagged + ranks]) if flag > 0)
         every = int(-seen[5]) if snapshot_every is not None else 0
-        stood_out = tuple(outliers(_fingerprints(seen[len(values) :]))) if fingerprint is not None else ()
+        prints = tuple(_fingerprints(seen[len(values) :])) if fingerprint is not None else ()
         orders = (int(-seen[3]), int(seen[4]))
-        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, every, suspects, orders, stood_out)
+        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, every, suspects, orders, tuple(outliers(prints)), prints)
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:
         # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".
@@ -227,6 +262,16 @@ class StepGuard:
         )
         self._on_leave()
         leave(EXIT_ANOMALY)
+
+
+def _strike(kind: str | None, grads: list[Any]) -> None:
+    """A `spike` or `nan` fault on the parameters' gradients (worker.faults); again in a re-run: it stands for
+    bad data, which a re-run reproduces."""
+    if kind == "spike":
+        for g in grads:
+            g.grad.mul_(1000.0)
+    elif kind == "nan" and grads:
+        grads[0].grad.view(-1)[0] = float("nan")
 
 
 def _fingerprint_rows(loss: float, sums: Any, world_size: int, rank: int, device: Any) -> Any:

@@ -23,12 +23,25 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["OUTLIER_SCORE", "Fingerprint", "Outlier", "outliers"]
+__all__ = [
+    "OUTLIER_SCORE",
+    "REPRODUCED_RTOL",
+    "Fingerprint",
+    "Outlier",
+    "SdcVerdict",
+    "judge",
+    "outliers",
+    "partners",
+    "reproduced",
+    "whole_step",
+]
 
 OUTLIER_SCORE = 6.0  # robust z above which a rank is named (the adaptive spike rule's 6 sigma)
 MAD_TO_SIGMA = 1.4826  # the MAD of a normal distribution times this is its standard deviation
 NORM_SPREAD_FLOOR = math.log(2.0)  # data-parallel ranks' gradient norms differ by up to ~2x on their own
 LOSS_SPREAD_FLOOR = 0.5  # ... and their losses by up to ~half the median loss
+REPRODUCED_RTOL = 1e-3  # a re-run agrees within this (Megatron-LM's, for non-deterministic backward kernels)
+DATA, TRANSIENT, PERSISTENT = "data", "transient", "persistent"
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,78 @@ def outliers(prints: Sequence[Fingerprint], threshold: float = OUTLIER_SCORE) ->
         if over:
             found.append(Outlier(rank, max(norm_z, loss_z), "; ".join(over)))
     return found
+
+
+@dataclass(frozen=True)
+class SdcVerdict:
+    """What re-running a suspect rank's step said of it (worker.rerun)."""
+
+    rank: int | None  # None: no rank stood out; the verdict is the whole step's
+    verdict: str  # DATA: the batch's (skip it); TRANSIENT: a one-off fault (use the re-run); PERSISTENT: the rank's
+    evidence: str
+
+
+def judge(
+    originals: Sequence[Fingerprint],
+    reruns: Sequence[Fingerprint],
+    crosses: dict[int, Fingerprint],
+    suspects: Sequence[int],
+    rtol: float = REPRODUCED_RTOL,
+) -> list[SdcVerdict]:
+    """Each suspect's verdict from its step's fingerprints: the original, its own re-run, and a partner's re-run of
+    its batch (missing where there was no partner). Not reproduced on its own rank: transient. Reproduced there and
+    on the partner: the data's. Reproduced there but not on the partner: the rank's own, persistent. Without a
+    partner, reproduced counts as the data's (nothing can tell it from a persistent fault)."""
+    found = []
+    for rank in suspects:
+        original, again, cross = originals[rank], reruns[rank], crosses.get(rank)
+        seen = f"step's values {_shown(original)}; re-run on rank {rank}: {_shown(again)}"
+        if not reproduced(original, again, rtol):
+            found.append(SdcVerdict(rank, TRANSIENT, f"{seen}: not reproduced on the same rank"))
+        elif cross is None:
+            found.append(SdcVerdict(rank, DATA, f"{seen}: reproduced; no other rank to re-run it on"))
+        elif reproduced(original, cross, rtol):
+            found.append(SdcVerdict(rank, DATA, f"{seen}; on another rank: {_shown(cross)}: reproduced on both"))
+        else:
+            only = f"{seen}; on another rank: {_shown(cross)}: reproduced only on rank {rank}"
+            found.append(SdcVerdict(rank, PERSISTENT, only))
+    return found
+
+
+def whole_step(norm: float, again: float, everywhere: bool) -> SdcVerdict:
+    """The verdict on a step that alarmed with no rank standing out: its gradient norm after the reduction
+    (`norm`, this rank's; `again`, in the re-run) reproduced on every rank (`everywhere`) or not."""
+    seen = f"no rank stood out; gradient norm {norm:.6g}, in the re-run {again:.6g}"
+    if everywhere:
+        return SdcVerdict(None, DATA, f"{seen}: reproduced on every rank")
+    return SdcVerdict(None, TRANSIENT, f"{seen}: not reproduced on every rank")
+
+
+def reproduced(a: Fingerprint, b: Fingerprint, rtol: float = REPRODUCED_RTOL) -> bool:
+    """The same result within `rtol` (non-finite values must be non-finite in both, by the same count)."""
+    return a.nonfinite == b.nonfinite and all(
+        x == y or math.isclose(x, y, rel_tol=rtol, abs_tol=1e-12)
+        for x, y in ((a.loss, b.loss), (a.grad_norm, b.grad_norm))
+    )
+
+
+def partners(suspects: Sequence[int], world: int) -> dict[int, int]:
+    """For each suspect, the rank that re-runs its batch: the next rank after it that is no suspect and no partner
+    yet, else the next that is no partner yet (so that no rank runs more than one other rank's batch); none when
+    alone."""
+    chosen: dict[int, int] = {}
+    for suspect in suspects:
+        after = [(suspect + k) % world for k in range(1, world)]
+        free = [r for r in after if r not in chosen.values()]
+        pick = next((r for r in free if r not in suspects), next(iter(free), None))
+        if pick is not None:
+            chosen[suspect] = pick
+    return chosen
+
+
+def _shown(p: Fingerprint) -> str:
+    nonfinite = f", {p.nonfinite} non-finite" if p.nonfinite else ""
+    return f"loss {p.loss:.6g}, gradient norm {p.grad_norm:.6g}{nonfinite}"
 
 
 def _score(value: float, others: list[float], floor: Callable[[float], float]) -> float:

@@ -59,7 +59,7 @@ from worker.feature_rule import with_env
 from worker.files import open_append, read_json
 from worker.fingerprint import Recorder, install, uninstall
 from worker.flight import FlightRecorderDumps
-from worker.guard import StepGuard
+from worker.guard import RerunStep, StepGuard
 from worker.heartbeat import Heartbeat
 from worker.manifest import ManifestError, rank_record_name, remove_sharded
 from worker.memory import check_memory_dir
@@ -73,6 +73,8 @@ from worker.memory_tier import (
 )
 from worker.orders import StopOrders
 from worker.recovery import attach, in_place
+from worker.rerun import RandomState, Rerun, capture, rerun_step
+from worker.sdc import Fingerprint
 from worker.sharded import derived_rng
 from worker.verify import Trajectory, unregistered_scalers
 
@@ -184,6 +186,8 @@ class Warden:
         self._features = self._feature_value_check()
         self._fault_hooks = self._faults.hook_step(model, optimizer, lambda: self.step + 1)
         self._fingerprints = self._fingerprint(model)
+        self._wants_rerun = False  # the loop hands `recompute` to guard_step: each step's random state is kept
+        self._started: RandomState | None = None  # the random state this step started from (with re-runs)
         self._heartbeat.anomalies = self._guard.anomalies  # one dict: the guard counts, the heartbeat reports
         self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
         self._phase = "startup"
@@ -381,7 +385,9 @@ class Warden:
             return saved * saved_batch_size // self.global_batch_size
         return saved
 
-    def guard_step(self, loss: Any, *, max_norm: float | None = None) -> bool:
+    def guard_step(
+        self, loss: Any, *, max_norm: float | None = None, recompute: Callable[[int], Any] | None = None
+    ) -> bool:
         """Between `backward()` and `optimizer.step()`: clip gradients to `max_norm` (None: no clipping) and say
         whether to step.
 
@@ -391,6 +397,10 @@ class Warden:
         `scaler.update()` either way. A streak of `global_norm_spike_count_threshold` skipped anomalies exits with
         EXIT_ANOMALY, and so does, on every rank, a feature-value fault on any rank at `feature_value_check.level`
         2 or 3.
+
+        `recompute(rank)`: the loss of the batch `rank` trained at this step, computed again through the model
+        (its backward is run here). Given it, a DDP job re-runs a step that alarmed to tell a bad GPU from a bad
+        batch (worker.rerun): `sdc_verdict` events; a transient fault's step goes on with the re-run's gradients.
         """
         step, batch = self.step + 1, self.batches
         self._faults.in_compute(step)
@@ -412,6 +422,7 @@ class Warden:
             amp_scaling=scaler is not None,
             snapshot_every=None if self._schedule is None else self._schedule.proposed,
             fingerprint=None if self._fingerprints is None else self._fingerprints.take(),
+            rerun=self._rerun_with(recompute),
         )
         if self._schedule is not None:
             self._schedule.agree(verdict.snapshot_every)
@@ -459,7 +470,8 @@ class Warden:
             leave(0)
         now = time.perf_counter()
         step_time_s, self._last_step_end = now - self._last_step_end, now
-        compute_s, self._compute_s, self._compute_since = self._compute_s, None, now
+        compute_s, self._compute_s = self._compute_s, None
+        self._step_starts()
         if self._decision is None:  # no guard_step: judge the feature values here, on this rank alone
             self._judge_unguarded()
         applied, guarded_norm, save_due = self._decision or (True, grad_norm, None)
@@ -728,7 +740,7 @@ class Warden:
 
     def leave_phase(self, name: str, previous: str) -> None:
         self._phase = previous
-        self._compute_since = time.perf_counter()  # an eval between steps is not the next step's compute
+        self._step_starts()  # an eval between steps is not the next step's compute
         self._heartbeat.beat(self.step, previous, force=True)
         if name == SAVE_PHASE and self._term_pending:
             self.log.warning("stopped_after_save", step=self.step)
@@ -998,7 +1010,8 @@ class Warden:
             self.log.info("resumed", step=step, source=self._framework_name, directory=str(source))
         else:
             self.log.info("fresh_start")
-        self._last_step_end = self._compute_since = time.perf_counter()
+        self._last_step_end = time.perf_counter()
+        self._step_starts()
 
     def expect_steps(self, total: int | None) -> None:
         """The run's length in steps, for the supervisor's progress and ETA (a trainer's own loop knows it)."""
@@ -1229,6 +1242,38 @@ class Warden:
             self._sharded.wait_quietly()
         self._close()
         return self._heartbeat
+
+    def _rerun_with(self, recompute: Callable[[int], Any] | None) -> RerunStep | None:
+        """How this step is re-run should it alarm: from the random state it started with (taken at every step's
+        start once a loop hands `recompute` over; its first such step cannot be re-run)."""
+        if recompute is None or self._fingerprints is None:
+            return None
+        started, self._wants_rerun = self._started, True
+        if started is None:
+            return None
+        recorder = self._fingerprints
+
+        def rerun(
+            prints: tuple[Fingerprint, ...], suspects: tuple[int, ...], norm: float, again: Callable[[], None]
+        ) -> Rerun:
+            with self._features.paused():  # a re-run's activation gradients are not the next step's
+                return rerun_step(
+                    self.model,
+                    recompute,
+                    originals=prints,
+                    suspects=suspects,
+                    started=started,
+                    take_fingerprint=recorder.take,
+                    original_norm=norm,
+                    after_backward=again,
+                )
+
+        return rerun
+
+    def _step_starts(self) -> None:
+        """A step's compute starts now (after the last step, a phase, a resume): its random state, for a re-run."""
+        self._compute_since = time.perf_counter()
+        self._started = capture() if self._wants_rerun else None
 
     def _fingerprint(self, model: Any) -> Recorder | None:
         """With data-parallel peers, each rank's own gradient fingerprint from DDP's hook (worker.fingerprint)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from worker.sdc import Fingerprint, outliers
+from worker.sdc import Fingerprint, judge, outliers, partners, reproduced
 
 
 def prints(*values: tuple[float, float, int]) -> list[Fingerprint]:
@@ -53,3 +53,44 @@ def test_the_threshold_is_a_parameter() -> None:
     close = prints((1.0, 1.0, 0), (1.0, 1.1, 0), (1.0, 0.9, 0), (1.0, 20.0, 0))
     assert [o.rank for o in outliers(close)] == []  # log(20) / log(2) = 4.3 robust sigmas
     assert [o.rank for o in outliers(close, threshold=4.0)] == [3]
+
+
+# ---- verdicts from re-runs ----------------------------------------------------------------------------------------
+
+CLEAN, FLIPPED = Fingerprint(1.2, 1.5, 0), Fingerprint(1.2, 1.1e38, 0)
+
+
+def test_not_reproduced_on_its_own_rank_is_transient() -> None:
+    (v,) = judge([CLEAN, FLIPPED], [CLEAN, CLEAN], {1: CLEAN}, [1])
+    assert (v.rank, v.verdict) == (1, "transient") and "not reproduced on the same rank" in v.evidence
+
+
+def test_reproduced_on_its_rank_and_on_another_is_the_datas() -> None:
+    spiked = Fingerprint(5e4, 4e5, 0)
+    (v,) = judge([CLEAN, spiked], [CLEAN, spiked], {1: spiked}, [1])
+    assert v.verdict == "data" and "reproduced on both" in v.evidence
+
+
+def test_reproduced_only_on_its_own_rank_is_persistent() -> None:
+    (v,) = judge([CLEAN, FLIPPED, CLEAN], [CLEAN, FLIPPED, CLEAN], {1: CLEAN}, [1])
+    assert v.verdict == "persistent" and "reproduced only on rank 1" in v.evidence
+
+
+def test_without_a_partner_a_reproduced_result_counts_as_the_datas_saying_so() -> None:
+    (v,) = judge([CLEAN, FLIPPED], [CLEAN, FLIPPED], {}, [1])
+    assert v.verdict == "data" and "no other rank" in v.evidence
+
+
+def test_reproduced_means_within_the_tolerance_and_the_same_non_finite_count() -> None:
+    assert reproduced(Fingerprint(1.0, 2.0, 0), Fingerprint(1.0 + 5e-4, 2.0 - 1e-3, 0))
+    assert not reproduced(Fingerprint(1.0, 2.0, 0), Fingerprint(1.0, 2.01, 0))
+    assert reproduced(Fingerprint(math.inf, math.inf, 4), Fingerprint(math.inf, math.inf, 4))
+    assert not reproduced(Fingerprint(1.0, math.inf, 4), Fingerprint(1.0, math.inf, 3))
+
+
+def test_partners_are_other_ranks_no_suspects_first_and_none_runs_two_batches() -> None:
+    assert partners([1], 3) == {1: 2}
+    assert partners([2], 3) == {2: 0}
+    assert partners([0, 1], 4) == {0: 2, 1: 3}  # rank 1, a suspect, does not check rank 0
+    assert partners([0, 1, 2], 3) == {0: 1, 1: 2, 2: 0}  # every rank a suspect: each checks its successor
+    assert partners([0], 1) == {}

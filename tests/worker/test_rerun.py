@@ -1,0 +1,131 @@
+"""Re-running a step that alarmed (worker.rerun), with real ranks over gloo: a one-off bit flip is transient and the
+run goes on as if it never happened, bitwise; a flip that recurs on its rank is persistent; a batch that spikes
+wherever it is trained is the data's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.launch.ranks import free_port
+from tests.e2e.conftest import REPO
+
+RANKS = """
+import hashlib, json, os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from worker import Warden
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+ddp = DistributedDataParallel(model)
+optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+warden = Warden(ddp, optimizer)
+torch.manual_seed(1 + rank)  # dropout differs per rank: a partner re-runs a suspect's batch with its random state
+poisoned = sys.argv[1] == "poisoned"
+
+def batch(index, owner):
+    data = torch.Generator().manual_seed(index * 100 + owner)
+    x, y = torch.randn(8, 8, generator=data), torch.randn(8, 2, generator=data)
+    return (x * 1000 if poisoned and (index, owner) == (4, 1) else x), y  # batch 4 of rank 1 spikes anywhere
+
+def loss_of(owner):
+    x, y = batch(warden.batches, owner)
+    return torch.nn.functional.mse_loss(ddp(x), y)
+
+for _ in warden.steps(8):
+    optimizer.zero_grad()
+    loss = loss_of(rank)
+    loss.backward()
+    if warden.guard_step(loss.item(), recompute=loss_of):
+        optimizer.step()
+    warden.step_done(loss=loss.item())
+    if warden.batches == 7:
+        break
+state = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+print(hashlib.sha256(state).hexdigest())
+dist.destroy_process_group()
+"""
+
+
+def run_ranks(run_dir: Path, mode: str = "", faults: str = "") -> str:
+    """Two ranks train 7 batches; rank 0's final parameters' hash."""
+    env = {
+        **os.environ,
+        "TRAINWARDEN_RUN_DIR": str(run_dir),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port("127.0.0.1")),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+        "TRAINWARDEN_FAULTS": faults,
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANKS, mode],
+            cwd=REPO,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(out.split()[-1])
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert outs[0] == outs[1]  # data parallel: every rank holds the same parameters
+    return outs[0]
+
+
+def events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == name]
+
+
+@pytest.mark.timeout(120)
+def test_a_one_off_bit_flip_is_transient_and_the_run_goes_on_bitwise_as_without_it(tmp_path: Path) -> None:
+    """Rank 1's gradient gets a bit flipped once, at step 5: the re-run on rank 1 does not reproduce it, so the
+    step is applied with the re-run's gradients, and the run ends with the parameters of a run without the fault."""
+    clean = run_ranks(tmp_path / "clean")
+    flipped = run_ranks(tmp_path / "flipped", faults="1:bitflip@5")
+    for rank in range(2):
+        (verdict,) = events(tmp_path / "flipped", rank, "sdc_verdict")
+        assert (verdict["step"], verdict["suspect"], verdict["verdict"]) == (5, 1, "transient"), verdict
+        assert events(tmp_path / "flipped", rank, "step_skipped") == []
+    assert events(tmp_path / "clean", 0, "sdc_verdict") == []
+    assert flipped == clean
+
+
+@pytest.mark.timeout(120)
+def test_a_flip_that_recurs_on_its_rank_is_persistent_and_the_step_is_not_applied(tmp_path: Path) -> None:
+    """From step 5 on, rank 1's gradient gets the bit flipped at every backward, re-runs included; rank 0 re-runs
+    rank 1's batch and gets a clean result: persistent, rank 1's, and the step is skipped."""
+    run_ranks(tmp_path, faults="1:bitflip_persistent@5")
+    verdicts = events(tmp_path, 0, "sdc_verdict")
+    assert {(v["step"], v["suspect"], v["verdict"]) for v in verdicts} == {(5, 1, "persistent")}
+    assert "reproduced only on rank 1" in verdicts[0]["evidence"]
+    assert {tuple(s["reasons"]) for s in events(tmp_path, 0, "step_skipped")} == {("non_finite", "sdc_persistent")}
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_that_spikes_wherever_it_is_trained_is_the_datas_and_skipped(tmp_path: Path) -> None:
+    """Rank 1's batch 4 spikes the loss; rank 0 re-runs it and gets the same: the data's, and the step skipped once."""
+    run_ranks(tmp_path, mode="poisoned")
+    for rank in range(2):
+        (verdict,) = events(tmp_path, rank, "sdc_verdict")
+        assert (verdict["batch"], verdict["suspect"], verdict["verdict"]) == (4, 1, "data"), verdict
+        (skipped,) = events(tmp_path, rank, "step_skipped")
+        assert (skipped["batch"], skipped["reasons"]) == (4, ["sdc_data"])
