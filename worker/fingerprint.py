@@ -39,7 +39,7 @@ class Recorder:
         sums = torch.stack(
             [
                 torch.linalg.vector_norm(buffer, dtype=torch.float64).square(),
-                buffer.isfinite().logical_not().sum().to(torch.float64),
+                torch.count_nonzero(buffer * 0).to(torch.float64),  # inf * 0 and NaN * 0 are NaN: 3x isfinite's speed
             ]
         )
         self._sums = sums if self._sums is None else self._sums.add_(sums)
