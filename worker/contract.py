@@ -157,6 +157,9 @@ class WorkerConfig:
     monitor_config: MonitorConfig = field(default_factory=MonitorConfig)  # seed 000
     adaptive_spike: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     feature_value_check: FeatureValueConfig = field(default_factory=FeatureValueConfig)  # seed 002
+    # Per-rank fingerprints from before DDP's reduction, naming a rank that stands out, and re-runs of steps that
+    # alarm (worker.fingerprint, worker.rerun); off: DDP's own reduction, and every alarm skips its step
+    fingerprints: bool = True
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -249,6 +252,10 @@ class RunLayout:
 
     def rank_events(self, rank: int) -> Path:
         return self.rank_dir(rank) / "events.jsonl"
+
+    def skip_list(self, rank: int) -> Path:
+        """The batches a re-run judged the data's, skipped again after a resume (worker.skip_list)."""
+        return self.rank_dir(rank) / "skip_list.json"
 
     def trajectory(self, rank: int) -> Path:
         """The losses after the newest saves, for `worker.verify_resume` (worker.verify)."""

@@ -53,6 +53,9 @@ Kinds:
   default: the first in DDP's first bucket) flips on this rank, before DDP's reduction, when step STEP is attempted,
   once. Needs a DDP model under a Warden (worker.fingerprint).
 - `bitflip_persistent`: the same on every step from STEP on, in every attempt (a faulty GPU stays faulty).
+- `poison`: bad data: the batch this rank trains at step STEP when no batch was skipped before it (batch STEP-1)
+  has its model outputs multiplied by ARG (default 1000), on whichever rank computes it (a re-run's partner too),
+  in every attempt. Needs a Warden (its forward hook).
 """
 
 from __future__ import annotations
@@ -97,9 +100,11 @@ KINDS = (
     "peer_gone",
     "bitflip",
     "bitflip_persistent",
+    "poison",
 )
 LAYER_KINDS = ("sdc", "bitflip", "bitflip_persistent")  # the kinds that name a layer
 BITFLIP_BIT = 30  # float32's highest exponent bit
+POISON_FACTOR = 1000.0  # a `poison` fault's factor on the model's outputs by default
 GRADIENT_KINDS = ("spike", "nan")
 SLOW_S = 0.05  # a `slow` rank's extra seconds per step by default: a few times the demo's step
 # The peers of a rank whose all-reduce stalls come to it this much later, so the stall's hook is in place before the
@@ -175,6 +180,9 @@ class FaultPlan:
         self._slow = min(slow, key=lambda f: f.step, default=None)
         persistent = (f for f in faults if f.kind == "bitflip_persistent" and f.rank == rank)  # so does this
         self._persistent_flip = min(persistent, key=lambda f: f.step, default=None)
+        # Every rank's poisoned batches, in every attempt: bad data is bad wherever and whenever it is trained.
+        self._poison = {(f.step - 1, f.rank): f for f in faults if f.kind == "poison"}
+        self._rank, self._poison_told = rank, False
 
     @classmethod
     def from_env(
@@ -256,6 +264,23 @@ class FaultPlan:
             hook = lambda *_: self._kill_at("sigkill_in_optimizer", step())  # noqa: E731
             handles.append(optimizer.register_step_post_hook(hook))
         return handles
+
+    def hook_data(self, model: Any, batch: Callable[[], tuple[int, int]]) -> list[Any]:
+        """A forward hook that poisons the batch `batch()` names (its index, the rank whose batch it is), if a
+        `poison` fault names it; its handle (to remove)."""
+        if not self._poison:
+            return []
+
+        def poison(_module: Any, _inputs: Any, output: Any) -> Any:
+            fault = self._poison.get(batch())
+            if fault is None:
+                return None
+            if fault.rank == self._rank and not self._poison_told:  # said once, by the rank whose batch it is
+                self._poison_told = True
+                self._on_fire(fault)
+            return output * (POISON_FACTOR if fault.arg is None else fault.arg)
+
+        return [model.register_forward_hook(poison)]
 
     def _kill_at(self, point: str, step: int) -> None:
         if self.strike_once(point, step):

@@ -47,6 +47,7 @@ class Verdict:
     save_due: bool = False  # some rank's clock says a time-based checkpoint is due
     snapshot_every: int = 0  # the lowest snapshot interval any rank proposed (0: some rank has none yet)
     stood_out: tuple[Outlier, ...] = ()  # ranks whose own values stood out from the others' (fingerprints)
+    sdc: tuple[SdcVerdict, ...] = ()  # what re-running the step found
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class _Agreed:
     orders: tuple[int, int]
     stood_out: tuple[Outlier, ...] = ()
     prints: tuple[Fingerprint, ...] = ()  # every rank's, in rank order ((): not fingerprinted this step)
+    listed: bool = False  # some rank's skip list holds this batch (worker.skip_list)
 
 
 class StepGuard:
@@ -101,6 +103,7 @@ class StepGuard:
         snapshot_every: int | None = None,
         fingerprint: Any = None,
         rerun: RerunStep | None = None,
+        listed: bool = False,
     ) -> Verdict:
         """Clip the gradients and decide, together with every rank.
 
@@ -110,7 +113,8 @@ class StepGuard:
         `snapshot_every` the snapshot interval it proposes (`auto` only, else None; 0: none yet); `fingerprint`
         this rank's gradient sums from before the reduction (worker.fingerprint; None: not fingerprinted);
         `rerun` re-runs a step that alarmed (worker.rerun), whose verdicts then decide: any data or persistent one
-        skips the step, transient ones apply the re-run's gradients if they are clean.
+        skips the step, transient ones apply the re-run's gradients if they are clean; `listed`: this batch is in
+        this rank's skip list (a re-run judged it the data's before a resume): skipped on every rank, not re-run.
         With suspect ranks the caller aborts, so nothing is recorded. Exits with EXIT_ANOMALY on a streak of skips.
         """
         import torch
@@ -131,6 +135,7 @@ class StepGuard:
             step,
             snapshot_every,
             None if fingerprint is None else (loss, fingerprint),
+            listed,
         )
         if agreed.stood_out:
             self._log.warning(
@@ -145,7 +150,7 @@ class StepGuard:
             return Verdict(False, grad_norm, agreed.suspects, agreed.orders)
         for kind in ("amp_overflow",) if overflow else verdict.reasons:
             self.saw(kind)
-        skip = agreed.anomaly
+        skip = agreed.anomaly or agreed.listed
         if agreed.overflow and not skip:  # the scaler lowers its scale and skips the step itself
             self.skipped += 1
             self._log.info("amp_overflow", step=step, batch=batch, global_norm=_json_number(grad_norm))
@@ -153,7 +158,7 @@ class StepGuard:
                 False, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every, agreed.stood_out
             )
         verdicts: tuple[SdcVerdict, ...] = ()
-        if rerun is not None and agreed.prints and (skip or agreed.stood_out):
+        if rerun is not None and agreed.prints and (skip or agreed.stood_out) and not agreed.listed:
             again = functools.partial(_strike, injected, grads)
             skip, grad_norm, verdicts = self._rerun(rerun, agreed, grads, (max_norm, grad_norm), step, batch, again)
         self.skipped += skip
@@ -169,12 +174,16 @@ class StepGuard:
                 skip_data_grad_norm_threshold=self.threshold,
                 is_skip=True,
                 consecutive=self.detector.consecutive,
-                reasons=list(verdict.reasons) + [f"sdc_{v.verdict}" for v in verdicts if v.verdict != TRANSIENT],
+                reasons=list(verdict.reasons)
+                + [f"sdc_{v.verdict}" for v in verdicts if v.verdict != TRANSIENT]
+                + (["skip_list"] if agreed.listed else []),
                 local=verdict.anomalous,
             )
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
-        return Verdict(not skip, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every, agreed.stood_out)
+        return Verdict(
+            not skip, grad_norm, (), agreed.orders, agreed.save_due, agreed.snapshot_every, agreed.stood_out, verdicts
+        )
 
     def _rerun(
         self,
@@ -196,6 +205,8 @@ class StepGuard:
         for v in verdicts:
             log = self._log.error if v.verdict != TRANSIENT else self._log.warning
             log("sdc_verdict", step=step, batch=batch, suspect=v.rank, verdict=v.verdict, evidence=v.evidence)
+            if v.rank == self._rank or (v.rank is None and self._rank == 0):  # counted once: `status` sums ranks
+                self.saw(f"sdc_{v.verdict}")
         if any(v.verdict != TRANSIENT for v in verdicts):
             return True, norm, verdicts
         # Only one-off faults: the re-run's gradients, averaged by DDP, are in `.grad`: applied if they are clean.
@@ -218,6 +229,7 @@ class StepGuard:
         step: int,
         snapshot_every: int | None = None,
         fingerprint: tuple[float, Any] | None = None,
+        listed: bool = False,
     ) -> _Agreed:
         """Every local flag made job-wide (any rank's counts; feature faults per rank; the lowest and highest
         stop-order id held; each rank's fingerprint, given its loss and gradient sums): one all-reduce, none when
@@ -227,8 +239,9 @@ class StepGuard:
 
         if self._world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             alone: tuple[int, ...] = (self._rank,) if feature_fault else ()
-            return _Agreed(anomaly, overflow, save_due, snapshot_every or 0, alone, (order_id, order_id))
-        values = [float(anomaly), float(overflow), float(save_due), float(-order_id), float(order_id)]
+            orders = (order_id, order_id)
+            return _Agreed(anomaly, overflow, save_due, snapshot_every or 0, alone, orders, listed=listed)
+        values = [float(anomaly), float(overflow), float(save_due), float(-order_id), float(order_id), float(listed)]
         if snapshot_every is not None:  # only with `auto` (same on every rank): -interval, so MAX is the lowest
             values.append(float(-snapshot_every))
         flagged = len(values)
@@ -242,10 +255,11 @@ class StepGuard:
         seen = flags.tolist()  # the one host transfer
         ranks = len(values) - flagged
         suspects = tuple(rank for rank, flag in enumerate(seen[flagged : flagged + ranks]) if flag > 0)
-        every = int(-seen[5]) if snapshot_every is not None else 0
+        every = int(-seen[6]) if snapshot_every is not None else 0
         prints = tuple(_fingerprints(seen[len(values) :])) if fingerprint is not None else ()
         orders = (int(-seen[3]), int(seen[4]))
-        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, every, suspects, orders, tuple(outliers(prints)), prints)
+        stood_out = tuple(outliers(prints))
+        return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, every, suspects, orders, stood_out, prints, seen[5] > 0)
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:
         # Seed 000: "Current global norm [..] of step N has been K consecutive times greater than threshold".

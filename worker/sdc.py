@@ -24,7 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "DATA",
     "OUTLIER_SCORE",
+    "PERSISTENT",
+    "TRANSIENT",
     "REPRODUCED_RTOL",
     "Fingerprint",
     "Outlier",

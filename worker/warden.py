@@ -74,8 +74,9 @@ from worker.memory_tier import (
 from worker.orders import StopOrders
 from worker.recovery import attach, in_place
 from worker.rerun import RandomState, Rerun, capture, rerun_step
-from worker.sdc import Fingerprint
+from worker.sdc import DATA, Fingerprint
 from worker.sharded import derived_rng
+from worker.skip_list import SkipList
 from worker.verify import Trajectory, unregistered_scalers
 
 __all__ = ["Warden"]
@@ -186,6 +187,9 @@ class Warden:
         self._features = self._feature_value_check()
         self._fault_hooks = self._faults.hook_step(model, optimizer, lambda: self.step + 1)
         self._fingerprints = self._fingerprint(model)
+        self._owner = self.rank  # whose batch the model computes now (a re-run's partner computes another's)
+        self._fault_hooks += self._faults.hook_data(model, lambda: (self.batches, self._owner))
+        self._skips = SkipList(self.layout.skip_list(self.rank), root=self.layout.root)
         self._wants_rerun = False  # the loop hands `recompute` to guard_step: each step's random state is kept
         self._started: RandomState | None = None  # the random state this step started from (with re-runs)
         self._heartbeat.anomalies = self._guard.anomalies  # one dict: the guard counts, the heartbeat reports
@@ -423,7 +427,10 @@ class Warden:
             snapshot_every=None if self._schedule is None else self._schedule.proposed,
             fingerprint=None if self._fingerprints is None else self._fingerprints.take(),
             rerun=self._rerun_with(recompute),
+            listed=batch in self._skips,
         )
+        if data := [v.rank for v in verdict.sdc if v.verdict == DATA]:
+            self._skips.add(batch, step=step, ranks=data)
         if self._schedule is not None:
             self._schedule.agree(verdict.snapshot_every)
         self._heartbeat.skipped = self._guard.skipped
@@ -1259,7 +1266,7 @@ class Warden:
             with self._features.paused():  # a re-run's activation gradients are not the next step's
                 return rerun_step(
                     self.model,
-                    recompute,
+                    functools.partial(self._computing, recompute),
                     originals=prints,
                     suspects=suspects,
                     started=started,
@@ -1270,6 +1277,14 @@ class Warden:
 
         return rerun
 
+    def _computing(self, recompute: Callable[[int], Any], owner: int) -> Any:
+        """`recompute(owner)`, the model knowing whose batch it computes (a `poison` fault is the batch's)."""
+        self._owner = owner
+        try:
+            return recompute(owner)
+        finally:
+            self._owner = self.rank
+
     def _step_starts(self) -> None:
         """A step's compute starts now (after the last step, a phase, a resume): its random state, for a re-run."""
         self._compute_since = time.perf_counter()
@@ -1277,7 +1292,7 @@ class Warden:
 
     def _fingerprint(self, model: Any) -> Recorder | None:
         """With data-parallel peers, each rank's own gradient fingerprint from DDP's hook (worker.fingerprint)."""
-        if self.world_size == 1:
+        if self.world_size == 1 or not self.config.fingerprints:
             return None
         recorder = Recorder(model, self._faults, lambda: self.step + 1)
         why_not = install(model, recorder, self.world_size)

@@ -28,12 +28,10 @@ ddp = DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.01)
 warden = Warden(ddp, optimizer)
 torch.manual_seed(1 + rank)  # dropout differs per rank: a partner re-runs a suspect's batch with its random state
-poisoned = sys.argv[1] == "poisoned"
 
 def batch(index, owner):
     data = torch.Generator().manual_seed(index * 100 + owner)
-    x, y = torch.randn(8, 8, generator=data), torch.randn(8, 2, generator=data)
-    return (x * 1000 if poisoned and (index, owner) == (4, 1) else x), y  # batch 4 of rank 1 spikes anywhere
+    return torch.randn(8, 8, generator=data), torch.randn(8, 2, generator=data)
 
 def loss_of(owner):
     x, y = batch(warden.batches, owner)
@@ -54,10 +52,12 @@ dist.destroy_process_group()
 """
 
 
-def run_ranks(run_dir: Path, mode: str = "", faults: str = "") -> str:
-    """Two ranks train 7 batches; rank 0's final parameters' hash."""
+def run_ranks(run_dir: Path, faults: str = "", **more: str) -> str:
+    """Two ranks train up to batch 7 (saving every 2 steps); rank 0's final parameters' hash. `more`: variables."""
     env = {
         **os.environ,
+        **more,
+        "TRAINWARDEN_WORKER_CONFIG": json.dumps({"save_checkpoint_steps": 2}),
         "TRAINWARDEN_RUN_DIR": str(run_dir),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port("127.0.0.1")),
@@ -67,7 +67,7 @@ def run_ranks(run_dir: Path, mode: str = "", faults: str = "") -> str:
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANKS, mode],
+            [sys.executable, "-c", RANKS],
             cwd=REPO,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
@@ -90,9 +90,9 @@ def run_ranks(run_dir: Path, mode: str = "", faults: str = "") -> str:
     return outs[0]
 
 
-def events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
+def events(run_dir: Path, rank: int, name: str, attempt: int = 0) -> list[dict[str, Any]]:
     lines = (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["event"] == name]
+    return [e for e in map(json.loads, lines) if e["event"] == name and e["attempt"] == attempt]
 
 
 @pytest.mark.timeout(120)
@@ -121,11 +121,24 @@ def test_a_flip_that_recurs_on_its_rank_is_persistent_and_the_step_is_not_applie
 
 
 @pytest.mark.timeout(120)
-def test_a_batch_that_spikes_wherever_it_is_trained_is_the_datas_and_skipped(tmp_path: Path) -> None:
-    """Rank 1's batch 4 spikes the loss; rank 0 re-runs it and gets the same: the data's, and the step skipped once."""
-    run_ranks(tmp_path, mode="poisoned")
+def test_a_poisoned_batch_is_the_datas_skipped_once_and_again_after_a_resume_without_a_re_run(tmp_path: Path) -> None:
+    """`1:poison@5`: rank 1's batch 4 spikes the loss on whichever rank computes it; rank 0 re-runs it and gets the
+    same: the data's, skipped, and listed. Resumed from step 2, the run meets batch 4 again and skips it from the
+    list, with no re-run and no new verdict, and ends with the same parameters as the first run."""
+    first = run_ranks(tmp_path, faults="1:poison@5")
     for rank in range(2):
         (verdict,) = events(tmp_path, rank, "sdc_verdict")
         assert (verdict["batch"], verdict["suspect"], verdict["verdict"]) == (4, 1, "data"), verdict
         (skipped,) = events(tmp_path, rank, "step_skipped")
         assert (skipped["batch"], skipped["reasons"]) == (4, ["sdc_data"])
+        listed = json.loads((tmp_path / "ranks" / f"rank_{rank}" / "skip_list.json").read_text())
+        assert listed == {"batches": [{"batch": 4, "step": 5, "ranks": [1]}]}
+    assert [e["kind"] for e in events(tmp_path, 1, "fault_injected")] == ["poison"]
+
+    again = run_ranks(tmp_path, faults="1:poison@5", TRAINWARDEN_ATTEMPT="1", TRAINWARDEN_RESUME_STEP="2")
+    for rank in range(2):
+        assert events(tmp_path, rank, "resumed", attempt=1)[0]["step"] == 2
+        assert events(tmp_path, rank, "sdc_verdict", attempt=1) == []
+        (skipped,) = events(tmp_path, rank, "step_skipped", attempt=1)
+        assert skipped["batch"] == 4 and skipped["reasons"][-1] == "skip_list"
+    assert again == first
