@@ -10,7 +10,7 @@ set) with one fault on one rank at one step, drawn from a seeded generator:
 A trial is right when every rank's first `sdc_verdict` at the fault's step names the faulty rank with the right
 verdict. The last lines: `fingerprint cost per step: P %` (the demo's median step time with fingerprints against the
 same run without them, `worker.fingerprints: false`, in interleaved pairs) and `verdicts right: K/N`.
-The cost of a re-run is the trial's step time at the fault against the median step, from the ranks' step events.
+The cost of a re-run: the step time at the fault against the median step before it (rank 0's step events).
 Run from the repository root:  .venv/bin/python bench/sdc.py --quick   [--trials N] [--keep]
 """
 
@@ -94,10 +94,10 @@ def run_demo(run_dir: Path, world: int, steps: int, *, faults: str = "", worker:
             proc.wait()
 
 
-def judge_trial(trial: Trial, work: Path) -> tuple[bool, str, float | None]:
+def judge_trial(index: int, trial: Trial, work: Path) -> tuple[bool, str, float | None]:
     """Whether every rank gave the right verdict at the fault's step; what they said; the re-run step's time over
-    the median step's."""
-    run_dir = work / f"{trial.kind}_{trial.world}r_rank{trial.rank}_step{trial.step}"
+    the median step's before the fault."""
+    run_dir = work / f"{index}_{trial.kind}_{trial.world}r_rank{trial.rank}_step{trial.step}"
     run_dir.mkdir(parents=True)
     code = run_demo(run_dir, trial.world, trial.step + 4, faults=trial.spec)
     layout = RunLayout(run_dir)
@@ -110,8 +110,9 @@ def judge_trial(trial: Trial, work: Path) -> tuple[bool, str, float | None]:
         right = right and first.get("verdict") == KINDS[trial.kind] and first.get("suspect") == trial.rank
     steps = [e for e in read_events(layout.rank_events(0)) if e.get("event") == "step" and e.get("batch", 0) > 1]
     times = {e["batch"]: e["step_time_s"] for e in steps}
+    before = [t for batch, t in times.items() if batch < trial.step - 1]
     rerun = times.get(trial.step - 1)
-    cost = rerun / statistics.median(times.values()) if rerun and len(times) > 2 else None
+    cost = rerun / statistics.median(before) if rerun and before else None
     return right, f"exit {code}, ranks said {' '.join(said)}", cost
 
 
@@ -127,22 +128,27 @@ def fingerprint_cost(work: Path, pairs: int, steps: int) -> float | None:
             events = read_events(RunLayout(run_dir).rank_events(0))
             times = [e["step_time_s"] for e in events if e.get("event") == "step" and e.get("step", 0) > 10]
             medians[on].append(statistics.median(times))
+            print(
+                f"cost pair {i + 1}/{pairs}: median step {'with' if on else 'without'} fingerprints "
+                f"{medians[on][-1] * 1000:.2f} ms",
+                flush=True,
+            )
     return (statistics.median(medians[True]) / statistics.median(medians[False]) - 1) * 100
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="21 trials and 2 cost pairs of 150 steps (< 5 minutes)")
+    parser.add_argument("--quick", action="store_true", help="21 trials and 4 cost pairs of 150 steps (< 5 minutes)")
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--seed", type=int, default=20261129)
     parser.add_argument("--keep", action="store_true", help="keep the run dirs")
     args = parser.parse_args()
-    trials, pairs, steps = (21, 2, 150) if args.quick else (args.trials, 3, 300)
+    trials, pairs, steps = (21, 4, 150) if args.quick else (args.trials, 5, 300)
     print_header(f"{trials} trials (seed {args.seed}), then {pairs} pairs of {steps}-step runs for the cost")
     with scratch_dir(args.keep) as work:
         right, costs = 0, []
         for index, trial in enumerate(draw(trials, args.seed), 1):
-            ok, said, cost = judge_trial(trial, work)
+            ok, said, cost = judge_trial(index, trial, work)
             right += ok
             costs += [cost] if cost else []
             step_cost = f"{cost:.1f}x a step" if cost else "n/a"

@@ -26,7 +26,7 @@ from worker.anomaly import Verdict as LocalVerdict
 from worker.contract import EXIT_ANOMALY, WorkerConfig
 from worker.exits import leave
 from worker.faults import FaultPlan
-from worker.sdc import TRANSIENT, Fingerprint, Outlier, SdcVerdict, outliers, whole_step
+from worker.sdc import TRANSIENT, Fingerprint, Outlier, SdcVerdict, fingerprint_values, outliers, whole_step
 
 # Re-runs a suspect step given every rank's fingerprint and the suspects (worker.rerun, bound by the Warden).
 # Its arguments: every rank's fingerprint, the suspects, this rank's gradient norm, and what to do again to the
@@ -111,7 +111,8 @@ class StepGuard:
         order it holds; `save_due` whether its clock says a checkpoint is due; `amp_scaling` whether an enabled
         GradScaler scaled the loss (then inf/NaN gradients with a finite loss are its overflow, not an anomaly);
         `snapshot_every` the snapshot interval it proposes (`auto` only, else None; 0: none yet); `fingerprint`
-        this rank's gradient sums from before the reduction (worker.fingerprint; None: not fingerprinted);
+        this rank's gradient buckets' squared norms from before the reduction (worker.fingerprint; None: not
+        fingerprinted);
         `rerun` re-runs a step that alarmed (worker.rerun), whose verdicts then decide: any data or persistent one
         skips the step, transient ones apply the re-run's gradients if they are clean; `listed`: this batch is in
         this rank's skip list (a re-run judged it the data's before a resume): skipped on every rank, not re-run.
@@ -228,11 +229,11 @@ class StepGuard:
         order_id: int,
         step: int,
         snapshot_every: int | None = None,
-        fingerprint: tuple[float, Any] | None = None,
+        fingerprint: tuple[float, list[float] | None] | None = None,
         listed: bool = False,
     ) -> _Agreed:
         """Every local flag made job-wide (any rank's counts; feature faults per rank; the lowest and highest
-        stop-order id held; each rank's fingerprint, given its loss and gradient sums): one all-reduce, none when
+        stop-order id held; each rank's fingerprint, given its loss and squared norms): one all-reduce, none when
         alone."""
         import torch
         import torch.distributed as dist
@@ -288,21 +289,15 @@ def _strike(kind: str | None, grads: list[Any]) -> None:
         grads[0].grad.view(-1)[0] = float("nan")
 
 
-def _fingerprint_rows(loss: float, sums: Any, world_size: int, rank: int, device: Any) -> Any:
-    """(world_size x 3) values for a MAX all-reduce: this rank's loss, gradient norm and non-finite count in its
-    row, -inf in the others' (which their ranks fill). Non-finite values go as +inf, counted: NaN has no order."""
+def _fingerprint_rows(loss: float, squares: list[float] | None, world_size: int, rank: int, device: Any) -> Any:
+    """(world_size x 3) values for a MAX all-reduce: this rank's fingerprint (worker.sdc.fingerprint_values) in its
+    row, -inf in the others' (which their ranks fill)."""
     import torch
 
-    rows = torch.full((world_size, 3), -math.inf, dtype=torch.float64, device=device)
-    if sums is None:  # no bucket was reduced this step: nothing to compare
-        return rows.flatten()
-    loss_value = torch.tensor(loss, dtype=torch.float64, device=device)
-    finite_loss = loss_value.isfinite()
-    norm = sums[0].sqrt()
-    rows[rank, 0] = torch.where(finite_loss, loss_value, math.inf)
-    rows[rank, 1] = torch.where(norm.isfinite(), norm, math.inf)
-    rows[rank, 2] = sums[1] + finite_loss.logical_not()
-    return rows.flatten()
+    rows = [-math.inf] * (3 * world_size)
+    if squares is not None:  # else no bucket was reduced this step: nothing to compare
+        rows[3 * rank : 3 * rank + 3] = fingerprint_values(loss, squares)
+    return torch.tensor(rows, dtype=torch.float64, device=device)
 
 
 def _fingerprints(values: list[float]) -> list[Fingerprint]:

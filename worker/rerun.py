@@ -1,7 +1,8 @@
 """Re-running a suspect step inside the job, to tell a bad GPU from a bad batch (worker.sdc judges).
 
 On an alarm (an anomalous step, or a rank whose own values stood out), before the optimizer steps, every rank
-computes the step's forward and backward again, with the random state it started from:
+computes the step's forward and backward again, with the torch random state it started from (CPU and CUDA: dropout's);
+Python's and NumPy's are put back as the original step left them, afterwards:
 
 1. for each suspect, a *partner* (another rank, holding the same parameters, as data-parallel ranks do) recomputes
    the suspect's batch alone (`no_sync`), with the suspect's torch random state, and fingerprints the gradients it
@@ -13,9 +14,10 @@ computes the step's forward and backward again, with the random state it started
 At most two extra forward and backward passes per rank (its own, and one suspect's), and only on alarms. What the
 loop hands over is one callable, `recompute(rank)`: the loss of the batch that `rank` trained at this step, computed
 through the DDP model (the Warden runs its backward). It must draw that batch from the step's sample ids, not from
-a random state other than torch's (the only one sent to the partner). Reproducing a result needs deterministic
-kernels (on GPUs: `torch.use_deterministic_algorithms(True)` and `CUBLAS_WORKSPACE_CONFIG=:4096:8`); results agree
-within `sdc.REPRODUCED_RTOL`, Megatron-LM's tolerance for non-deterministic backward kernels.
+a random state other than torch's (the only one restored for a re-run, and sent to the partner). Reproducing a
+result needs deterministic kernels (on GPUs: `torch.use_deterministic_algorithms(True)` and
+`CUBLAS_WORKSPACE_CONFIG=:4096:8`); results agree within `sdc.REPRODUCED_RTOL`, Megatron-LM's tolerance for
+non-deterministic backward kernels.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.sdc import Fingerprint, SdcVerdict, judge, partners, reproduced
+from worker.sdc import Fingerprint, SdcVerdict, fingerprint_values, judge, partners, reproduced
 
 __all__ = ["RandomState", "Rerun", "capture", "rerun_step", "restore"]
 
 
 @dataclass(frozen=True)
 class RandomState:
-    """The random state a step started from: torch's (CPU, and the current CUDA device's), Python's, NumPy's."""
+    """A random state: torch's (CPU, and the current CUDA device's), and Python's and NumPy's (None: not taken)."""
 
     torch_cpu: Any
     torch_cuda: Any
@@ -52,14 +54,15 @@ class Rerun:
     norm: float  # this rank's, in the re-run
 
 
-def capture() -> RandomState:
-    """The process's random state now (a few microseconds: taken at every step's start while re-runs are on)."""
+def capture(*, everything: bool = True) -> RandomState:
+    """The process's random state now; torch's only unless `everything` (taken at every step's start while re-runs
+    are on: torch's costs a microsecond, NumPy's 35)."""
     import torch
 
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    numpy = sys.modules.get("numpy")
+    numpy = sys.modules.get("numpy") if everything else None
     numpy_state = None if numpy is None else numpy.random.get_state()
-    return RandomState(torch.get_rng_state(), cuda, random.getstate(), numpy_state)
+    return RandomState(torch.get_rng_state(), cuda, random.getstate() if everything else None, numpy_state)
 
 
 def restore(state: RandomState) -> None:
@@ -68,7 +71,8 @@ def restore(state: RandomState) -> None:
     torch.set_rng_state(state.torch_cpu)
     if state.torch_cuda is not None:
         torch.cuda.set_rng_state(state.torch_cuda)
-    random.setstate(state.python)
+    if state.python is not None:
+        random.setstate(state.python)
     numpy = sys.modules.get("numpy")
     if numpy is not None and state.numpy is not None:
         numpy.random.set_state(state.numpy)
@@ -81,7 +85,7 @@ def rerun_step(
     originals: Sequence[Fingerprint],
     suspects: Sequence[int],
     started: RandomState,
-    take_fingerprint: Callable[[], Any],
+    take_fingerprint: Callable[[], list[float] | None],
     original_norm: float,
     after_backward: Callable[[], None] = lambda: None,
 ) -> Rerun:
@@ -104,7 +108,7 @@ def rerun_step(
             with model.no_sync():
                 loss = recompute(suspect)
                 loss.backward()
-            checked[suspect] = _row(float(loss.detach()), _local_sums(params))
+            checked[suspect] = _row(float(loss.detach()), _local_squares(params))
     restore(started)
     _zero(params)
     take_fingerprint()  # nothing from the partner's run went through the hook; start clean all the same
@@ -147,30 +151,19 @@ def _zero(params: list[Any]) -> None:
         p.grad = None
 
 
-def _local_sums(params: list[Any]) -> Any:
-    """[squared norm, non-finite count] of the gradients now in `.grad` (the partner's run: no hook saw them)."""
+def _local_squares(params: list[Any]) -> list[float]:
+    """The squared norm of each gradient now in `.grad` (the partner's run: no hook saw them)."""
     import torch
 
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(2, dtype=torch.float64)
-    squares = sum(torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads)
-    nonfinite = sum(torch.count_nonzero(g * 0) for g in grads)  # as worker.fingerprint counts them
-    return torch.stack([torch.as_tensor(squares, dtype=torch.float64), torch.as_tensor(nonfinite).double()])
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads]).tolist()
 
 
-def _row(loss: float, sums: Any) -> Any:
-    """One rank's fingerprint as three numbers; non-finite values as +inf (NaN has no order in a MAX), counted."""
+def _row(loss: float, squares: list[float] | None) -> Any:
+    """One rank's fingerprint as three numbers (worker.sdc.fingerprint_values); -inf: none."""
     import torch
 
-    if sums is None:
-        return torch.full((3,), -math.inf, dtype=torch.float64)
-    norm = float(sums[0].sqrt())
-    nonfinite = float(sums[1]) + (not math.isfinite(loss))
-    return torch.tensor(
-        [loss if math.isfinite(loss) else math.inf, norm if math.isfinite(norm) else math.inf, nonfinite],
-        dtype=torch.float64,
-    )
+    return torch.tensor([-math.inf] * 3 if squares is None else fingerprint_values(loss, squares), dtype=torch.float64)
 
 
 def _prints(values: list[float]) -> list[Fingerprint | None]:

@@ -1288,7 +1288,7 @@ class Warden:
     def _step_starts(self) -> None:
         """A step's compute starts now (after the last step, a phase, a resume): its random state, for a re-run."""
         self._compute_since = time.perf_counter()
-        self._started = capture() if self._wants_rerun else None
+        self._started = capture(everything=False) if self._wants_rerun else None
 
     def _fingerprint(self, model: Any) -> Recorder | None:
         """With data-parallel peers, each rank's own gradient fingerprint from DDP's hook (worker.fingerprint)."""

@@ -81,11 +81,13 @@ def test_without_a_partner_a_reproduced_result_counts_as_the_datas_saying_so() -
     assert v.verdict == "data" and "no other rank" in v.evidence
 
 
-def test_reproduced_means_within_the_tolerance_and_the_same_non_finite_count() -> None:
+def test_reproduced_means_within_the_tolerance_and_non_finite_in_both_or_neither() -> None:
+    """Counts may differ: the hook counts buckets, a partner's run counts the whole gradient once."""
     assert reproduced(Fingerprint(1.0, 2.0, 0), Fingerprint(1.0 + 5e-4, 2.0 - 1e-3, 0))
     assert not reproduced(Fingerprint(1.0, 2.0, 0), Fingerprint(1.0, 2.01, 0))
     assert reproduced(Fingerprint(math.inf, math.inf, 4), Fingerprint(math.inf, math.inf, 4))
-    assert not reproduced(Fingerprint(1.0, math.inf, 4), Fingerprint(1.0, math.inf, 3))
+    assert reproduced(Fingerprint(1.0, math.inf, 2), Fingerprint(1.0, math.inf, 1))
+    assert not reproduced(Fingerprint(1.0, math.inf, 1), Fingerprint(1.0, 2.0, 0))
 
 
 def test_partners_are_other_ranks_no_suspects_first_and_none_runs_two_batches() -> None:
