@@ -8,8 +8,11 @@ set) with one fault on one rank at one step, drawn from a seeded generator:
 - `poison@STEP` (that rank's batch spikes the loss wherever it is trained): `data`, that rank's.
 
 A trial is right when every rank's first `sdc_verdict` at the fault's step names the faulty rank with the right
-verdict. The last lines: `fingerprint cost per step: P %` (the demo's median step time with fingerprints against the
-same run without them, `worker.fingerprints: false`, in interleaved pairs) and `verdicts right: K/N`.
+verdict. Then the cost of fingerprints, in interleaved pairs of runs with and without them (`worker.fingerprints:
+false`), each rank pinned to a core: the median step of one against the other (whose run-to-run spread, a few %
+here, is larger than the cost), and `fingerprint cost per step: P %`, the time the fingerprinting code took in the
+runs with it (the ranks' `fingerprint_cost` events, measured around that code) over their median step. The last
+line: `verdicts right: K/N`.
 The cost of a re-run: the step time at the fault against the median step before it (rank 0's step events).
 Run from the repository root:  .venv/bin/python bench/sdc.py --quick   [--trials N] [--keep]
 """
@@ -17,6 +20,7 @@ Run from the repository root:  .venv/bin/python bench/sdc.py --quick   [--trials
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -33,6 +37,7 @@ from supervisor.launch.ranks import free_port
 from worker.contract import RunLayout
 
 KINDS = {"bitflip": "transient", "bitflip_persistent": "persistent", "poison": "data"}
+CORES = sorted(os.sched_getaffinity(0))
 TIMEOUT_S = 120.0
 
 
@@ -61,8 +66,11 @@ def draw(trials: int, seed: int) -> list[Trial]:
     return drawn
 
 
-def run_demo(run_dir: Path, world: int, steps: int, *, faults: str = "", worker: dict[str, Any] | None = None) -> int:
-    """The demo's ranks, started directly (no supervisor: the verdicts are the worker library's); the worst exit."""
+def run_demo(
+    run_dir: Path, world: int, steps: int, *, faults: str = "", worker: dict[str, Any] | None = None, pin: bool = False
+) -> int:
+    """The demo's ranks, started directly (no supervisor: the verdicts are the worker library's); the worst exit.
+    `pin`: rank r on core r (the cost runs: a run's placement on the cores moves its step time more than the cost)."""
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -81,6 +89,7 @@ def run_demo(run_dir: Path, world: int, steps: int, *, faults: str = "", worker:
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.DEVNULL,
             stderr=open(run_dir.parent / f"{run_dir.name}_rank_{rank}.err", "wb"),  # noqa: SIM115 - closed by exit
+            preexec_fn=functools.partial(os.sched_setaffinity, 0, {CORES[rank % len(CORES)]}) if pin else None,
         )
         for rank in range(world)
     ]
@@ -116,24 +125,27 @@ def judge_trial(index: int, trial: Trial, work: Path) -> tuple[bool, str, float 
     return right, f"exit {code}, ranks said {' '.join(said)}", cost
 
 
-def fingerprint_cost(work: Path, pairs: int, steps: int) -> float | None:
-    """The demo's median step time (2 ranks) with fingerprints over the same without, in interleaved pairs, as %."""
+def fingerprint_cost(work: Path, pairs: int, steps: int) -> tuple[float | None, float | None, str]:
+    """The demo's fingerprint cost per step, as % of its median step (2 ranks, each pinned to a core), two ways:
+    the time the fingerprinting code itself took in the runs with it (their `fingerprint_cost` events), and the
+    median step with fingerprints over the same without (`worker.fingerprints: false`), in interleaved pairs."""
     medians: dict[bool, list[float]] = {True: [], False: []}
+    spent: list[float] = []
     for i in range(pairs):
         for on in (False, True):
             run_dir = work / f"cost_{i}_{'on' if on else 'off'}"
             run_dir.mkdir(parents=True)
-            if run_demo(run_dir, 2, steps, worker={"fingerprints": on}) != 0:
-                return None
+            if run_demo(run_dir, 2, steps, worker={"fingerprints": on}, pin=True) != 0:
+                return None, None, "a cost run failed"
             events = read_events(RunLayout(run_dir).rank_events(0))
             times = [e["step_time_s"] for e in events if e.get("event") == "step" and e.get("step", 0) > 10]
             medians[on].append(statistics.median(times))
-            print(
-                f"cost pair {i + 1}/{pairs}: median step {'with' if on else 'without'} fingerprints "
-                f"{medians[on][-1] * 1000:.2f} ms",
-                flush=True,
-            )
-    return (statistics.median(medians[True]) / statistics.median(medians[False]) - 1) * 100
+            spent += [e["per_step_ms"] / 1000 for e in events if e.get("event") == "fingerprint_cost"]
+    on, off = statistics.median(medians[True]), statistics.median(medians[False])
+    pairwise = [(a / b - 1) * 100 for a, b in zip(medians[True], medians[False], strict=True)]
+    spread = f"pairs {' '.join(f'{p:+.1f}' for p in pairwise)} %; median step {off * 1000:.1f} ms without"
+    direct = statistics.median(spent) / on * 100 if spent else None
+    return direct, (on / off - 1) * 100, spread
 
 
 def main() -> None:
@@ -157,10 +169,12 @@ def main() -> None:
                 f"{trial.rank}  {said}  re-run step {step_cost}  {'right' if ok else 'WRONG'}",
                 flush=True,
             )
-        percent = fingerprint_cost(work, pairs, steps)
+        direct, against, spread = fingerprint_cost(work, pairs, steps)
     if costs:
         print(f"a step that is re-run takes {statistics.median(costs):.1f}x a median step (median of the trials)")
-    print(f"fingerprint cost per step: {'n/a' if percent is None else f'{percent:.1f}'} %")
+    shown = "n/a" if against is None else f"{against:+.1f}"
+    print(f"median step with fingerprints against runs without them: {shown} % ({spread})")
+    print(f"fingerprint cost per step: {'n/a' if direct is None else f'{direct:.2f}'} %")
     print(f"verdicts right: {right}/{trials}")
 
 

@@ -13,6 +13,7 @@ before the reduction, as a faulty GPU's backward would.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,19 +32,27 @@ class Recorder:
         self._faults, self._step = faults, step
         self._names = {id(p): name.removeprefix("module.") for name, p in model.named_parameters()}
         self._squares: list[Any] = []  # each bucket's squared norm this step, a float64 tensor on its device
+        self.spent_s = 0.0  # in `record` and `take`: what fingerprints cost this process, measured
+        self.steps = 0  # steps taken
 
     def record(self, bucket: Any) -> None:
         """Called by the hook with each bucket, before its reduction: one norm, nothing else (ops cost here)."""
+        started = time.perf_counter()
         self._strike(bucket)
         self._squares.append(_square_norm(bucket.buffer()))
+        self.spent_s += time.perf_counter() - started
 
     def take(self) -> list[float] | None:
         """Each bucket's squared norm this step ([]: no bucket came); starts anew. One host transfer (on a GPU, it
         waits for the backward, as the step guard's own does)."""
         import torch
 
+        started = time.perf_counter()
         squares, self._squares = self._squares, []
-        return torch.stack(squares).tolist() if squares else None
+        taken = torch.stack(squares).tolist() if squares else None
+        self.steps += 1
+        self.spent_s += time.perf_counter() - started
+        return taken
 
     def _strike(self, bucket: Any) -> None:
         fault = self._faults.bitflip(self._step())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,7 @@ class StepGuard:
         self.detector = AnomalyDetector(self.threshold, config.adaptive_spike)
         self.skipped = 0  # batches skipped, anomalies and AMP overflows alike
         self.anomalies: dict[str, int] = {}  # what this rank saw itself, by kind: the heartbeat reports it
+        self.fingerprint_s = 0.0  # spent on fingerprints here (their rows, and reading them back), measured
         self._log, self._faults, self._world_size, self._rank = log, faults, world_size, rank
         self._on_leave = on_leave  # an abort's teardown takes a while: the heartbeat says this rank is leaving
 
@@ -250,16 +252,20 @@ class StepGuard:
             values += [1.0 if feature_fault and rank == dist.get_rank() else 0.0 for rank in range(self._world_size)]
         device = grads[0].device if grads else torch.device("cpu")
         flags = torch.tensor(values, dtype=torch.float64, device=device)
+        started = time.perf_counter()
         if fingerprint is not None:
             flags = torch.cat([flags, _fingerprint_rows(*fingerprint, self._world_size, dist.get_rank(), device)])
+        self.fingerprint_s += time.perf_counter() - started
         self._faults.all_reduce(flags, dist.ReduceOp.MAX, step)
         seen = flags.tolist()  # the one host transfer
         ranks = len(values) - flagged
         suspects = tuple(rank for rank, flag in enumerate(seen[flagged : flagged + ranks]) if flag > 0)
         every = int(-seen[6]) if snapshot_every is not None else 0
+        started = time.perf_counter()
         prints = tuple(_fingerprints(seen[len(values) :])) if fingerprint is not None else ()
         orders = (int(-seen[3]), int(seen[4]))
         stood_out = tuple(outliers(prints))
+        self.fingerprint_s += time.perf_counter() - started
         return _Agreed(seen[0] > 0, seen[1] > 0, seen[2] > 0, every, suspects, orders, stood_out, prints, seen[5] > 0)
 
     def _abort(self, step: int, batch: int, grad_norm: float) -> None:

@@ -1213,6 +1213,9 @@ class Warden:
         if save:
             self.save_final()
         self._note_background_save(wait=True)
+        if self._fingerprints is not None and self._fingerprints.steps:  # measured, so a user knows what it costs
+            steps, spent = self._fingerprints.steps, self._fingerprints.spent_s + self._guard.fingerprint_s
+            self.log.info("fingerprint_cost", steps=steps, per_step_ms=round(spent / steps * 1000, 4))
         self.log.info("rank_finished", step=self.step)
         self._phase = "done"
         self._heartbeat.beat(self.step, "done", force=True)
