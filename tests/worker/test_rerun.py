@@ -46,8 +46,8 @@ for _ in warden.steps(8):
     warden.step_done(loss=loss.item())
     if warden.batches == 7:
         break
-state = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-print(hashlib.sha256(state).hexdigest())
+state = repr([p.detach().flatten().tolist() for p in model.parameters()])  # exact: float32 -> float's repr; no NumPy
+print(hashlib.sha256(state.encode()).hexdigest())
 dist.destroy_process_group()
 """
 
