@@ -33,7 +33,7 @@ class Recorder:
         self._names = {id(p): name.removeprefix("module.") for name, p in model.named_parameters()}
         self._squares: list[Any] = []  # each bucket's squared norm this step, a float64 tensor on its device
         self.spent_s = 0.0  # in `record` and `take`: what fingerprints cost this process, measured
-        self.steps = 0  # steps taken
+        self.steps = 0  # steps fingerprinted (re-runs not counted)
 
     def record(self, bucket: Any) -> None:
         """Called by the hook with each bucket, before its reduction: one norm, nothing else (ops cost here)."""
@@ -42,15 +42,15 @@ class Recorder:
         self._squares.append(_square_norm(bucket.buffer()))
         self.spent_s += time.perf_counter() - started
 
-    def take(self) -> list[float] | None:
-        """Each bucket's squared norm this step ([]: no bucket came); starts anew. One host transfer (on a GPU, it
-        waits for the backward, as the step guard's own does)."""
+    def take(self, *, rerun: bool = False) -> list[float] | None:
+        """Each bucket's squared norm this step (None: no bucket came); starts anew. One host transfer (on a GPU, it
+        waits for the backward, as the step guard's own does). `rerun`: a re-run's, not a step of its own."""
         import torch
 
         started = time.perf_counter()
         squares, self._squares = self._squares, []
         taken = torch.stack(squares).tolist() if squares else None
-        self.steps += 1
+        self.steps += not rerun
         self.spent_s += time.perf_counter() - started
         return taken
 

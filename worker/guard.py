@@ -27,7 +27,17 @@ from worker.anomaly import Verdict as LocalVerdict
 from worker.contract import EXIT_ANOMALY, WorkerConfig
 from worker.exits import leave
 from worker.faults import FaultPlan
-from worker.sdc import TRANSIENT, Fingerprint, Outlier, SdcVerdict, fingerprint_values, outliers, whole_step
+from worker.sdc import (
+    TRANSIENT,
+    Fingerprint,
+    Outlier,
+    SdcVerdict,
+    fingerprint_rows,
+    fingerprint_values,
+    from_rows,
+    outliers,
+    whole_step,
+)
 
 # Re-runs a suspect step given every rank's fingerprint and the suspects (worker.rerun, bound by the Warden).
 # Its arguments: every rank's fingerprint, the suspects, this rank's gradient norm, and what to do again to the
@@ -253,8 +263,11 @@ class StepGuard:
         device = grads[0].device if grads else torch.device("cpu")
         flags = torch.tensor(values, dtype=torch.float64, device=device)
         started = time.perf_counter()
-        if fingerprint is not None:
-            flags = torch.cat([flags, _fingerprint_rows(*fingerprint, self._world_size, dist.get_rank(), device)])
+        if fingerprint is not None:  # no squares: no bucket was reduced this step, nothing to compare
+            loss, squares = fingerprint
+            mine = {} if squares is None else {dist.get_rank(): fingerprint_values(loss, squares)}
+            rows = torch.tensor(fingerprint_rows(self._world_size, mine), dtype=torch.float64, device=device)
+            flags = torch.cat([flags, rows])
         self.fingerprint_s += time.perf_counter() - started
         self._faults.all_reduce(flags, dist.ReduceOp.MAX, step)
         seen = flags.tolist()  # the one host transfer
@@ -262,7 +275,8 @@ class StepGuard:
         suspects = tuple(rank for rank, flag in enumerate(seen[flagged : flagged + ranks]) if flag > 0)
         every = int(-seen[6]) if snapshot_every is not None else 0
         started = time.perf_counter()
-        prints = tuple(_fingerprints(seen[len(values) :])) if fingerprint is not None else ()
+        found = from_rows(seen[len(values) :]) if fingerprint is not None else []
+        prints = () if None in found else tuple(p for p in found if p is not None)  # some rank had none: no comparing
         orders = (int(-seen[3]), int(seen[4]))
         stood_out = tuple(outliers(prints))
         self.fingerprint_s += time.perf_counter() - started
@@ -293,25 +307,6 @@ def _strike(kind: str | None, grads: list[Any]) -> None:
             g.grad.mul_(1000.0)
     elif kind == "nan" and grads:
         grads[0].grad.view(-1)[0] = float("nan")
-
-
-def _fingerprint_rows(loss: float, squares: list[float] | None, world_size: int, rank: int, device: Any) -> Any:
-    """(world_size x 3) values for a MAX all-reduce: this rank's fingerprint (worker.sdc.fingerprint_values) in its
-    row, -inf in the others' (which their ranks fill)."""
-    import torch
-
-    rows = [-math.inf] * (3 * world_size)
-    if squares is not None:  # else no bucket was reduced this step: nothing to compare
-        rows[3 * rank : 3 * rank + 3] = fingerprint_values(loss, squares)
-    return torch.tensor(rows, dtype=torch.float64, device=device)
-
-
-def _fingerprints(values: list[float]) -> list[Fingerprint]:
-    """Every rank's fingerprint from the reduced rows; [] if some rank had none (then none is compared)."""
-    rows = [values[i : i + 3] for i in range(0, len(values), 3)]
-    if any(row[0] == -math.inf for row in rows):
-        return []
-    return [Fingerprint(loss, norm, int(nonfinite)) for loss, norm, nonfinite in rows]
 
 
 def _json_number(value: float) -> float | str:

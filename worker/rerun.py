@@ -29,7 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from worker.sdc import Fingerprint, SdcVerdict, fingerprint_values, judge, partners, reproduced
+from worker.sdc import (
+    Fingerprint,
+    SdcVerdict,
+    fingerprint_rows,
+    fingerprint_values,
+    from_rows,
+    judge,
+    partners,
+    reproduced,
+)
 
 __all__ = ["RandomState", "Rerun", "capture", "rerun_step", "restore"]
 
@@ -99,34 +108,35 @@ def rerun_step(
     rank, world = dist.get_rank(), dist.get_world_size()
     left = capture()
     params = [p for p in model.parameters() if p.requires_grad]
-    states = _gather(started.torch_cpu, world)
-    checked = torch.full((world, 3), -math.inf, dtype=torch.float64)
-    for suspect, partner in partners(suspects, world).items():
-        if partner == rank:
-            torch.set_rng_state(states[suspect])
-            _zero(params)
-            with model.no_sync():
-                loss = recompute(suspect)
-                loss.backward()
-            checked[suspect] = _row(float(loss.detach()), _local_squares(params))
+    checked: dict[int, tuple[float, float, int]] = {}  # the suspects' batches this rank ran as their partner
+    if suspects:  # agreed on every rank, so every rank takes part in the gather, or none
+        states = _gather(started.torch_cpu, world)
+        for suspect, partner in partners(suspects, world).items():
+            if partner == rank:
+                torch.set_rng_state(states[suspect])
+                _zero(params)
+                with model.no_sync():
+                    loss = recompute(suspect)
+                    loss.backward()
+                checked[suspect] = fingerprint_values(float(loss.detach()), _local_squares(params))
     restore(started)
-    _zero(params)
-    take_fingerprint()  # nothing from the partner's run went through the hook; start clean all the same
+    _zero(params)  # a partner's run went through no hook: the recorder holds nothing of it
     loss = recompute(rank)
     loss.backward()
     after_backward()
-    mine = torch.full((world, 3), -math.inf, dtype=torch.float64)
-    mine[rank] = _row(float(loss.detach()), take_fingerprint())
+    squares = take_fingerprint()
+    mine = {} if squares is None else {rank: fingerprint_values(float(loss.detach()), squares)}
     norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))  # as the guard measured it, without clipping
     differs = 0.0 if reproduced(_as_print(original_norm), _as_print(norm)) else 1.0
-    both = torch.cat([mine.flatten(), checked.flatten(), torch.tensor([differs], dtype=torch.float64)])
+    rows = fingerprint_rows(world, mine) + fingerprint_rows(world, checked) + [differs]
+    both = torch.tensor(rows, dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     values = both.tolist()
-    reruns = _prints(values[: 3 * world])
-    crosses = {s: p for s, p in enumerate(_prints(values[3 * world : 6 * world])) if p is not None}
+    reruns = from_rows(values[: 3 * world])
+    crosses = {s: p for s, p in enumerate(from_rows(values[3 * world : 6 * world])) if p is not None}
     restore(left)
     own = [p for p in reruns if p is not None]
-    if len(own) != world:  # a rank's hook recorded nothing: cannot happen with DDP; judged as not reproduced
+    if len(own) != world:  # a rank's hook recorded nothing (not with DDP): judged on the originals, so skipped
         own = list(originals)
     return Rerun(tuple(judge(originals, own, crosses, suspects)), tuple(own), values[-1] == 0.0, norm)
 
@@ -157,15 +167,3 @@ def _local_squares(params: list[Any]) -> list[float]:
 
     grads = [p.grad for p in params if p.grad is not None]
     return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads]).tolist()
-
-
-def _row(loss: float, squares: list[float] | None) -> Any:
-    """One rank's fingerprint as three numbers (worker.sdc.fingerprint_values); -inf: none."""
-    import torch
-
-    return torch.tensor([-math.inf] * 3 if squares is None else fingerprint_values(loss, squares), dtype=torch.float64)
-
-
-def _prints(values: list[float]) -> list[Fingerprint | None]:
-    rows = [values[i : i + 3] for i in range(0, len(values), 3)]
-    return [None if row[0] == -math.inf else Fingerprint(row[0], row[1], int(row[2])) for row in rows]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -32,7 +32,9 @@ __all__ = [
     "Fingerprint",
     "Outlier",
     "SdcVerdict",
+    "fingerprint_rows",
     "fingerprint_values",
+    "from_rows",
     "judge",
     "outliers",
     "partners",
@@ -64,6 +66,21 @@ def fingerprint_values(loss: float, squares: list[float]) -> tuple[float, float,
     nonfinite = len(squares) - len(finite) + (not math.isfinite(loss))
     norm = math.sqrt(math.fsum(finite)) if len(finite) == len(squares) else math.inf
     return (loss if math.isfinite(loss) else math.inf, norm if math.isfinite(norm) else math.inf, nonfinite)
+
+
+def fingerprint_rows(world: int, known: Mapping[int, tuple[float, float, int]]) -> list[float]:
+    """3 x `world` values for a MAX all-reduce: the fingerprints this rank knows in their ranks' rows, -inf in the
+    others' (which their ranks fill)."""
+    rows = [-math.inf] * (3 * world)
+    for rank, values in known.items():
+        rows[3 * rank : 3 * rank + 3] = values
+    return rows
+
+
+def from_rows(values: Sequence[float]) -> list[Fingerprint | None]:
+    """The fingerprints in reduced rows (fingerprint_rows); None for a row no rank filled."""
+    rows = [values[i : i + 3] for i in range(0, len(values), 3)]
+    return [None if row[0] == -math.inf else Fingerprint(row[0], row[1], int(row[2])) for row in rows]
 
 
 @dataclass(frozen=True)

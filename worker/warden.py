@@ -1273,7 +1273,7 @@ class Warden:
                     originals=prints,
                     suspects=suspects,
                     started=started,
-                    take_fingerprint=recorder.take,
+                    take_fingerprint=functools.partial(recorder.take, rerun=True),
                     original_norm=norm,
                     after_backward=again,
                 )

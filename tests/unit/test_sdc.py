@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import math
 
-from worker.sdc import Fingerprint, judge, outliers, partners, reproduced
+from worker.sdc import (
+    Fingerprint,
+    fingerprint_rows,
+    fingerprint_values,
+    from_rows,
+    judge,
+    outliers,
+    partners,
+    reproduced,
+)
 
 
 def prints(*values: tuple[float, float, int]) -> list[Fingerprint]:
@@ -96,3 +105,11 @@ def test_partners_are_other_ranks_no_suspects_first_and_none_runs_two_batches() 
     assert partners([0, 1], 4) == {0: 2, 1: 3}  # rank 1, a suspect, does not check rank 0
     assert partners([0, 1, 2], 3) == {0: 1, 1: 2, 2: 0}  # every rank a suspect: each checks its successor
     assert partners([0], 1) == {}
+
+
+def test_fingerprint_rows_reduced_by_max_give_every_ranks_fingerprint_and_none_for_a_missing_one() -> None:
+    """Each rank fills its own row, -inf elsewhere: the element-wise MAX of all ranks' rows holds every one."""
+    mine = {0: fingerprint_values(1.5, [4.0, 5.0]), 2: fingerprint_values(math.nan, [math.inf])}
+    rows = [fingerprint_rows(3, {rank: values}) for rank, values in mine.items()]
+    reduced = [max(column) for column in zip(*rows, strict=True)]
+    assert from_rows(reduced) == [Fingerprint(1.5, 3.0, 0), None, Fingerprint(math.inf, math.inf, 2)]
