@@ -95,6 +95,8 @@ class LedgerRules(TypedDict):
     max_failures: int
     window_s: float
     cooldown_s: float
+    max_strikes: int
+    strike_window_s: float
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,10 @@ class SlurmConfig:
     max_node_failures: int = 2  # a node charged this often within node_failure_window_s is not used again
     node_failure_window_s: float = 3600.0
     node_cooldown_s: float = 600.0  # a node lost while Slurm still calls it healthy (a blip) rests this long
+    # A node whose GPUs re-runs found corrupting results transiently this often within sdc_strike_window_s is not
+    # used again (like Ascend's 3 feature-value alarms in 480 minutes); a persistent verdict excludes it at once.
+    max_sdc_strikes: int = 3
+    sdc_strike_window_s: float = 28800.0
     srun_args: list[str] = field(default_factory=list)  # extra options for the agents' `srun` (e.g. --gpus-per-node)
     # With no spare left, go on with fewer nodes, down to this many, rather than exit 75 (null: `nodes`, never
     # shrink). Below `nodes` needs sharded checkpoints (worker.checkpoint_format: dcp), which reshard on load.
@@ -126,6 +132,8 @@ class SlurmConfig:
             "max_failures": self.max_node_failures,
             "window_s": self.node_failure_window_s,
             "cooldown_s": self.node_cooldown_s,
+            "max_strikes": self.max_sdc_strikes,
+            "strike_window_s": self.sdc_strike_window_s,
         }
 
 
@@ -223,6 +231,7 @@ class JobConfig:
             in_place=self.in_place is None,
             in_place_off=self.in_place or "",
             in_place_timeout_s=self.restart.in_place_timeout_s,
+            can_move=self.nodes > 1,  # a multi-node run relaunches on the nodes the ledger leaves it
         )
 
 
@@ -236,6 +245,8 @@ _BOUNDS: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "slurm.node_timeout_s": (lambda v: v >= 2, "at least 2 (node agents report every second)"),
     "slurm.max_node_failures": (lambda v: v >= 1, "at least 1"),
     "slurm.node_failure_window_s": (lambda v: v > 0, "more than 0"),
+    "slurm.max_sdc_strikes": (lambda v: v >= 1, "at least 1"),
+    "slurm.sdc_strike_window_s": (lambda v: v > 0, "more than 0"),
     "slurm.node_cooldown_s": (lambda v: v >= 0, "0 or more"),
     "slurm.time_limit_margin_s": (lambda v: v >= 0, "0 or more"),
     "slurm.controller_wait_s": (lambda v: v >= 0, "0 or more"),

@@ -22,8 +22,11 @@ import psutil
 from supervisor.config import JobConfig
 from supervisor.core import (
     Action,
+    ChargeDevice,
     CheckpointRefusal,
     ChildExited,
+    DeviceExcluded,
+    DeviceVerdictSeen,
     DumpStacks,
     Event,
     Heartbeats,
@@ -49,9 +52,11 @@ from supervisor.core import (
 )
 from supervisor.core.causes import explain
 from supervisor.core.decide import ends_at
+from supervisor.core.devices import PERSISTENT, TRANSIENT
 from supervisor.core.stop_requests import MAX_STOP_FILE_BYTES, StopFileUnparsable, parse_stop_file
 from supervisor.launch.launcher import Isolated, Launcher, LocalLauncher, Spawned
 from supervisor.launch.node_memory import resume_store
+from supervisor.launch.nodes import Ledger
 from supervisor.launch.ranks import Attempt
 from supervisor.launch.time_limit import TimeLimitWatch
 from supervisor.launch.trees import become_subreaper, kill_predecessor_leftovers
@@ -65,9 +70,25 @@ from supervisor.rundir.checkpoints import find_junk, rotation, write_health_file
 from supervisor.rundir.journal import Journal
 from supervisor.rundir.lease import ABDICATED, RELEASED, Lease, LeaseHolder, LeaseLost, read_relayed_signal
 from supervisor.rundir.persist import Persister, memory_status, newest_memory_snapshot
-from supervisor.rundir.rank_logs import abort_info, count, last_event, last_step, stderr_tail
+from supervisor.rundir.rank_logs import (
+    abort_info,
+    count,
+    device_verdict,
+    device_verdicts,
+    last_event,
+    last_step,
+    stderr_tail,
+)
 from supervisor.rundir.watch import HeartbeatUnreadable, StopFileChanged, StopFileWatcher, read_heartbeat
-from worker.contract import EXIT_ANOMALY, EXIT_CHECKPOINT_REFUSED, EXIT_FAILED, RunLayout, named_store, resume_stores
+from worker.contract import (
+    EXIT_ANOMALY,
+    EXIT_BAD_DEVICE,
+    EXIT_CHECKPOINT_REFUSED,
+    EXIT_FAILED,
+    RunLayout,
+    named_store,
+    resume_stores,
+)
 from worker.files import DIR_MODE, open_in, open_regular, unlink_quietly
 from worker.manifest import remove_sharded
 from worker.memory import create_memory_dir, memory_dir_for, remove_memory_dir
@@ -203,6 +224,8 @@ class Supervisor:
         self._metrics = MetricsExporter(config.metrics, self.log)  # opt-in: off, it costs one check per status
         self.status_listeners.append(self._metrics.publish)
         self._newest_checkpoint: tuple[int, float | None] | None = None  # (step, when it was completed)
+        self._transients: dict[int, int] = {}  # rank -> the transient verdicts its process's beats counted so far
+        self._devices = _device_verdicts(layout)  # the run's verdicts on devices, from the ledger: `status` shows them
 
     def run(self) -> int | None:
         """Supervise until the run finishes, fails or is stopped (its exit code), or until this supervisor must
@@ -505,6 +528,8 @@ class Supervisor:
             self._observe(event)
             for action in actions:
                 pending.extend(self._execute(action))
+            if isinstance(event, (Heartbeats, HeartbeatSeen)):
+                pending.extend(self._transient_verdicts(event))
         changed = (self.state.phase, self.state.attempt) != before
         due = isinstance(item, Tick) and time.monotonic() >= self._next_status
         if changed or due or isinstance(item, Started):  # Started: "starting" while checkpoints are verified
@@ -553,7 +578,39 @@ class Supervisor:
 
     def _explained(self, exited: ChildExited) -> ChildExited:
         """A rank's exit with what its logs say about it."""
-        return self._with_cause(self._with_stop_info(self._with_abort_info(self._with_refusal(exited))))
+        return self._with_cause(
+            self._with_stop_info(self._with_abort_info(self._with_refusal(self._with_device(exited))))
+        )
+
+    def _with_device(self, event: ChildExited) -> ChildExited:
+        """A rank that left with EXIT_BAD_DEVICE carries the persistent verdict it left for, as the suspect's own
+        log says it (its node and GPU); as its own log says it, if the suspect's has no word of it."""
+        if event.returncode != EXIT_BAD_DEVICE:
+            return event
+        said = last_event(self.layout, event.rank, event.attempt, "sdc_verdict", verdict=PERSISTENT)
+        try:
+            if said is None:
+                raise ValueError("no persistent sdc_verdict event in its log")
+            suspect = count(said, "suspect")
+            own = device_verdicts(self.layout, suspect, PERSISTENT, 1) if suspect < self.config.world_size else []
+            verdict = own[0] if own and own[0].attempt == event.attempt else device_verdict(said)
+        except ValueError as exc:
+            self.log.warning("sdc_verdict_unreadable", rank=event.rank, attempt=event.attempt, error=str(exc))
+            return event  # a crash like any other
+        return replace(event, device=verdict)
+
+    def _transient_verdicts(self, event: Heartbeats | HeartbeatSeen) -> list[Event]:
+        """Transient verdicts on a rank's own device, once its beats count more of them than seen (from its log)."""
+        found: list[Event] = []
+        for beat in event.beats if isinstance(event, Heartbeats) else (event,):
+            counted = dict(beat.anomalies or ()).get(f"sdc_{TRANSIENT}", 0)
+            seen = self._transients.get(beat.rank, 0)
+            if counted == seen:
+                continue
+            self._transients[beat.rank] = counted
+            new = counted - seen if counted > seen else counted  # fewer: a new process, counting from 0
+            found += [DeviceVerdictSeen(v) for v in device_verdicts(self.layout, beat.rank, TRANSIENT, new)]
+        return found
 
     # ---- actions out ----
 
@@ -582,6 +639,11 @@ class Supervisor:
             self._launcher.publish(action.order)
         elif isinstance(action, PublishUnwind):
             self._launcher.unwind(action.attempt)
+        elif isinstance(action, ChargeDevice):
+            why = self._launcher.charge_device(action.verdict)
+            self._devices = _device_verdicts(self.layout)
+            if why is not None and action.verdict.verdict == TRANSIENT:  # a persistent one's attempt ends anyway
+                return [DeviceExcluded(action.verdict, why)]
         else:
             raise TypeError(f"unknown action {action!r}")
         return []
@@ -855,6 +917,7 @@ class Supervisor:
             "last_checkpoint_at": self._completed_at(steps[-1]) if steps else None,
             "memory": self._memory_status,
             "logs": str(self.layout.attempt_log(self.state.attempt, 0, "err").parent),
+            "device_verdicts": self._devices,
             **self._launcher.details(),
         }
         for observer in self._observers:
@@ -866,6 +929,14 @@ class Supervisor:
             self.log.error("status_write_failed", error=str(exc))
         for listener in self.status_listeners:  # the live console line, metrics
             listener(status)
+
+
+def _device_verdicts(layout: RunLayout) -> list[dict[str, Any]]:
+    """The newest verdicts on devices the node ledger holds (it outlives supervisors and jobs); none if unreadable."""
+    try:
+        return Ledger.load(layout).device_verdicts()
+    except (OSError, ValueError):
+        return []  # the launcher says why it cannot use the ledger
 
 
 def _previous_status(layout: RunLayout) -> dict[str, Any]:

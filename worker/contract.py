@@ -39,6 +39,7 @@ __all__ = [
     "MANIFEST",
     "MEMORY_LABEL",
     "EXIT_ANOMALY",
+    "EXIT_BAD_DEVICE",
     "EXIT_CHECKPOINT_REFUSED",
     "EXIT_CONFIG",
     "EXIT_CRASH_LOOP",
@@ -101,6 +102,9 @@ CHECKPOINT_WRITER_GROUP = "trainwarden_checkpoint_writer"
 EXIT_FAILED = 1  # retryable: restarts exhausted, a rank could not be stopped (supervisor); a crash (rank)
 EXIT_ANOMALY = 65  # rank: aborted on anomalies (relaunch past the bad data); supervisor: rollbacks exhausted
 EXIT_CHECKPOINT_REFUSED = 66  # rank: its resume checkpoint is unsafe to load (sysexits EX_NOINPUT): use an older one
+# rank (sysexits EX_UNAVAILABLE): re-running a step found a rank's device corrupting its results, persistently
+# (worker.rerun); every rank leaves at that step, and the supervisor relaunches without that node or GPU.
+EXIT_BAD_DEVICE = 69
 EXIT_CONFIG = 78  # the job config (supervisor) or the rank's settings are invalid: retrying cannot help
 # Supervisor only (sysexits EX_SOFTWARE): attempts failed the same way, or made no progress, N times in a row.
 EXIT_CRASH_LOOP = 70

@@ -1,6 +1,8 @@
 """Fault injection for demos and tests: real faults (SIGKILL, hangs, SIGSTOP, slow saves) at a chosen rank and step.
 
-`TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP[:ARG[:LAYER]]` items, e.g. `1:hang@25`.
+`TRAINWARDEN_FAULTS` holds comma-separated `RANK:KIND@STEP[:ARG[:LAYER]]` items, e.g. `1:hang@25`. RANK may be
+`HOST/LOCAL_RANK` instead (`node2/0:bitflip_persistent@20`): the fault stays with that host's rank of that local rank,
+whatever its global rank in each attempt, as a faulty GPU stays in its machine.
 A fault fires only in the first attempt of a run, so the relaunched run can pass the same step. With
 `TRAINWARDEN_FAULTS_ONCE=1` each fault fires instead the first time its step is reached in any attempt (a mark
 in the rank's folder of the run dir remembers it): a stream of faults over several attempts, as a benchmark
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,6 +128,11 @@ class Fault:
     # for bitflip
     arg: float | None = None
     target: str | None = None  # the layer an sdc or bitflip fault corrupts
+    host: str | None = None  # given, `rank` is the local rank on this host (HOST/LOCAL_RANK)
+
+    def strikes(self, rank: int, where: tuple[str, int] | None) -> bool:
+        """Whether the fault is the one of global rank `rank`, which runs `where` (its host and local rank)."""
+        return self.rank == rank if self.host is None else where is not None and (self.host, self.rank) == where
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -135,12 +143,20 @@ def parse_faults(spec: str) -> list[Fault]:
 def _parse_item(item: str) -> Fault:
     try:
         rank, rest = item.split(":", 1)
+        host, _, local = rank.rpartition("/")
         kind, when = rest.split("@", 1)
         step, _, arg = when.partition(":")
         arg, _, target = arg.partition(":")
-        fault = Fault(rank=int(rank), kind=kind, step=int(step), arg=float(arg) if arg else None, target=target or None)
+        fault = Fault(
+            rank=int(local),
+            kind=kind,
+            step=int(step),
+            arg=float(arg) if arg else None,
+            target=target or None,
+            host=host or None,
+        )
     except ValueError:
-        raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected RANK:KIND@STEP[:ARG[:LAYER]]") from None
+        raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r}; expected [HOST/]RANK:KIND@STEP[:ARG[:LAYER]]") from None
     if fault.kind not in KINDS:
         raise ValueError(f"{ENV_FAULTS}: unknown fault kind {fault.kind!r} in {item!r}; known: {', '.join(KINDS)}")
     if fault.target is not None and fault.kind not in LAYER_KINDS:
@@ -165,20 +181,19 @@ class FaultPlan:
         attempt: int,
         on_fire: Callable[[Fault], None] = lambda fault: None,
         marks: Path | None = None,
+        where: tuple[str, int] | None = None,
     ) -> None:
         armed = attempt == 0 or marks is not None
-        self._due = {
-            (f.kind, f.step): f
-            for f in faults
-            if armed and f.rank == rank and (marks is None or not _mark(marks, f).exists())
-        }
+        mine = [f for f in faults if f.strikes(rank, where)]
+        self._due = {(f.kind, f.step): f for f in mine if armed and (marks is None or not _mark(marks, f).exists())}
         self._marks = marks
         self._on_fire = on_fire
         self._repeats = {key: int(f.arg or 1) for key, f in self._due.items() if f.kind in GRADIENT_KINDS}
-        self._peer_stalls = {f.step for f in faults if armed and f.kind == "stall_in_collective" and f.rank != rank}
-        slow = (f for f in faults if f.kind == "slow" and f.rank == rank)  # armed or not: it stays
+        stalls = (f for f in faults if armed and f.kind == "stall_in_collective" and f not in mine)
+        self._peer_stalls = {f.step for f in stalls}
+        slow = (f for f in mine if f.kind == "slow")  # armed or not: it stays
         self._slow = min(slow, key=lambda f: f.step, default=None)
-        persistent = (f for f in faults if f.kind == "bitflip_persistent" and f.rank == rank)  # so does this
+        persistent = (f for f in mine if f.kind == "bitflip_persistent")  # so does this
         self._persistent_flip = min(persistent, key=lambda f: f.step, default=None)
         # Every rank's poisoned batches, in every attempt: bad data is bad wherever and whenever it is trained.
         self._poison = {(f.step - 1, f.rank): f for f in faults if f.kind == "poison"}
@@ -201,6 +216,7 @@ class FaultPlan:
             attempt=attempt,
             on_fire=on_fire,
             marks=rank_dir if once else None,
+            where=(socket.gethostname(), int(os.environ.get("LOCAL_RANK", rank))),
         )
 
     def due(self, kind: str, step: int) -> Fault | None:

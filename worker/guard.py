@@ -24,10 +24,11 @@ from typing import Any
 
 from worker.anomaly import AnomalyDetector
 from worker.anomaly import Verdict as LocalVerdict
-from worker.contract import EXIT_ANOMALY, WorkerConfig
+from worker.contract import EXIT_ANOMALY, EXIT_BAD_DEVICE, WorkerConfig
 from worker.exits import leave
 from worker.faults import FaultPlan
 from worker.sdc import (
+    PERSISTENT,
     TRANSIENT,
     Fingerprint,
     Outlier,
@@ -88,6 +89,7 @@ class StepGuard:
         world_size: int,
         rank: int = 0,
         on_leave: Callable[[], None] = lambda: None,
+        where: tuple[str, int | None] = ("", None),
     ) -> None:
         monitor = config.monitor_config
         skip_on_norm = config.use_skip_data_by_global_norm and monitor.monitor_on
@@ -99,6 +101,7 @@ class StepGuard:
         self.fingerprint_s = 0.0  # spent on fingerprints here (their rows, and reading them back), measured
         self._log, self._faults, self._world_size, self._rank = log, faults, world_size, rank
         self._on_leave = on_leave  # an abort's teardown takes a while: the heartbeat says this rank is leaving
+        self._node, self._gpu = where  # this rank's host and GPU index (None: not on a GPU), for its verdicts
 
     def check(
         self,
@@ -192,6 +195,9 @@ class StepGuard:
                 + (["skip_list"] if agreed.listed else []),
                 local=verdict.anomalous,
             )
+            if any(v.verdict == PERSISTENT for v in verdicts):
+                self._on_leave()  # the supervisor relaunches without the suspect's node or GPU
+                leave(EXIT_BAD_DEVICE)
             if self.detector.consecutive >= self.count_threshold:
                 self._abort(step, batch, grad_norm)
         return Verdict(
@@ -217,8 +223,11 @@ class StepGuard:
         verdicts = found.verdicts or (whole_step(norm, found.norm, found.reproduced),)
         for v in verdicts:
             log = self._log.error if v.verdict != TRANSIENT else self._log.warning
-            log("sdc_verdict", step=step, batch=batch, suspect=v.rank, verdict=v.verdict, evidence=v.evidence)
-            if v.rank == self._rank or (v.rank is None and self._rank == 0):  # counted once: `status` sums ranks
+            mine = v.rank == self._rank or (v.rank is None and self._rank == 0)  # counted once: `status` sums ranks
+            # The suspect's own event says where it runs: the supervisor charges that node (GPU) from it.
+            where = {"node": self._node, "gpu": self._gpu} if v.rank == self._rank else {}
+            log("sdc_verdict", step=step, batch=batch, suspect=v.rank, verdict=v.verdict, evidence=v.evidence, **where)
+            if mine:
                 self.saw(f"sdc_{v.verdict}")
         if any(v.verdict != TRANSIENT for v in verdicts):
             return True, norm, verdicts

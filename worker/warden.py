@@ -11,6 +11,7 @@ import math
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -183,6 +184,7 @@ class Warden:
             world_size=self.world_size,
             rank=self.rank,
             on_leave=self._leaving,
+            where=(socket.gethostname(), _gpu_index(model)),
         )
         self._features = self._feature_value_check()
         self._fault_hooks = self._faults.hook_step(model, optimizer, lambda: self.step + 1)
@@ -1530,3 +1532,9 @@ def _register_stack_dump(path: Path, root: Path) -> Any:
         print(f"trainwarden: cannot register the stack dump handler: {exc}", file=sys.stderr)
         return None
     return stream
+
+
+def _gpu_index(model: Any) -> int | None:
+    """The index of the GPU the model's parameters are on (None: not on a GPU), as its verdicts name it."""
+    device = next((p.device for p in model.parameters()), None) if hasattr(model, "parameters") else None
+    return device.index if device is not None and device.type == "cuda" else None

@@ -1,8 +1,8 @@
 """The pure decision core: `decide(state, event, now) -> (state, actions)`, and the rules it applies.
 
 Nothing here reads a file, starts a process or looks at a clock (an import-linter contract keeps it so):
-`model` holds the events, actions and state; `decide` the transitions; `causes`, `hangs`, `blame`, `rollback` and
-`stop_requests` one failure class's rule each. The runner is its one way in: it turns what the launchers and
+`model` holds the events, actions and state; `decide` the transitions; `causes`, `hangs`, `blame`, `rollback`, `devices`
+and `stop_requests` one failure class's rule each. The runner is its one way in: it turns what the launchers and
 watchers see into events, and carries out the actions.
 """
 

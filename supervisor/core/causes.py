@@ -105,6 +105,7 @@ class CauseKind(Enum):
     CHECKPOINT_REFUSED = "checkpoint_refused"  # exit 66: relaunched from an older checkpoint
     NODE_LOST = "node_lost"  # its node went silent or its node agent died: relaunched without that node
     COLLECTIVE = "collective"  # a collective failed (a desync, a peer gone): the flight recorders name the culprit
+    BAD_DEVICE = "bad_device"  # a rank's device corrupts results (supervisor.core.devices): relaunched without it
     LAUNCH = "launch"  # the ranks could not be started, for a reason that may pass (Slurm could not create the step)
 
 

@@ -18,6 +18,10 @@ action, and time is the `now` argument (monotonic seconds). Phases and their tra
              lost with every rank alive: every rank kept, none replaced)
     RUNNING  --ChildExited(EXIT_ANOMALY, or any failure; abort info of some rank)--> STOPPING (then roll back past
              the bad data, or fail); a peer may die of the abort (SIGABRT) before the aborting rank exits
+    RUNNING  --ChildExited(EXIT_BAD_DEVICE; a persistent verdict on a device), or DeviceExcluded (its transient
+             strikes added up)--> the device charged (ChargeDevice), STOPPING (then relaunch without it where the
+             launcher can move, else fail with EXIT_REQUEUE naming it: `cannot_move`); DeviceVerdictSeen (transient)
+             --> journalled and charged only
     RUNNING  --ChildExited(EXIT_CONFIG)--> STOPPING (then fail with EXIT_CONFIG: a relaunch cannot help)
     RUNNING  --ChildExited(EXIT_CHECKPOINT_REFUSED, or killed while leaving; refusal)--> STOPPING (then relaunch
              passing over the refused step, or fail when restarts are exhausted; fail with EXIT_CONFIG if
@@ -66,13 +70,17 @@ from typing import Any
 
 from supervisor.core.blame import Verdict
 from supervisor.core.causes import MAX_CAUSE_CHARS, Cause, CauseKind, explain_exit, poisons_context
+from supervisor.core.devices import PERSISTENT, DeviceVerdict
 from supervisor.core.hangs import SAVE_PHASE, TRAIN_PHASE, phase_timeout, with_gaps
 from supervisor.core.model import (
     FAILURES_KEPT,
     LOST_NODE_UNWIND_S,
     Action,
+    ChargeDevice,
     CheckpointRefusal,
     ChildExited,
+    DeviceExcluded,
+    DeviceVerdictSeen,
     DumpStacks,
     Event,
     Failure,
@@ -110,6 +118,7 @@ from supervisor.core.rollback import AbortInfo, plan_rollback
 from supervisor.core.stop_requests import StopRequest, agreed_step
 from worker.contract import (
     EXIT_ANOMALY,
+    EXIT_BAD_DEVICE,
     EXIT_CONFIG,
     EXIT_CRASH_LOOP,
     EXIT_FAILED,
@@ -255,6 +264,8 @@ def _on_child_exited(state: State, event: ChildExited, now: float) -> tuple[Stat
             return _on_config_error(state, event, now)
         if event.refused is not None:
             return _on_checkpoint_refused(state, event, event.refused, now)
+        if event.returncode == EXIT_BAD_DEVICE and event.device is not None:
+            return _on_bad_device(state, event.device, now)
         if event.abort is not None:  # a peer's abort killed this rank first (SIGABRT when its connection closed)
             return _on_anomaly_abort(state, event, event.abort, now)
         return _on_crash(state, event, now)
@@ -477,6 +488,65 @@ def _rollback_or_fail(
     return state, then, [record, decision]
 
 
+def _on_device_verdict(state: State, event: DeviceVerdictSeen, now: float) -> tuple[State, list[Action]]:
+    """A transient verdict: journalled and charged (a strike); the step went on with the re-run's result."""
+    return state, [_verdict_record(event.verdict), ChargeDevice(event.verdict)]
+
+
+def _on_device_excluded(state: State, event: DeviceExcluded, now: float) -> tuple[State, list[Action]]:
+    """The ledger excludes a device the running attempt uses (its strikes added up): the attempt moves off it."""
+    verdict = event.verdict
+    if state.phase is not Phase.RUNNING or verdict.attempt != state.attempt:
+        return state, []
+    return _leave_device(state, verdict, f"{verdict.device} is excluded: {event.why}", now)
+
+
+def _on_bad_device(state: State, verdict: DeviceVerdict, now: float) -> tuple[State, list[Action]]:
+    """A persistent verdict: the attempt's ranks are leaving; the device is charged (excluded at once), and the
+    run goes on without it."""
+    actions: list[Action] = [_verdict_record(verdict), ChargeDevice(verdict)]
+    state, more = _leave_device(state, verdict, verdict.text, now)
+    return state, actions + more
+
+
+def _leave_device(state: State, verdict: DeviceVerdict, failure: str, now: float) -> tuple[State, list[Action]]:
+    """End the attempt to relaunch without the device; where the run cannot move (one machine), end it with
+    EXIT_REQUEUE, saying what it would have done."""
+    failure = f"{failure} (attempt {verdict.attempt})"
+    cause = Cause(CauseKind.BAD_DEVICE, failure[:MAX_CAUSE_CHARS], f"bad device {verdict.device}")
+    state = _note_failure(replace(state, last_failure=failure), verdict.rank, cause, verdict.step, node=verdict.node)
+    if stopping_on_request(state):
+        state, stop = _begin_stop(state, Then.STOP, now)
+        return state, stop
+    if not state.policy.can_move:
+        would = f"relaunch without {verdict.device}"
+        state = replace(
+            state,
+            failure_code=EXIT_REQUEUE,
+            give_up=f"{failure}; would {would}, but this run cannot move off it (one machine): resubmit it elsewhere",
+        )
+        state, stop = _begin_stop(state, Then.FAIL, now)
+        return state, [_record("cannot_move", level="error", device=verdict.device, would=would), *stop]
+    state, then, verdict_actions = _after_failure(state)
+    state, stop = _begin_stop(state, then, now)
+    return state, [*verdict_actions, *stop]
+
+
+def _verdict_record(verdict: DeviceVerdict) -> Record:
+    return _record(
+        "sdc_verdict",
+        level="error" if verdict.verdict == PERSISTENT else "warning",
+        rank=verdict.rank,
+        attempt=verdict.attempt,
+        verdict=verdict.verdict,
+        node=verdict.node,
+        gpu=verdict.gpu,
+        step=verdict.step,
+        batch=verdict.batch,
+        evidence=verdict.evidence,
+    )
+
+
 def _revise_failure(state: State, rank: int, cause: Cause, step: int | None) -> State:
     """This attempt's failure was taken for something else (a peer's crash): the history says what it was."""
     if not state.failures or state.failures[-1].attempt != state.attempt:
@@ -694,6 +764,7 @@ _FULL_RELAUNCH = {
     CauseKind.CHECKPOINT_REFUSED: "a refused checkpoint: every rank resumes from an older one",
     CauseKind.LAUNCH: "the launch failed",
     CauseKind.NODE_LOST: "a node was lost",
+    CauseKind.BAD_DEVICE: "a bad device: every rank is relaunched without it",
 }
 
 
@@ -1301,6 +1372,8 @@ _HANDLERS: dict[type, Callable[[State, Any, float], tuple[State, list[Action]]]]
     RanksLaunched: _on_launched,
     LaunchFailed: _on_launch_failed,
     ChildExited: _on_child_exited,
+    DeviceVerdictSeen: _on_device_verdict,
+    DeviceExcluded: _on_device_excluded,
     HeartbeatSeen: _on_heartbeat,
     Heartbeats: _on_heartbeats,
     StacksCollected: _on_stacks_collected,

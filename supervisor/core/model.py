@@ -10,6 +10,7 @@ from enum import Enum
 
 from supervisor.core.blame import Verdict
 from supervisor.core.causes import Cause
+from supervisor.core.devices import DeviceVerdict
 from supervisor.core.hangs import SAVE_PHASE, HangPolicy, beat_deadline
 from supervisor.core.rollback import AbortInfo, AnomalyPolicy, Rollback
 from supervisor.core.stop_requests import StopRequest
@@ -24,8 +25,12 @@ __all__ = [
     "saving",
     "signal_name",
     "Action",
+    "ChargeDevice",
     "CheckpointRefusal",
     "ChildExited",
+    "DeviceExcluded",
+    "DeviceVerdict",
+    "DeviceVerdictSeen",
     "describe_exit",
     "duration",
     "DumpStacks",
@@ -162,6 +167,7 @@ class ChildExited:
     step: int | None = None  # the newest step the rank logged (truer than its throttled heartbeat)
     node: str | None = None  # the host it ran on, in a multi-node run
     lost_with: tuple[int, ...] = ()  # its node was lost: the ranks lost with it (their exits follow)
+    device: DeviceVerdict | None = None  # it left with EXIT_BAD_DEVICE: the persistent verdict it left for
 
 
 @dataclass(frozen=True)
@@ -233,6 +239,21 @@ class StacksCollected:
 
 
 @dataclass(frozen=True)
+class DeviceVerdictSeen:
+    """A rank logged a transient verdict on a device (its step went on with the re-run's result)."""
+
+    verdict: DeviceVerdict
+
+
+@dataclass(frozen=True)
+class DeviceExcluded:
+    """The node ledger excludes the device `verdict` names from now on (`why`): its attempt must move off it."""
+
+    verdict: DeviceVerdict
+    why: str
+
+
+@dataclass(frozen=True)
 class SignalReceived:
     """The supervisor got a signal (SIGTERM, SIGINT, ...)."""
 
@@ -266,6 +287,8 @@ Event = (
     | HeartbeatSeen
     | Heartbeats
     | StacksCollected
+    | DeviceVerdictSeen
+    | DeviceExcluded
     | SignalReceived
     | StopRequested
     | Tick
@@ -333,6 +356,14 @@ class KillLeftovers:
 
 
 @dataclass(frozen=True)
+class ChargeDevice:
+    """Charge the node (GPU) of a verdict in the node ledger; the launcher answers DeviceExcluded when that
+    excludes it."""
+
+    verdict: DeviceVerdict
+
+
+@dataclass(frozen=True)
 class Record:
     """Write a decision to the supervisor's journal."""
 
@@ -341,7 +372,9 @@ class Record:
     fields: tuple[tuple[str, object], ...] = ()
 
 
-Action = LaunchRanks | SignalRanks | DumpStacks | KillLeftovers | PublishStopOrder | PublishUnwind | Record
+Action = (
+    LaunchRanks | SignalRanks | DumpStacks | KillLeftovers | PublishStopOrder | PublishUnwind | ChargeDevice | Record
+)
 
 # ---- state ---------------------------------------------------------------------------------
 
@@ -364,6 +397,7 @@ class Policy:
     in_place: bool = False  # a failed rank's survivors recover in place (restart.in_place)
     in_place_off: str = "restart.in_place is false"  # why not, when not
     in_place_timeout_s: float = 30.0  # survivors not unwound by then: a full relaunch
+    can_move: bool = False  # the launcher can relaunch on other nodes (multi-node): not off a bad device otherwise
 
     def backoff_s(self, restarts_done: int) -> float:
         """Delay before the next relaunch: none for the first, then exponential up to the cap."""

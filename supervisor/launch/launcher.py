@@ -13,6 +13,7 @@ import errno
 import math
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -23,10 +24,20 @@ from typing import Any, Protocol
 import psutil
 
 from supervisor.config import JobConfig
-from supervisor.core import ChildExited, Event, Heartbeats, HeartbeatSeen, LaunchFailed, RankState, StacksCollected
+from supervisor.core import (
+    ChildExited,
+    DeviceVerdict,
+    Event,
+    Heartbeats,
+    HeartbeatSeen,
+    LaunchFailed,
+    RankState,
+    StacksCollected,
+)
 from supervisor.core.causes import oom_kill_count
 from supervisor.launch.gpu_health import gpu_problems, preflight
 from supervisor.launch.node_memory import MemoryChoice
+from supervisor.launch.nodes import Ledger, device_fault, update_ledger
 from supervisor.launch.ranks import Attempt, Ranks, join_early, launch_ranks, publish_unwind, rank_envs
 from supervisor.launch.stacks import start_stack_collection
 from supervisor.launch.standby import FILL_AFTER_S, Process, Standby, Standbys
@@ -128,6 +139,9 @@ class Launcher(Protocol):
     def details(self) -> dict[str, Any]:
         """Launcher-specific facts for the status file."""
 
+    def charge_device(self, verdict: DeviceVerdict) -> str | None:
+        """Charge the node of `verdict`'s rank in the node ledger; why that node is excluded now (None: it is not)."""
+
     def memory_choice(
         self, world_size: int, *, newer_than: int | None, at_most: int | None, refused: Mapping[int, str]
     ) -> MemoryChoice | None:
@@ -181,6 +195,19 @@ class LocalLauncher:
 
     def start(self) -> None:
         self._watcher.start()
+        self._say_if_excluded()
+
+    def _say_if_excluded(self) -> None:
+        """One machine cannot move off itself: a host the run's ledger excludes (a GPU found corrupting results) is
+        used anyway, and the journal says so, with how to clear it."""
+        host = socket.gethostname()
+        with contextlib.suppress(OSError, ValueError):  # an unreadable ledger is the charge's to report
+            why = Ledger.load(self._layout).excluded(time.time(), **self._config.slurm.ledger_rules).get(host)
+            if why is not None:
+                forget = f"trainwarden nodes {self._layout.root} --forget {host}"
+                self._log.warning(
+                    "host_excluded", node=host, why=why, action=f"running here anyway; once fixed: {forget}"
+                )
 
     def close(self) -> None:
         if self._ranks is not None:
@@ -354,14 +381,26 @@ class LocalLauncher:
         return before is not None and now is not None and now > before
 
     def details(self) -> dict[str, Any]:
+        policy = {"node_policy": dict(self._config.slurm.ledger_rules)}  # for `trainwarden nodes` (verdicts here)
         if self._standbys is None:
-            return {}
-        return {"standbys_ready": 0 if self._standbys.failed else self._standbys.ready()}
+            return policy
+        return {**policy, "standbys_ready": 0 if self._standbys.failed else self._standbys.ready()}
 
     def memory_choice(
         self, world_size: int, *, newer_than: int | None, at_most: int | None, refused: Mapping[int, str]
     ) -> MemoryChoice | None:
         return None  # one machine: the supervisor's resume stores include the memory tier
+
+    def charge_device(self, verdict: DeviceVerdict) -> str | None:
+        """This machine's entry in the node ledger: kept for `trainwarden nodes`, `status` and the next start."""
+        node = verdict.node or socket.gethostname()
+        fault = device_fault(verdict, node, time.time())
+        try:
+            ledger = update_ledger(self._layout, lambda ledger: ledger.charged(fault))
+        except (OSError, ValueError) as exc:
+            self._log.error("node_ledger_write_failed", error=str(exc))
+            ledger = Ledger((fault,))  # the verdict still holds for this run
+        return ledger.excluded(time.time(), **self._config.slurm.ledger_rules).get(node)
 
     def _kept(self, keep: tuple[int, ...]) -> Ranks | None:
         """The failed attempt's ranks to go on in place: those of `keep` still alive (one that died since is

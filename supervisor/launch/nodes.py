@@ -2,9 +2,11 @@
 failure ledger in the run dir that lets a requeued job refuse a node that failed it before.
 
 A node is refused for good only on strong evidence: it was lost and Slurm marks it down, drained or failed
-(a "down" entry makes that verdict outlast Slurm resuming the node), or it failed `max_failures` times
-within `window_s`. A node lost while Slurm still has it up cools down for `cooldown_s`, then is tried
-again. An operator's "forgiven" entry clears every earlier fault of its node.
+(a "down" entry makes that verdict outlast Slurm resuming the node), it failed `max_failures` times
+within `window_s`, or a re-run found one of its GPUs corrupting results persistently ("sdc"); transient
+corruption ("strike") excludes it after `max_strikes` within `strike_window_s`. A node lost while Slurm still
+has it up cools down for `cooldown_s`, then is tried again.
+An operator's "forgiven" entry clears every earlier fault of its node.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeGuard, cast
 
+from supervisor.core.devices import PERSISTENT, DeviceVerdict
 from supervisor.core.model import duration
 from worker.contract import RunLayout
 from worker.files import atomic_write_json, open_in, read_json
@@ -31,6 +34,7 @@ __all__ = [
     "Ledger",
     "NodeFault",
     "TooFewNodes",
+    "device_fault",
     "is_strong_slurm_state",
     "parse_sinfo",
     "partition_shortfall",
@@ -43,7 +47,10 @@ MAX_FAULTS_KEPT = 1000  # the newest; a run that loses more nodes than this has 
 MAX_NODE_NAME = 255  # a hostname
 MAX_REASON = 300
 LOCK_WAIT_S = 5.0
-KINDS = ("failed", "lost", "down", "forgiven")
+# "sdc": a persistent silent-data-corruption verdict on one of its GPUs (excluded until forgiven); "strike": a
+# transient one (max_strikes within strike_window_s exclude it): supervisor.core.devices.
+KINDS = ("failed", "lost", "down", "forgiven", "sdc", "strike")
+COUNTED = ("failed", "lost", "sdc", "strike")  # the faults a row counts
 FOR_GOOD, EXCLUDED, COOLING_DOWN, USABLE = "excluded for good", "excluded", "cooling down", "usable"
 _STATUS_ORDER = (FOR_GOOD, EXCLUDED, COOLING_DOWN, USABLE)
 # Slurm base states and flags (long %T and short %t spellings) that say the node is gone or being taken out.
@@ -119,10 +126,13 @@ class Ledger:
         max_failures: int,
         window_s: float,
         cooldown_s: float,
+        max_strikes: int = 3,
+        strike_window_s: float = 28800.0,
         slurm_states: Mapping[str, str] | None = None,
     ) -> dict[str, str]:
         """Node -> why (one line), for every node that must not be used now."""
-        verdicts = self._verdicts(now, max_failures, window_s, cooldown_s, slurm_states or {})
+        strikes = (max_strikes, strike_window_s)
+        verdicts = self._verdicts(now, max_failures, window_s, cooldown_s, strikes, slurm_states or {})
         return {node: why for node, (status, why) in verdicts.items() if status != USABLE}
 
     def rows(
@@ -132,15 +142,17 @@ class Ledger:
         max_failures: int,
         window_s: float,
         cooldown_s: float,
+        max_strikes: int = 3,
+        strike_window_s: float = 28800.0,
         slurm_states: Mapping[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         """One row per node in the ledger, the worst status first, then by name: node, status, reason, faults
         (failures and losses since its last forgiveness), last_fault_at (wall clock or None), slurm_state."""
         states = slurm_states or {}
-        verdicts = self._verdicts(now, max_failures, window_s, cooldown_s, states)
+        verdicts = self._verdicts(now, max_failures, window_s, cooldown_s, (max_strikes, strike_window_s), states)
         rows = []
         for node, entries in self._since_forgiven().items():
-            counted = [f for f in entries if f.kind in ("failed", "lost")]
+            counted = [f for f in entries if f.kind in COUNTED]
             status, why = verdicts[node]
             rows.append(
                 {
@@ -154,6 +166,13 @@ class Ledger:
             )
         return sorted(rows, key=lambda row: (_STATUS_ORDER.index(row["status"]), row["node"]))
 
+    def device_verdicts(self, newest: int = 10) -> list[dict[str, Any]]:
+        """The newest verdicts on devices (re-runs that found silent data corruption), oldest first, for `status`:
+        node, verdict (persistent or transient), reason, at (wall clock)."""
+        found = [f for f in self.faults if f.kind in ("sdc", "strike")][-newest:]
+        words = {"sdc": "persistent", "strike": "transient"}
+        return [{"node": f.node, "verdict": words[f.kind], "reason": f.reason, "at": f.at} for f in found]
+
     def _since_forgiven(self) -> dict[str, list[NodeFault]]:
         """Node -> its entries from its newest "forgiven" one (included) on, oldest first."""
         out: dict[str, list[NodeFault]] = {}
@@ -162,10 +181,16 @@ class Ledger:
         return out
 
     def _verdicts(
-        self, now: float, max_failures: int, window_s: float, cooldown_s: float, states: Mapping[str, str]
+        self,
+        now: float,
+        max_failures: int,
+        window_s: float,
+        cooldown_s: float,
+        strikes: tuple[int, float],
+        states: Mapping[str, str],
     ) -> dict[str, tuple[str, str]]:
         return {
-            node: _verdict(entries, now, max_failures, window_s, cooldown_s, states.get(node))
+            node: _verdict(entries, now, max_failures, window_s, cooldown_s, strikes, states.get(node))
             for node, entries in self._since_forgiven().items()
         }
 
@@ -185,10 +210,16 @@ class Ledger:
 
 
 def _verdict(
-    entries: Sequence[NodeFault], now: float, max_failures: int, window_s: float, cooldown_s: float, state: str | None
+    entries: Sequence[NodeFault],
+    now: float,
+    max_failures: int,
+    window_s: float,
+    cooldown_s: float,
+    strikes: tuple[int, float],
+    state: str | None,
 ) -> tuple[str, str]:
     """(status, why) of one node from its entries since its last forgiveness."""
-    down = [f for f in entries if f.kind == "down"]
+    down = [f for f in entries if f.kind in ("down", "sdc")]
     if down:
         return FOR_GOOD, f"for good: {down[-1].reason}"
     lost = [f for f in entries if f.kind == "lost"]
@@ -199,7 +230,16 @@ def _verdict(
     recent = [f for f in entries if f.kind == "failed" and now - f.at <= window_s]
     if len(recent) >= max_failures:
         return EXCLUDED, f"failed {len(recent)} times in {window_s:g} s, last: {recent[-1].reason}"
+    max_strikes, strike_window_s = strikes
+    struck = [f for f in entries if f.kind == "strike" and now - f.at <= strike_window_s]
+    if len(struck) >= max_strikes:  # a window that slides: the oldest strike leaving it makes the node usable again
+        return EXCLUDED, f"{len(struck)} transient faults in {duration(strike_window_s)}, last: {struck[-1].reason}"
     return USABLE, entries[-1].reason if entries[-1].kind == "forgiven" else f"last: {entries[-1].reason}"
+
+
+def device_fault(verdict: DeviceVerdict, node: str, now: float) -> NodeFault:
+    """The ledger entry of a verdict on one of `node`'s devices: persistent excludes it, transient is a strike."""
+    return NodeFault(node, now, verdict.text[:MAX_REASON], "sdc" if verdict.verdict == PERSISTENT else "strike")
 
 
 def _fault(entry: object) -> NodeFault:

@@ -39,6 +39,7 @@ from typing import Any, TypeGuard
 from supervisor.config import JobConfig
 from supervisor.core import (
     ChildExited,
+    DeviceVerdict,
     Event,
     Heartbeats,
     HeartbeatSeen,
@@ -61,7 +62,7 @@ from supervisor.launch.node_memory import (
     parse_inventory,
     unheld_ranks,
 )
-from supervisor.launch.nodes import Ledger, NodeFault, TooFewNodes, plan_nodes, update_ledger
+from supervisor.launch.nodes import Ledger, NodeFault, TooFewNodes, device_fault, plan_nodes, update_ledger
 from supervisor.launch.ranks import Attempt, Placement, contract_env, rank_argv
 from supervisor.launch.stacks import FAULTHANDLER_WAIT_S, PYSPY_TIMEOUT_S, StackDumps, judge
 from supervisor.launch.succession import Succession
@@ -1008,6 +1009,15 @@ class SlurmLauncher:
         excluded = self._excluded()
         if node in excluded:
             self._log.warning("node_excluded", node=node, why=excluded[node])
+
+    def charge_device(self, verdict: DeviceVerdict) -> str | None:
+        """The node that ran the verdict's rank, as this allocation names it (else as the rank said)."""
+        node = next((n.name for n in self._nodes.values() if verdict.rank in n.ranks), verdict.node)
+        if node is None:
+            return None
+        fault = device_fault(verdict, node, time.time())
+        self._charge(node, fault.reason, fault.kind)
+        return self._excluded().get(node)
 
     def _update_ledger(self, change: Callable[[Ledger], Ledger]) -> None:
         """Through the file, under its lock: an operator may have forgiven a node meanwhile."""

@@ -282,6 +282,9 @@ def shown_state(state: Any, exit_code: Any) -> str:
     return str(state)
 
 
+SDC_KINDS = ("sdc_data", "sdc_transient", "sdc_persistent")  # the re-runs' verdicts as the ranks count them
+
+
 def render(status: dict[str, Any]) -> str:
     """A short human summary of a status dict."""
     lines = [
@@ -336,6 +339,7 @@ def render(status: dict[str, Any]) -> str:
     if order := status.get("stop_order"):
         then = "exit" if order["exit"] else "continue"
         lines.append(f"  stop order ({order['source']}): checkpoint at step {order['step']}, then {then}")
+    lines += _verdict_lines(status)
     if status.get("last_failure"):
         lines.append(f"  last failure: {status['last_failure']}")
     if status.get("cause"):
@@ -488,6 +492,20 @@ def _heartbeat_lines(status: dict[str, Any]) -> list[str]:
     if mode == "required":
         return ["  heartbeats: none seen yet (hang.heartbeat: required: a rank silent past first_heartbeat_s hangs)"]
     return ["  heartbeats: none seen (script does not use the worker library?): hang detection is off"]
+
+
+def _verdict_lines(status: dict[str, Any]) -> list[str]:
+    """What re-running suspect steps found: the count of each verdict this supervisor saw, then the verdicts on
+    devices the node ledger holds (every job of the run dir's), newest last."""
+    anomalies = status.get("anomalies")
+    anomalies = anomalies if isinstance(anomalies, dict) else {}
+    counts = [f"{n} {kind[4:]}" for kind in SDC_KINDS if type(n := anomalies.get(kind)) is int and n > 0]
+    lines = [f"  re-run verdicts: {', '.join(counts)}"] if counts else []
+    for verdict in (status.get("device_verdicts") or [])[-SHOWN_IN_SUMMARY:]:
+        if _sane_reason(verdict) and _is_number(verdict.get("at")):
+            at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(verdict["at"]))
+            lines.append(f"  {verdict['verdict']} on {verdict['node']} at {at}: {verdict['reason']}")
+    return lines
 
 
 def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:

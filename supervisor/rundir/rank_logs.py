@@ -6,29 +6,41 @@ file only, lines that are not strict JSON objects are skipped, and numbers are c
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
+from supervisor.core.devices import VERDICTS, DeviceVerdict
 from supervisor.core.rollback import AbortInfo
 from worker.contract import RunLayout
 from worker.files import open_regular, parse_json
 
-__all__ = ["abort_info", "count", "last_event", "last_step", "stderr_tail"]
+__all__ = ["abort_info", "count", "device_verdict", "device_verdicts", "last_event", "last_step", "stderr_tail"]
 
 TAIL_BYTES = 65536
+MAX_EVIDENCE = 1000  # a verdict's evidence, as journalled
+MAX_NODE = 255  # a host name
 
 
-def last_event(layout: RunLayout, rank: int, attempt: int, name: str) -> dict[str, Any] | None:
-    """The newest `name` event of `attempt` within the log's last TAIL_BYTES; torn and odd lines are skipped."""
+def last_event(layout: RunLayout, rank: int, attempt: int, name: str, **fields: object) -> dict[str, Any] | None:
+    """The newest `name` event of `attempt` (with these `fields`) within the log's last TAIL_BYTES; torn and odd
+    lines are skipped."""
+    wanted = {"attempt": attempt, **fields}
+    return next((e for e in _newest_first(layout, rank, name) if all(e.get(k) == v for k, v in wanted.items())), None)
+
+
+def _newest_first(layout: RunLayout, rank: int, name: str) -> Iterator[dict[str, Any]]:
+    """The `name` events within the log's last TAIL_BYTES, newest first; torn and odd lines are skipped."""
     try:
         fd = open_regular(layout.rank_events(rank))
     except OSError:
-        return None
+        return
     try:
         size = os.fstat(fd).st_size
         lines = os.pread(fd, TAIL_BYTES, max(0, size - TAIL_BYTES)).splitlines()
     except OSError:
-        return None
+        return
     finally:
         os.close(fd)
     wanted = f'"{name}"'.encode()
@@ -39,9 +51,42 @@ def last_event(layout: RunLayout, rank: int, attempt: int, name: str) -> dict[st
             event = parse_json(line)
         except ValueError:
             continue  # a torn first or last line, or garbage
-        if isinstance(event, dict) and event.get("event") == name and event.get("attempt") == attempt:
-            return event
-    return None
+        if isinstance(event, dict) and event.get("event") == name:
+            yield event
+
+
+def device_verdicts(layout: RunLayout, rank: int, verdict: str, newest: int) -> list[DeviceVerdict]:
+    """The `newest` `verdict` verdicts on rank `rank`'s own device its log holds (its `sdc_verdict` events naming
+    itself), oldest first; events that do not read as one are skipped."""
+    found: list[DeviceVerdict] = []
+    for event in _newest_first(layout, rank, "sdc_verdict"):
+        if len(found) == newest:
+            break
+        if event.get("suspect") == rank and event.get("verdict") == verdict:
+            with contextlib.suppress(ValueError):
+                found.append(device_verdict(event))
+    return found[::-1]
+
+
+def device_verdict(event: dict[str, Any]) -> DeviceVerdict:
+    """A rank's `sdc_verdict` event on its own device; ValueError naming what does not read."""
+    node, gpu, evidence = event.get("node"), event.get("gpu"), event.get("evidence")
+    if event.get("verdict") not in VERDICTS:
+        raise ValueError(f"'verdict' is {str(event.get('verdict'))[:40]!r}")
+    if not (node is None or (isinstance(node, str) and node.isprintable())) or not isinstance(evidence, str):
+        raise ValueError("'node' or 'evidence' is not a string")
+    if gpu is not None and type(gpu) is not int:
+        raise ValueError(f"'gpu' is {str(gpu)[:40]!r}, not an index")
+    return DeviceVerdict(
+        attempt=count(event, "attempt"),
+        rank=count(event, "suspect"),
+        verdict=event["verdict"],
+        step=count(event, "step"),
+        batch=count(event, "batch"),
+        evidence=evidence[:MAX_EVIDENCE],
+        node=None if node is None else node[:MAX_NODE],
+        gpu=gpu,
+    )
 
 
 def stderr_tail(layout: RunLayout, rank: int, attempt: int) -> bytes:

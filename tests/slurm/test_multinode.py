@@ -459,3 +459,34 @@ def test_with_no_spare_and_min_nodes_1_a_lost_node_leaves_the_run_to_finish_shru
     grown = [json.loads(line) for line in (run_dir / "ranks" / "rank_3" / "events.jsonl").read_text().splitlines()]
     changed = [e for e in grown if e["event"] == "world_size_changed"]
     assert (changed[-1]["saved_world_size"], changed[-1]["world_size"]) == (2, 4)
+
+
+def test_a_persistent_bit_flip_on_one_node_gets_it_excluded_and_the_run_finishes_on_the_spare(slurm, tmp_path):
+    """twnode2's local rank 1 flips a gradient bit at every backward from step 10, re-runs included (the fault
+    stays with twnode2, whatever rank runs there): a re-run names it persistent, every rank leaves with
+    EXIT_BAD_DEVICE, the ledger excludes twnode2 for good at once, and the run finishes on twnode1 and the spare.
+    Rank 0's batch 19 is poisoned: the data's, skipped, and no node is charged for it."""
+    faults = "twnode2/1:bitflip_persistent@10,0:poison@20"
+    job, run_dir = submit(slurm, tmp_path, env={"OMP_NUM_THREADS": "1", "TRAINWARDEN_FAULTS": faults})
+    code, out = finished(slurm, job, tmp_path)
+
+    assert code == 0, out[-3000:]
+    placed = [e["nodes"] for e in events(run_dir, "ranks_placed")]
+    assert [sorted(p) for p in placed] == [["twnode1", "twnode2"], ["twnode1", "twnode3"]]
+    flipped = placed[0]["twnode2"][1]
+    (verdict,) = events(run_dir, "sdc_verdict")
+    assert (verdict["rank"], verdict["node"], verdict["verdict"], verdict["step"]) == (
+        flipped,
+        "twnode2",
+        "persistent",
+        10,
+    )
+    (excluded,) = events(run_dir, "node_excluded")
+    assert excluded["node"] == "twnode2" and excluded["why"].startswith("for good: persistent silent data corruption")
+    ledger = json.loads((run_dir / "supervisor" / "nodes.json").read_text())
+    assert [(f["node"], f["kind"]) for f in ledger["faults"]] == [("twnode2", "sdc")]  # the poison charged no one
+    skipped = [e for e in map(json.loads, (run_dir / "ranks" / "rank_0" / "events.jsonl").read_text().splitlines())]
+    data = [e for e in skipped if e["event"] == "sdc_verdict" and e["verdict"] == "data"]
+    assert [(e["attempt"], e["step"], e["suspect"]) for e in data] == [(1, 20, 0)]
+    shown = subprocess.run([TRAINWARDEN, "status", str(run_dir)], capture_output=True, text=True).stdout
+    assert "persistent on twnode2 at " in shown

@@ -213,6 +213,19 @@ def test_a_bitflip_strikes_once_and_a_persistent_one_from_its_step_on_in_every_a
     assert FaultPlan(parse_faults("1:bitflip_persistent@3"), rank=0, attempt=0).bitflip(5) is None  # another rank
 
 
+def test_a_fault_named_by_host_and_local_rank_follows_that_machine_not_a_global_rank():
+    """`node2/0:KIND@STEP` strikes the rank with local rank 0 on node2, whatever its global rank; on another host or
+    local rank it is not this rank's, and a bad host part is refused by name."""
+    (fault,) = parse_faults("node2/0:bitflip_persistent@3")
+    assert (fault.host, fault.rank) == ("node2", 0)
+    assert FaultPlan([fault], rank=6, attempt=1, where=("node2", 0)).bitflip(3) is not None
+    assert FaultPlan([fault], rank=0, attempt=1, where=("node1", 0)).bitflip(3) is None
+    assert FaultPlan([fault], rank=7, attempt=1, where=("node2", 1)).bitflip(3) is None
+    assert FaultPlan([fault], rank=0, attempt=0).bitflip(3) is None  # where unknown: no host's fault
+    with pytest.raises(ValueError, match=r"\[HOST/\]RANK"):
+        parse_faults("node2/x:sigkill@3")
+
+
 def test_flip_bit_flips_one_bit_of_the_first_element():
     """Bit 30 of a float32 gradient (its highest exponent bit) turns 1e-3 into ~3.4e35; bit 31 its sign; the rest
     of the tensor is untouched; a bit past the dtype's width is refused."""

@@ -17,7 +17,8 @@ CODES = {
     if name.startswith("EXIT_") and isinstance(value, int) and not isinstance(value, bool)
 }
 SUPERVISOR_ONLY = {"EXIT_CRASH_LOOP", "EXIT_SAVE_LOST", "EXIT_REQUEUE"}  # "Supervisor only" in contract.py
-RANK_ONLY = {"EXIT_CHECKPOINT_REFUSED"}  # a rank's refusal; `trainwarden run` turns it into a relaunch or 78
+# A rank's refusal, a rank's bad device; `trainwarden run` turns them into a relaunch, 78 or 75.
+RANK_ONLY = {"EXIT_CHECKPOINT_REFUSED", "EXIT_BAD_DEVICE"}
 CRASH = {"EXIT_FAILED"}  # from a rank, 1 is a crash like any other code: the "anything else" row
 
 

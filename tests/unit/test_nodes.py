@@ -9,10 +9,12 @@ import time
 
 import pytest
 
+from supervisor.core.devices import DeviceVerdict
 from supervisor.launch.nodes import (
     Ledger,
     NodeFault,
     TooFewNodes,
+    device_fault,
     is_strong_slurm_state,
     parse_sinfo,
     partition_shortfall,
@@ -453,3 +455,35 @@ def test_partition_shortfall_counts_listed_nodes_neither_excluded_nor_out_in_slu
     else:
         assert said is not None and said.startswith("partition debug can never hold the job: it needs at least ")
         assert missing in said
+
+
+def test_a_persistent_verdict_excludes_its_node_until_an_operator_forgives_it(layout):
+    """A persistent silent-data-corruption verdict ("sdc") excludes the node for good, however long ago; it
+    survives the run dir's round trip (a resubmission sees it) and `--forget` clears it."""
+    verdict = DeviceVerdict(2, 5, "persistent", 60, 59, "reproduced on rank 5, not on rank 4", node="n2", gpu=1)
+    fault = device_fault(verdict, "n2", 0.0)
+    assert (fault.kind, fault.reason) == ("sdc", verdict.text)
+    Ledger().charged(fault).save(layout)
+    ledger = Ledger.load(layout)
+    assert ledger.excluded(100 * HOUR, **POLICY) == {"n2": f"for good: {verdict.text}"}
+    assert ledger.device_verdicts() == [{"node": "n2", "verdict": "persistent", "reason": verdict.text, "at": 0.0}]
+    assert ledger.forgiven("n2", HOUR).excluded(HOUR, **POLICY) == {}
+
+
+def test_transient_verdicts_exclude_a_node_at_max_strikes_within_a_window_that_slides():
+    """Strikes count within strike_window_s (default 3 in 8 h, like Ascend's alarms): the third within it excludes
+    the node; once the oldest ages out the node is usable again; strikes do not count as failures, nor failures as
+    strikes."""
+    verdict = DeviceVerdict(0, 1, "transient", 5, 4, "gone on a re-run", node="n1", gpu=None)
+    strikes = [device_fault(verdict, "n1", at) for at in (0.0, HOUR, 2 * HOUR)]
+    assert {s.kind for s in strikes} == {"strike"}
+    two = Ledger().charged(strikes[0]).charged(strikes[1])
+    assert two.excluded(2 * HOUR, **POLICY) == {}  # max_failures 2 counts failures, not strikes
+    three = two.charged(strikes[2])
+    why = three.excluded(2 * HOUR, **POLICY)["n1"]
+    assert why == "3 transient faults in 8h00m, last: transient silent data corruption on rank 1 (n1) at step 5"
+    assert three.excluded(8.5 * HOUR, **POLICY) == {}  # the first strike left the window
+    assert three.excluded(2 * HOUR, **POLICY, max_strikes=4) == {}
+    assert three.rows(2 * HOUR, **POLICY)[0]["faults"] == 3
+    failures = Ledger(tuple(NodeFault("n1", at, "rank 0 killed by SIGSEGV") for at in (0.0, 1.0)))
+    assert failures.excluded(2.0, **POLICY, max_strikes=1)["n1"].startswith("failed 2 times")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.rundir.rank_logs import TAIL_BYTES, last_event, last_step
+import pytest
+
+from supervisor.rundir.rank_logs import TAIL_BYTES, device_verdict, device_verdicts, last_event, last_step
 from worker.contract import RunLayout
 
 
@@ -142,3 +144,37 @@ def test_last_step_is_the_newest_step_event_of_the_attempt(tmp_path: Path):
     assert last_step(layout, 0, 0) == 5
     assert last_step(layout, 0, 1) == 2
     assert last_step(layout, 0, 2) is None
+
+
+def verdict_event(**fields) -> dict:
+    """An `sdc_verdict` event as the suspect rank 1 logs it about its own device."""
+    event = {"event": "sdc_verdict", "attempt": 0, "step": 7, "batch": 6, "suspect": 1, "verdict": "transient"}
+    return {**event, "evidence": "gone on a re-run", "node": "node7", "gpu": 0, **fields}
+
+
+def test_device_verdicts_are_the_newest_of_a_kind_on_the_rank_itself_oldest_first(tmp_path: Path):
+    """The newest N verdicts of one kind naming the rank itself; another rank's suspect, another kind and an event
+    that does not read as a verdict (a gpu that is no index) are passed over."""
+    layout = RunLayout(tmp_path)
+    events = [
+        verdict_event(step=3),
+        verdict_event(step=4, suspect=2),
+        verdict_event(step=5, verdict="persistent"),
+        verdict_event(step=6, gpu="0; rm -rf /"),
+        verdict_event(step=7),
+        verdict_event(step=8, node=None, gpu=None),
+    ]
+    write_log(layout, 1, events, tail='{"event": "sdc_verdict", "attem')
+    found = device_verdicts(layout, 1, "transient", 2)
+    assert [(v.step, v.node, v.gpu) for v in found] == [(7, "node7", 0), (8, None, None)]
+    assert [v.step for v in device_verdicts(layout, 1, "transient", 5)] == [3, 7, 8]
+    assert device_verdicts(layout, 1, "persistent", 1)[0].device == "GPU 0 of node7"
+    assert device_verdicts(layout, 3, "transient", 1) == []  # no log at all
+
+
+def test_a_verdict_with_fields_of_the_wrong_kind_is_refused_by_name():
+    """What the rank wrote is not trusted: each field is checked, and a long one is cut."""
+    for bad, word in (({"verdict": "data"}, "verdict"), ({"node": 7}, "node"), ({"step": -1}, "step")):
+        with pytest.raises(ValueError, match=word):
+            device_verdict(verdict_event(**bad))
+    assert len(device_verdict(verdict_event(evidence="x" * 10_000)).evidence) == 1000

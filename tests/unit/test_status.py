@@ -201,6 +201,24 @@ def test_render_says_which_ranks_resumed_inexactly_and_why():
         assert "resume not exact" not in render({**base, "resume_inexact": tampered})
 
 
+def test_render_shows_the_re_run_verdicts_and_the_ledger_s_verdicts_on_devices():
+    """The count of each verdict the ranks saw, then each verdict on a device the ledger holds; a tampered entry
+    (a reason with control characters, no time) is left out."""
+    base = {**snapshot(running(), now=NOW, extra={"run_dir": "runs/x", "last_checkpoint": None})}
+    anomalies = {"spike": 2, "sdc_data": 1, "sdc_transient": 2}
+    reason = "persistent silent data corruption on rank 1 (GPU 0 of node7) at step 60 (batch 59): came back"
+    devices = [
+        {"node": "node7", "verdict": "persistent", "reason": reason, "at": 0.0},
+        {"node": "node8", "verdict": "transient", "reason": "\x1b[2J", "at": 0.0},
+        {"node": "node9", "verdict": "transient", "reason": "ok", "at": None},
+    ]
+    lines = render({**base, "anomalies": anomalies, "device_verdicts": devices}).splitlines()
+    assert "  re-run verdicts: 1 data, 2 transient" in lines
+    (shown,) = [line for line in lines if " on node" in line]
+    assert shown.startswith("  persistent on node7 at ") and shown.endswith(f": {reason}")
+    assert "verdict" not in render(base)
+
+
 def test_render_names_the_slowest_rank_whose_saves_wait_for_the_previous_write_and_what_to_set():
     """The slowest rank's write, the training between saves and its setting, with how many ranks said so; a
     tampered block shows nothing."""

@@ -1,11 +1,13 @@
 """Re-running a step that alarmed (worker.rerun), with real ranks over gloo: a one-off bit flip is transient and the
-run goes on as if it never happened, bitwise; a flip that recurs on its rank is persistent; a batch that spikes
+run goes on as if it never happened, bitwise; a flip that recurs on its rank is persistent (every rank leaves
+with EXIT_BAD_DEVICE); a batch that spikes
 wherever it is trained is the data's."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 
 from supervisor.launch.ranks import free_port
 from tests.e2e.conftest import REPO
+from worker.contract import EXIT_BAD_DEVICE
 
 RANKS = """
 import hashlib, json, os, sys, torch, torch.distributed as dist
@@ -52,8 +55,9 @@ dist.destroy_process_group()
 """
 
 
-def run_ranks(run_dir: Path, faults: str = "", **more: str) -> str:
-    """Two ranks train up to batch 7 (saving every 2 steps); rank 0's final parameters' hash. `more`: variables."""
+def run_ranks(run_dir: Path, faults: str = "", code: int = 0, **more: str) -> str:
+    """Two ranks train up to batch 7 (saving every 2 steps); rank 0's final parameters' hash, or "" when they are to
+    exit with another `code`. `more`: variables."""
     env = {
         **os.environ,
         **more,
@@ -80,8 +84,8 @@ def run_ranks(run_dir: Path, faults: str = "", **more: str) -> str:
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=90)
-            assert proc.returncode == 0, err[-3000:]
-            outs.append(out.split()[-1])
+            assert proc.returncode == code, err[-3000:]
+            outs.append(out.split()[-1] if code == 0 else "")
     finally:
         for proc in procs:
             proc.kill()
@@ -110,14 +114,21 @@ def test_a_one_off_bit_flip_is_transient_and_the_run_goes_on_bitwise_as_without_
 
 
 @pytest.mark.timeout(120)
-def test_a_flip_that_recurs_on_its_rank_is_persistent_and_the_step_is_not_applied(tmp_path: Path) -> None:
+def test_a_flip_that_recurs_on_its_rank_is_persistent_the_step_is_not_applied_and_every_rank_leaves(
+    tmp_path: Path,
+) -> None:
     """From step 5 on, rank 1's gradient gets the bit flipped at every backward, re-runs included; rank 0 re-runs
-    rank 1's batch and gets a clean result: persistent, rank 1's, and the step is skipped."""
-    run_ranks(tmp_path, faults="1:bitflip_persistent@5")
+    rank 1's batch and gets a clean result: persistent, rank 1's; the step is skipped and both ranks leave with
+    EXIT_BAD_DEVICE, rank 1's own verdict naming its host and no GPU (a CPU rank)."""
+    run_ranks(tmp_path, faults="1:bitflip_persistent@5", code=EXIT_BAD_DEVICE)
     verdicts = events(tmp_path, 0, "sdc_verdict")
     assert {(v["step"], v["suspect"], v["verdict"]) for v in verdicts} == {(5, 1, "persistent")}
     assert "reproduced only on rank 1" in verdicts[0]["evidence"]
+    assert "node" not in verdicts[0]  # rank 0 speaks for no one's device
+    (own,) = events(tmp_path, 1, "sdc_verdict")
+    assert (own["node"], own["gpu"]) == (socket.gethostname(), None)
     assert {tuple(s["reasons"]) for s in events(tmp_path, 0, "step_skipped")} == {("non_finite", "sdc_persistent")}
+    assert [e["step"] for e in events(tmp_path, 0, "step")] == [1, 2, 3, 4]  # step 5 was never applied
 
 
 @pytest.mark.timeout(120)
