@@ -1,4 +1,5 @@
-"""Each rank's fingerprint of its own gradients, taken inside DDP's communication hook, before the reduction.
+"""Each rank's fingerprint of its own gradients, taken before the reduction: in DDP's communication hook, or in
+FSDP2's reduce-scatter.
 
 The Warden of a DistributedDataParallel model installs `fingerprinted(allreduce_hook)` as its communication hook
 (DDP's own reduction, in Python); a script with a hook of its own wraps it: `ddp.register_comm_hook(state,
@@ -8,6 +9,10 @@ and how many were not finite: a non-finite count by buckets, which costs no seco
 them along in the all-reduce it makes anyway (worker.guard), and names the ranks whose values stand out
 (worker.sdc). `bitflip` faults strike here too: they corrupt a rank's own gradient
 before the reduction, as a faulty GPU's backward would.
+
+An FSDP2 model (`fully_shard`) has no communication hook; its pre-reduce point is the reduce-scatter it runs for each
+parameter group, which `FSDPModule.set_custom_reduce_scatter` lets us supply: each rank's input to it is that group's
+whole gradient from its own batch, which the comm fingerprints the same way before it reduce-scatters.
 """
 
 from __future__ import annotations
@@ -40,6 +45,17 @@ class Recorder:
         started = time.perf_counter()
         self._strike(bucket)
         self._squares.append(_square_norm(bucket.buffer()))
+        self.spent_s += time.perf_counter() - started
+
+    def record_flat(self, gradients: Any) -> None:
+        """Called with an FSDP2 parameter group's flat gradient before its reduce-scatter (a fault flips its first
+        value: the flat buffer names no layer)."""
+        started = time.perf_counter()
+        fault = self._faults.bitflip(self._step())
+        if fault is not None:
+            flip_bit(gradients, fault)
+            self._faults.flipped(fault, self._step())
+        self._squares.append(_square_norm(gradients))
         self.spent_s += time.perf_counter() - started
 
     def take(self, *, rerun: bool = False) -> list[float] | None:
@@ -93,11 +109,15 @@ def fingerprinted(hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
 
 
 def install(model: Any, recorder: Recorder, world_size: int) -> str | None:
-    """Fingerprint `model`'s buckets from now on; None when it does, else why not (not DDP; a hook of its own)."""
+    """Fingerprint `model`'s buckets from now on; None when it does, else why not (neither DDP nor FSDP2; a hook of
+    its own)."""
     global _active
     hooks = getattr(model, "_comm_hooks", None)
     if hooks is None or not callable(getattr(model, "register_comm_hook", None)):
-        return "not a DistributedDataParallel model"
+        why_not = _install_fsdp(model, world_size)
+        if why_not is None:
+            _active = recorder
+        return why_not
     group = getattr(model, "process_group", None)
     if group is not None and group.size() != world_size:  # the guard's all-reduce compares every rank of the world
         return f"DDP reduces over {group.size()} of the {world_size} ranks: only data parallelism over all is compared"
@@ -108,6 +128,32 @@ def install(model: Any, recorder: Recorder, world_size: int) -> str | None:
     elif not all(getattr(hook, _MARK, False) for hook, _ in hooks):
         return "its communication hook is its own: wrap it in worker.fingerprinted() to fingerprint it"
     _active = recorder
+    return None
+
+
+def _install_fsdp(model: Any, world_size: int) -> str | None:
+    """FSDP2: every `fully_shard` module's reduce-scatter fingerprints its input first; None when it does."""
+    sharded = [m for m in model.modules() if callable(getattr(m, "set_custom_reduce_scatter", None))]
+    if not sharded:
+        return "neither a DistributedDataParallel nor an FSDP2 model"
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class FingerprintedReduceScatter(DefaultReduceScatter):  # the default, fingerprinting its input first
+        def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+            if _active is not None:
+                _active.record_flat(input_tensor)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    comm = FingerprintedReduceScatter()
+    for module in sharded:
+        state = module._get_fsdp_state()
+        group = next((g.mesh_info.shard_process_group for g in state._fsdp_param_groups), None)
+        if group is not None and group.size() != world_size:  # HSDP: the shards of one replica, not the world
+            return f"FSDP2 shards over {group.size()} of the {world_size} ranks: only sharding over all is compared"
+        try:
+            module.set_custom_reduce_scatter(comm)
+        except ValueError as exc:  # several parameter groups in one module (shard_placement_fn)
+            return f"FSDP2 refused a custom reduce-scatter: {exc}"
     return None
 
 

@@ -90,6 +90,12 @@ UNREGISTERED_SCALER = (
     "an enabled GradScaler is not in extra_state: checkpoints lack its loss scale, so a resume restarts it and is "
     "not exact; pass Warden(..., extra_state={'scaler': scaler})"
 )
+# Why an FSDP2 model's steps are not re-run: a partner would compute a suspect's batch alone, which a sharded model's
+# forward cannot (it gathers the parameters from every rank).
+RERUNS_OFF_FSDP = (
+    "FSDP2: a partner cannot compute another rank's batch alone (its forward gathers parameters from every rank); "
+    "the fingerprints name a rank that stands out, and the step guard decides as without re-runs"
+)
 _RNG_NOT_RESTORED = {"numpy": "numpy_rng_not_restored", "cuda": "cuda_rng_not_restored"}
 
 
@@ -193,6 +199,7 @@ class Warden:
         self._fault_hooks += self._faults.hook_data(model, lambda: (self.batches, self._owner))
         self._skips = SkipList(self.layout.skip_list(self.rank), root=self.layout.root)
         self._wants_rerun = False  # the loop hands `recompute` to guard_step: each step's random state is kept
+        self._said_reruns_off = False
         self._started: RandomState | None = None  # the random state this step started from (with re-runs)
         self._heartbeat.anomalies = self._guard.anomalies  # one dict: the guard counts, the heartbeat reports
         self._decision: tuple[bool, float, bool] | None = None  # this iteration's (apply?, global norm, save due?)
@@ -1260,6 +1267,11 @@ class Warden:
         start once a loop hands `recompute` over; its first such step cannot be re-run)."""
         if recompute is None or self._fingerprints is None:
             return None
+        if not callable(getattr(self.model, "no_sync", None)):  # FSDP2: the fingerprints name a rank, nothing more
+            if not self._said_reruns_off:
+                self._said_reruns_off = True
+                self.log.warning("reruns_off", why=RERUNS_OFF_FSDP)
+            return None
         started, self._wants_rerun = self._started, True
         if started is None:
             return None
@@ -1303,7 +1315,7 @@ class Warden:
         why_not = install(model, recorder, self.world_size)
         if why_not is None:
             return recorder
-        if hasattr(model, "_comm_hooks"):  # a DDP model: its user may want to know; other models are not DDP's
+        if not why_not.startswith("neither"):  # a DDP or FSDP2 model: its user may want to know
             self.log.warning("fingerprints_off", why=why_not)
         return None
 

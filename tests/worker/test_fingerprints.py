@@ -1,5 +1,5 @@
-"""Per-rank fingerprints from before DDP's reduction (worker.fingerprint), exchanged in the step guard's all-reduce:
-real ranks over gloo name the rank whose own gradient stood out, and only it."""
+"""Per-rank fingerprints from before DDP's reduction, or FSDP2's (worker.fingerprint), exchanged in the step guard's
+all-reduce: real ranks over gloo name the rank whose own gradient stood out, and only it."""
 
 from __future__ import annotations
 
@@ -24,7 +24,12 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-ddp = DistributedDataParallel(model)
+if mode == "fsdp":
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model[0])
+    ddp = fully_shard(model)
+else:
+    ddp = DistributedDataParallel(model)
 if mode == "own hook":
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     ddp.register_comm_hook(None, allreduce_hook)
@@ -36,14 +41,16 @@ for step in warden.steps(8):
     x, y = torch.randn(8, 8, generator=data), torch.randn(8, 2, generator=data)
     if mode == "data" and rank == 1 and step == 4:
         x = x * 1000  # a batch unlike the others: this rank's own gradient stands out, no fault
-    with ddp.no_sync():  # this rank's own gradient, for the test to compare with
-        model.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        local[step] = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])).item()
+    if mode != "fsdp":
+        with ddp.no_sync():  # this rank's own gradient, for the test to compare with
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            local[step] = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])).item()
     optimizer.zero_grad()
     loss = torch.nn.functional.mse_loss(ddp(x), y)
     loss.backward()
-    if warden.guard_step(loss.item()):
+    recompute = (lambda owner: torch.nn.functional.mse_loss(ddp(x), y)) if mode == "fsdp" else None
+    if warden.guard_step(loss.item(), recompute=recompute):
         optimizer.step()
     warden.step_done(loss=loss.item())
 warden.finish()
@@ -102,6 +109,23 @@ def test_a_bit_flipped_before_the_reduction_names_its_rank_on_every_rank(tmp_pat
         assert (named["step"], named["ranks"], named["anomaly"]) == (5, [1], True), named
         assert "local gradient norm" in named["why"][0]
         assert [e["step"] for e in events(tmp_path, rank, "step_skipped")] == [5]
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_fingerprints_its_reduce_scatter_input_and_names_the_flipped_rank_without_a_re_run(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 (`fully_shard`): the reduce-scatter's input, each rank's whole gradient from its own batch, is
+    fingerprinted before the reduction; rank 1's flipped bit at step 5 is named by all three ranks. A partner cannot
+    compute another rank's batch alone (the forward gathers parameters from every rank): no re-run, said once."""
+    run_ranks(tmp_path, "fsdp", 3, faults="1:bitflip@5")
+    for rank in range(3):
+        assert events(tmp_path, rank, "fingerprints_off") == []
+        (named,) = events(tmp_path, rank, "ranks_stood_out")
+        assert (named["step"], named["ranks"]) == (5, [1]), named
+        (off,) = events(tmp_path, rank, "reruns_off")
+        assert "FSDP2" in off["why"]
+        assert events(tmp_path, rank, "sdc_verdict") == []
 
 
 @pytest.mark.timeout(120)
