@@ -8,7 +8,7 @@ set) with one fault on one rank at one step, drawn from a seeded generator:
 - `poison@STEP` (that rank's batch spikes the loss wherever it is trained): `data`, that rank's.
 
 A trial is right when every rank's first `sdc_verdict` at the fault's step names the faulty rank with the right
-verdict. Then the cost of fingerprints, in interleaved pairs of runs with and without them (`worker.fingerprints:
+verdict, and the ranks end as that verdict says (a persistent one: every rank leaves with exit 69, the others: 0). Then the cost of fingerprints, in interleaved pairs of runs with and without them (`worker.fingerprints:
 false`), each rank pinned to a core: the median step of one against the other (whose run-to-run spread, a few %
 here, is larger than the cost), and `fingerprint cost per step: P %`, the time the fingerprinting code took in the
 runs with it (the ranks' `fingerprint_cost` events, measured around that code) over their median step. The last
@@ -34,7 +34,7 @@ from typing import Any
 from harness import REPO, SCRIPT, print_header, read_events, scratch_dir
 
 from supervisor.launch.ranks import free_port
-from worker.contract import RunLayout
+from worker.contract import EXIT_BAD_DEVICE, RunLayout
 
 KINDS = {"bitflip": "transient", "bitflip_persistent": "persistent", "poison": "data"}
 CORES = sorted(os.sched_getaffinity(0))
@@ -110,7 +110,7 @@ def judge_trial(index: int, trial: Trial, work: Path) -> tuple[bool, str, float 
     run_dir.mkdir(parents=True)
     code = run_demo(run_dir, trial.world, trial.step + 4, faults=trial.spec)
     layout = RunLayout(run_dir)
-    said, right = [], code in (0, 65)  # a persistent fault's skips end in an anomaly abort (exit 65)
+    said, right = [], code == (EXIT_BAD_DEVICE if trial.kind == "bitflip_persistent" else 0)  # a bad device: all leave
     for rank in range(trial.world):
         events = read_events(layout.rank_events(rank))
         verdicts = [e for e in events if e.get("event") == "sdc_verdict" and e.get("step") == trial.step]

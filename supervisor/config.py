@@ -231,7 +231,7 @@ class JobConfig:
             in_place=self.in_place is None,
             in_place_off=self.in_place or "",
             in_place_timeout_s=self.restart.in_place_timeout_s,
-            can_move=self.nodes > 1,  # a multi-node run relaunches on the nodes the ledger leaves it
+            can_move=self.multi_node,  # a multi-node run relaunches on the nodes the ledger leaves it
         )
 
 

@@ -585,7 +585,9 @@ class Supervisor:
     def _with_device(self, event: ChildExited) -> ChildExited:
         """A rank that left with EXIT_BAD_DEVICE carries the persistent verdict it left for, as the suspect's own
         log says it (its node and GPU); as its own log says it, if the suspect's has no word of it."""
-        if event.returncode != EXIT_BAD_DEVICE:
+        if event.returncode != EXIT_BAD_DEVICE or event.attempt != self.state.attempt:
+            return event
+        if self.state.phase is not Phase.RUNNING:  # the first exit brought it: thousands of ranks leave at once
             return event
         said = last_event(self.layout, event.rank, event.attempt, "sdc_verdict", verdict=PERSISTENT)
         try:

@@ -504,7 +504,7 @@ def _verdict_lines(status: dict[str, Any]) -> list[str]:
     for verdict in (status.get("device_verdicts") or [])[-SHOWN_IN_SUMMARY:]:
         if _sane_reason(verdict) and _is_number(verdict.get("at")):
             at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(verdict["at"]))
-            lines.append(f"  {verdict['verdict']} on {verdict['node']} at {at}: {verdict['reason']}")
+            lines.append(f"  device verdict on {verdict['node']} at {at}: {verdict['reason']}")
     return lines
 
 

@@ -56,13 +56,18 @@ def _newest_first(layout: RunLayout, rank: int, name: str) -> Iterator[dict[str,
 
 
 def device_verdicts(layout: RunLayout, rank: int, verdict: str, newest: int) -> list[DeviceVerdict]:
-    """The `newest` `verdict` verdicts on rank `rank`'s own device its log holds (its `sdc_verdict` events naming
-    itself), oldest first; events that do not read as one are skipped."""
+    """Of the `newest` `verdict` verdicts the rank counted (worker.guard: those naming it, and on rank 0 those naming
+    no rank), the ones on its own device, oldest first; events that do not read as one are skipped."""
     found: list[DeviceVerdict] = []
+    counted = 0
     for event in _newest_first(layout, rank, "sdc_verdict"):
-        if len(found) == newest:
+        suspect = event.get("suspect")
+        if counted == newest:
             break
-        if event.get("suspect") == rank and event.get("verdict") == verdict:
+        if event.get("verdict") != verdict or not (suspect == rank or (suspect is None and rank == 0)):
+            continue
+        counted += 1
+        if suspect == rank:
             with contextlib.suppress(ValueError):
                 found.append(device_verdict(event))
     return found[::-1]

@@ -52,7 +52,7 @@ def test_transient_strikes_then_a_persistent_fault_end_a_run_that_cannot_move(tm
         [sys.executable, "-m", "supervisor", "status", str(run_dir)], cwd=REPO, capture_output=True, text=True
     ).stdout
     assert "re-run verdicts: 1 transient, 1 persistent" in shown
-    assert f"persistent on {HOST} at " in shown
+    assert f"device verdict on {HOST} at " in shown
     table = nodes_table(run_dir)
     assert HOST in table and "excluded for good" in table and "persistent silent data corruption on rank 1" in table
 

@@ -489,4 +489,4 @@ def test_a_persistent_bit_flip_on_one_node_gets_it_excluded_and_the_run_finishes
     data = [e for e in skipped if e["event"] == "sdc_verdict" and e["verdict"] == "data"]
     assert [(e["attempt"], e["step"], e["suspect"]) for e in data] == [(1, 20, 0)]
     shown = subprocess.run([TRAINWARDEN, "status", str(run_dir)], capture_output=True, text=True).stdout
-    assert "persistent on twnode2 at " in shown
+    assert "device verdict on twnode2 at " in shown

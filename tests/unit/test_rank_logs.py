@@ -153,8 +153,8 @@ def verdict_event(**fields) -> dict:
 
 
 def test_device_verdicts_are_the_newest_of_a_kind_on_the_rank_itself_oldest_first(tmp_path: Path):
-    """The newest N verdicts of one kind naming the rank itself; another rank's suspect, another kind and an event
-    that does not read as a verdict (a gpu that is no index) are passed over."""
+    """Of the newest N verdicts of one kind the rank counted, those naming the rank itself; another rank's suspect,
+    another kind and an event that does not read as a verdict (a gpu that is no index) are passed over."""
     layout = RunLayout(tmp_path)
     events = [
         verdict_event(step=3),
@@ -170,6 +170,10 @@ def test_device_verdicts_are_the_newest_of_a_kind_on_the_rank_itself_oldest_firs
     assert [v.step for v in device_verdicts(layout, 1, "transient", 5)] == [3, 7, 8]
     assert device_verdicts(layout, 1, "persistent", 1)[0].device == "GPU 0 of node7"
     assert device_verdicts(layout, 3, "transient", 1) == []  # no log at all
+    # Rank 0 counts the verdicts that name no rank too; they charge no device, and are not mistaken for older ones.
+    write_log(layout, 0, [verdict_event(step=3, suspect=0), verdict_event(step=9, suspect=None)])
+    assert device_verdicts(layout, 0, "transient", 1) == []
+    assert [v.step for v in device_verdicts(layout, 0, "transient", 2)] == [3]
 
 
 def test_a_verdict_with_fields_of_the_wrong_kind_is_refused_by_name():

@@ -215,7 +215,7 @@ def test_render_shows_the_re_run_verdicts_and_the_ledger_s_verdicts_on_devices()
     lines = render({**base, "anomalies": anomalies, "device_verdicts": devices}).splitlines()
     assert "  re-run verdicts: 1 data, 2 transient" in lines
     (shown,) = [line for line in lines if " on node" in line]
-    assert shown.startswith("  persistent on node7 at ") and shown.endswith(f": {reason}")
+    assert shown.startswith("  device verdict on node7 at ") and shown.endswith(f": {reason}")
     assert "verdict" not in render(base)
 
 
