@@ -224,7 +224,8 @@ class Supervisor:
         self._metrics = MetricsExporter(config.metrics, self.log)  # opt-in: off, it costs one check per status
         self.status_listeners.append(self._metrics.publish)
         self._newest_checkpoint: tuple[int, float | None] | None = None  # (step, when it was completed)
-        self._transients: dict[int, int] = {}  # rank -> the transient verdicts its process's beats counted so far
+        # rank -> (its newest beat's seq, the transient verdicts its process counted by then)
+        self._transients: dict[int, tuple[int, int]] = {}
         self._devices = _device_verdicts(layout)  # the run's verdicts on devices, from the ledger: `status` shows them
 
     def run(self) -> int | None:
@@ -594,8 +595,8 @@ class Supervisor:
             if said is None:
                 raise ValueError("no persistent sdc_verdict event in its log")
             suspect = count(said, "suspect")
-            own = device_verdicts(self.layout, suspect, PERSISTENT, 1) if suspect < self.config.world_size else []
-            verdict = own[0] if own and own[0].attempt == event.attempt else device_verdict(said)
+            own = last_event(self.layout, suspect, event.attempt, "sdc_verdict", verdict=PERSISTENT, suspect=suspect)
+            verdict = device_verdict(own if own is not None else said)
         except ValueError as exc:
             self.log.warning("sdc_verdict_unreadable", rank=event.rank, attempt=event.attempt, error=str(exc))
             return event  # a crash like any other
@@ -606,12 +607,13 @@ class Supervisor:
         found: list[Event] = []
         for beat in event.beats if isinstance(event, Heartbeats) else (event,):
             counted = dict(beat.anomalies or ()).get(f"sdc_{TRANSIENT}", 0)
-            seen = self._transients.get(beat.rank, 0)
-            if counted == seen:
-                continue
-            self._transients[beat.rank] = counted
-            new = counted - seen if counted > seen else counted  # fewer: a new process, counting from 0
-            found += [DeviceVerdictSeen(v) for v in device_verdicts(self.layout, beat.rank, TRANSIENT, new)]
+            seq, seen = self._transients.get(beat.rank, (-1, 0))
+            seen = 0 if beat.seq < seq else seen  # a new process: its beats and counts start again
+            self._transients[beat.rank] = (beat.seq, counted)
+            if counted > seen:
+                found += [
+                    DeviceVerdictSeen(v) for v in device_verdicts(self.layout, beat.rank, TRANSIENT, seen, counted)
+                ]
         return found
 
     # ---- actions out ----

@@ -224,11 +224,22 @@ class StepGuard:
         for v in verdicts:
             log = self._log.error if v.verdict != TRANSIENT else self._log.warning
             mine = v.rank == self._rank or (v.rank is None and self._rank == 0)  # counted once: `status` sums ranks
-            # The suspect's own event says where it runs: the supervisor charges that node (GPU) from it.
-            where = {"node": self._node, "gpu": self._gpu} if v.rank == self._rank else {}
-            log("sdc_verdict", step=step, batch=batch, suspect=v.rank, verdict=v.verdict, evidence=v.evidence, **where)
             if mine:
                 self.saw(f"sdc_{v.verdict}")
+            # The suspect's own event says where it runs: the supervisor charges that node (GPU) from it, the one its
+            # heartbeat's count (`count`, this process's so far) says is new.
+            where = {"node": self._node, "gpu": self._gpu} if v.rank == self._rank else {}
+            counted = {"count": self.anomalies[f"sdc_{v.verdict}"]} if mine else {}
+            log(
+                "sdc_verdict",
+                step=step,
+                batch=batch,
+                suspect=v.rank,
+                verdict=v.verdict,
+                evidence=v.evidence,
+                **where,
+                **counted,
+            )
         if any(v.verdict != TRANSIENT for v in verdicts):
             return True, norm, verdicts
         # Only one-off faults: the re-run's gradients, averaged by DDP, are in `.grad`: applied if they are clean.

@@ -55,19 +55,20 @@ def _newest_first(layout: RunLayout, rank: int, name: str) -> Iterator[dict[str,
             yield event
 
 
-def device_verdicts(layout: RunLayout, rank: int, verdict: str, newest: int) -> list[DeviceVerdict]:
-    """Of the `newest` `verdict` verdicts the rank counted (worker.guard: those naming it, and on rank 0 those naming
-    no rank), the ones on its own device, oldest first; events that do not read as one are skipped."""
+def device_verdicts(layout: RunLayout, rank: int, verdict: str, after: int, upto: int) -> list[DeviceVerdict]:
+    """The `verdict` verdicts that the rank's process counted as its `after`+1th to `upto`th (their `count`), those on
+    its own device (rank 0 counts the verdicts naming no rank too), oldest first; events that do not read are
+    skipped. Newest first, the log may hold later ones than the heartbeat counted, and an earlier process's below."""
     found: list[DeviceVerdict] = []
-    counted = 0
+    wanted = upto - after
     for event in _newest_first(layout, rank, "sdc_verdict"):
-        suspect = event.get("suspect")
-        if counted == newest:
+        number = event.get("count")
+        if wanted <= 0:
             break
-        if event.get("verdict") != verdict or not (suspect == rank or (suspect is None and rank == 0)):
+        if event.get("verdict") != verdict or type(number) is not int or number > upto:
             continue
-        counted += 1
-        if suspect == rank:
+        wanted -= 1
+        if event.get("suspect") == rank:
             with contextlib.suppress(ValueError):
                 found.append(device_verdict(event))
     return found[::-1]

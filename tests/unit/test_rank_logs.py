@@ -152,28 +152,30 @@ def verdict_event(**fields) -> dict:
     return {**event, "evidence": "gone on a re-run", "node": "node7", "gpu": 0, **fields}
 
 
-def test_device_verdicts_are_the_newest_of_a_kind_on_the_rank_itself_oldest_first(tmp_path: Path):
-    """Of the newest N verdicts of one kind the rank counted, those naming the rank itself; another rank's suspect,
-    another kind and an event that does not read as a verdict (a gpu that is no index) are passed over."""
+def test_device_verdicts_are_those_the_heartbeat_counted_as_new_on_the_rank_itself_oldest_first(tmp_path: Path):
+    """The verdicts a rank's process counted as its (after, upto]th, by their `count`: later ones the log already
+    holds and an earlier process's below are left out; another kind, and an event that does not read as a verdict
+    (a gpu that is no index), are passed over."""
     layout = RunLayout(tmp_path)
     events = [
-        verdict_event(step=3),
-        verdict_event(step=4, suspect=2),
-        verdict_event(step=5, verdict="persistent"),
-        verdict_event(step=6, gpu="0; rm -rf /"),
-        verdict_event(step=7),
-        verdict_event(step=8, node=None, gpu=None),
+        verdict_event(step=2, count=1),  # an earlier process's
+        verdict_event(step=3, count=1),
+        verdict_event(step=5, verdict="persistent", count=1),
+        verdict_event(step=6, gpu="0; rm -rf /", count=2),
+        verdict_event(step=7, count=3),
+        verdict_event(step=8, node=None, gpu=None, count=4),
+        verdict_event(step=9, count=5),  # logged before the beat that counts it
     ]
     write_log(layout, 1, events, tail='{"event": "sdc_verdict", "attem')
-    found = device_verdicts(layout, 1, "transient", 2)
+    found = device_verdicts(layout, 1, "transient", 2, 4)
     assert [(v.step, v.node, v.gpu) for v in found] == [(7, "node7", 0), (8, None, None)]
-    assert [v.step for v in device_verdicts(layout, 1, "transient", 5)] == [3, 7, 8]
-    assert device_verdicts(layout, 1, "persistent", 1)[0].device == "GPU 0 of node7"
-    assert device_verdicts(layout, 3, "transient", 1) == []  # no log at all
+    assert [v.step for v in device_verdicts(layout, 1, "transient", 0, 4)] == [3, 7, 8]  # 6 does not read
+    assert device_verdicts(layout, 1, "persistent", 0, 1)[0].device == "GPU 0 of node7"
+    assert device_verdicts(layout, 3, "transient", 0, 1) == []  # no log at all
     # Rank 0 counts the verdicts that name no rank too; they charge no device, and are not mistaken for older ones.
-    write_log(layout, 0, [verdict_event(step=3, suspect=0), verdict_event(step=9, suspect=None)])
-    assert device_verdicts(layout, 0, "transient", 1) == []
-    assert [v.step for v in device_verdicts(layout, 0, "transient", 2)] == [3]
+    write_log(layout, 0, [verdict_event(step=3, suspect=0, count=1), verdict_event(step=9, suspect=None, count=2)])
+    assert device_verdicts(layout, 0, "transient", 1, 2) == []
+    assert [v.step for v in device_verdicts(layout, 0, "transient", 0, 2)] == [3]
 
 
 def test_a_verdict_with_fields_of_the_wrong_kind_is_refused_by_name():
