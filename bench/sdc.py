@@ -8,8 +8,9 @@ set) with one fault on one rank at one step, drawn from a seeded generator:
 - `poison@STEP` (that rank's batch spikes the loss wherever it is trained): `data`, that rank's.
 
 A trial is right when every rank's first `sdc_verdict` at the fault's step names the faulty rank with the right
-verdict, and the ranks end as that verdict says (a persistent one: every rank leaves with exit 69, the others: 0). Then the cost of fingerprints, in interleaved pairs of runs with and without them (`worker.fingerprints:
-false`), each rank pinned to a core: the median step of one against the other (whose run-to-run spread, a few %
+verdict, and the ranks end as that verdict says (a persistent one: every rank leaves with exit 69, the others: 0).
+Then the cost of fingerprints, in interleaved pairs of runs with and without them (`worker.fingerprints: false`),
+each rank pinned to a core: the median step of one against the other (whose run-to-run spread, a few %
 here, is larger than the cost), and `fingerprint cost per step: P %`, the time the fingerprinting code took in the
 runs with it (the ranks' `fingerprint_cost` events, measured around that code) over their median step. The last
 line: `verdicts right: K/N`.
