@@ -4,18 +4,25 @@ EXIT_REQUEUE, saying what it would have done."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import GUARDED, REPO, journal, run_supervisor, write_config
-from worker.contract import EXIT_REQUEUE
+from worker.contract import EXIT_BAD_DEVICE, EXIT_REQUEUE
 
 pytestmark = pytest.mark.timeout(240)
 HOST = socket.gethostname()
+
+
+def rank_events(run_dir: Path, rank: int, name: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "ranks" / f"rank_{rank}" / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == name]
 
 
 def nodes_table(run_dir: Path) -> str:
@@ -37,6 +44,16 @@ def test_transient_strikes_then_a_persistent_fault_end_a_run_that_cannot_move(tm
     done = run_supervisor(config, run_dir)
 
     assert done.returncode == EXIT_REQUEUE, done.stderr[-3000:]
+    # The ranks: rank 0 re-ran rank 1's batch and got a clean result; step 14 was skipped, never applied, and the
+    # ranks left with EXIT_BAD_DEVICE; rank 1's own verdict names its host and no GPU (a CPU rank).
+    (said,) = [e for e in rank_events(run_dir, 0, "sdc_verdict") if e["verdict"] == "persistent"]
+    assert "reproduced only on rank 1" in said["evidence"] and "node" not in said  # rank 0 speaks for no device
+    (own,) = [e for e in rank_events(run_dir, 1, "sdc_verdict") if e["verdict"] == "persistent"]
+    assert (own["node"], own["gpu"], own["count"]) == (HOST, None, 1)
+    (skipped,) = rank_events(run_dir, 0, "step_skipped")
+    assert (skipped["step"], skipped["reasons"][-1]) == (14, "sdc_persistent")
+    assert rank_events(run_dir, 0, "step")[-1]["step"] == 13
+    assert EXIT_BAD_DEVICE in [r["returncode"] for r in done.status()["ranks"]]  # the other: 69, or the stop's TERM
     records = journal(run_dir)
     verdicts = [
         (r["rank"], r["verdict"], r["step"], r["node"], r["gpu"]) for r in records if r["event"] == "sdc_verdict"

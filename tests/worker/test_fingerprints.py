@@ -14,6 +14,7 @@ import pytest
 
 from supervisor.launch.ranks import free_port
 from tests.e2e.conftest import REPO
+from worker.sharded import numpy_missing
 
 RANKS = """
 import json, sys, torch, torch.distributed as dist
@@ -112,6 +113,7 @@ def test_a_bit_flipped_before_the_reduction_names_its_rank_on_every_rank(tmp_pat
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(numpy_missing(), reason="an FSDP2 model's checkpoints are DCP's, whose collectives need NumPy")
 def test_fsdp2_fingerprints_its_reduce_scatter_input_and_names_the_flipped_rank_without_a_re_run(
     tmp_path: Path,
 ) -> None:

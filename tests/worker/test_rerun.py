@@ -1,13 +1,12 @@
 """Re-running a step that alarmed (worker.rerun), with real ranks over gloo: a one-off bit flip is transient and the
-run goes on as if it never happened, bitwise; a flip that recurs on its rank is persistent (every rank leaves
-with EXIT_BAD_DEVICE); a batch that spikes
+run goes on as if it never happened, bitwise (a flip that recurs on its rank, persistent: tests/e2e/test_bad_device.py);
+a batch that spikes
 wherever it is trained is the data's."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ import pytest
 
 from supervisor.launch.ranks import free_port
 from tests.e2e.conftest import REPO
-from worker.contract import EXIT_BAD_DEVICE
 
 RANKS = """
 import hashlib, json, os, sys, torch, torch.distributed as dist
@@ -111,24 +109,6 @@ def test_a_one_off_bit_flip_is_transient_and_the_run_goes_on_bitwise_as_without_
         assert events(tmp_path / "flipped", rank, "step_skipped") == []
     assert events(tmp_path / "clean", 0, "sdc_verdict") == []
     assert flipped == clean
-
-
-@pytest.mark.timeout(120)
-def test_a_flip_that_recurs_on_its_rank_is_persistent_the_step_is_not_applied_and_every_rank_leaves(
-    tmp_path: Path,
-) -> None:
-    """From step 5 on, rank 1's gradient gets the bit flipped at every backward, re-runs included; rank 0 re-runs
-    rank 1's batch and gets a clean result: persistent, rank 1's; the step is skipped and both ranks leave with
-    EXIT_BAD_DEVICE, rank 1's own verdict naming its host and no GPU (a CPU rank)."""
-    run_ranks(tmp_path, faults="1:bitflip_persistent@5", code=EXIT_BAD_DEVICE)
-    verdicts = events(tmp_path, 0, "sdc_verdict")
-    assert {(v["step"], v["suspect"], v["verdict"]) for v in verdicts} == {(5, 1, "persistent")}
-    assert "reproduced only on rank 1" in verdicts[0]["evidence"]
-    assert "node" not in verdicts[0]  # rank 0 speaks for no one's device
-    (own,) = events(tmp_path, 1, "sdc_verdict")
-    assert (own["node"], own["gpu"]) == (socket.gethostname(), None)
-    assert {tuple(s["reasons"]) for s in events(tmp_path, 0, "step_skipped")} == {("non_finite", "sdc_persistent")}
-    assert [e["step"] for e in events(tmp_path, 0, "step")] == [1, 2, 3, 4]  # step 5 was never applied
 
 
 @pytest.mark.timeout(120)
