@@ -136,7 +136,10 @@ def _install_fsdp(model: Any, world_size: int) -> str | None:
     sharded = [m for m in model.modules() if callable(getattr(m, "set_custom_reduce_scatter", None))]
     if not sharded:
         return "neither a DistributedDataParallel nor an FSDP2 model"
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    try:  # FSDP's own default, which the comm extends: private, so a torch that moved it leaves fingerprints off
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    except ImportError as exc:
+        return f"FSDP2 of this torch has no default reduce-scatter where it was: {exc}"
 
     class FingerprintedReduceScatter(DefaultReduceScatter):  # the default, fingerprinting its input first
         def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
@@ -146,15 +149,22 @@ def _install_fsdp(model: Any, world_size: int) -> str | None:
 
     comm = FingerprintedReduceScatter()
     for module in sharded:
-        state = module._get_fsdp_state()
-        group = next((g.mesh_info.shard_process_group for g in state._fsdp_param_groups), None)
-        if group is not None and group.size() != world_size:  # HSDP: the shards of one replica, not the world
-            return f"FSDP2 shards over {group.size()} of the {world_size} ranks: only sharding over all is compared"
+        groups = _shard_groups(module)
+        if any(group.size() != world_size for group in groups):  # HSDP: the shards of one replica, not the world
+            return f"FSDP2 shards over fewer than the {world_size} ranks: only sharding over all is compared"
         try:
             module.set_custom_reduce_scatter(comm)
         except ValueError as exc:  # several parameter groups in one module (shard_placement_fn)
             return f"FSDP2 refused a custom reduce-scatter: {exc}"
     return None
+
+
+def _shard_groups(module: Any) -> list[Any]:
+    """The process groups an FSDP2 module reduce-scatters over (none known: a torch whose internals moved)."""
+    try:
+        return [g.mesh_info.shard_process_group for g in module._get_fsdp_state()._fsdp_param_groups]
+    except AttributeError:
+        return []
 
 
 def uninstall(recorder: Recorder) -> None:
