@@ -24,7 +24,9 @@ from typing import Any
 
 from worker.faults import FaultPlan, flip_bit
 
-__all__ = ["Recorder", "fingerprinted", "install"]
+__all__ = ["NOT_DATA_PARALLEL", "Recorder", "fingerprinted", "install"]
+
+NOT_DATA_PARALLEL = "neither a DistributedDataParallel nor an FSDP2 model"  # nothing to fingerprint, nothing to say
 
 _MARK = "__trainwarden_fingerprints__"
 _active: Recorder | None = None  # the live Warden's: DDP's hook was registered before the Warden existed
@@ -135,7 +137,7 @@ def _install_fsdp(model: Any, world_size: int) -> str | None:
     """FSDP2: every `fully_shard` module's reduce-scatter fingerprints its input first; None when it does."""
     sharded = [m for m in model.modules() if callable(getattr(m, "set_custom_reduce_scatter", None))]
     if not sharded:
-        return "neither a DistributedDataParallel nor an FSDP2 model"
+        return NOT_DATA_PARALLEL
     try:  # FSDP's own default, which the comm extends: private, so a torch that moved it leaves fingerprints off
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
     except ImportError as exc:

@@ -58,7 +58,7 @@ from worker.faults import FaultPlan
 from worker.feature_check import FeatureValueCheck
 from worker.feature_rule import with_env
 from worker.files import open_append, read_json
-from worker.fingerprint import Recorder, install, uninstall
+from worker.fingerprint import NOT_DATA_PARALLEL, Recorder, install, uninstall
 from worker.flight import FlightRecorderDumps
 from worker.guard import RerunStep, StepGuard
 from worker.heartbeat import Heartbeat
@@ -1315,7 +1315,7 @@ class Warden:
         why_not = install(model, recorder, self.world_size)
         if why_not is None:
             return recorder
-        if not why_not.startswith("neither"):  # a DDP or FSDP2 model: its user may want to know
+        if why_not != NOT_DATA_PARALLEL:  # a DDP or FSDP2 model: its user may want to know
             self.log.warning("fingerprints_off", why=why_not)
         return None
 
